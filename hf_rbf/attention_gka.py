@@ -1,0 +1,115 @@
+"""Gaussian Kernel Attention (GKA, arXiv:2605.02144): projection-free kernel smoothing of per-head features.
+
+``K_ij = exp(-||x_i - x_j||^2 / (2 sigma_h^2)) * w_j`` on the allowed pairs, ``W_ij = K_ij / (sum_j' K_ij' + eps)``,
+``out_i = sum_j W_ij x_j`` (the paper's equations 3, 4 and 7).  The same features ``x`` are query, key and value.
+Because of ``eps`` the weights are not shift-invariant, so the query norm stays in the distance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_utils import (
+    MaskArgs,
+    allowed_mask,
+    check_dim,
+    check_same,
+    check_tensor,
+    choose_backend,
+    compute_dtype,
+    masked_kernel_average,
+    normalize_mask_args,
+    per_head_param,
+)
+
+
+OP = "gka_attention"
+
+
+def gka_attention_naive(
+    query: torch.Tensor,
+    x: torch.Tensor,
+    log_sigma,
+    eps: float,
+    mask: MaskArgs,
+) -> torch.Tensor:
+    """Materialised reference (float32, or float64 for float64 inputs).  ``query`` is ``x`` itself without a cache."""
+    ct = compute_dtype(x.dtype)
+    qf, xf = query.to(ct), x.to(ct)
+    if isinstance(log_sigma, float):
+        inv_two_sigma_sq = 0.5 * torch.exp(torch.tensor(-2.0 * log_sigma, dtype=ct, device=x.device))
+    else:
+        inv_two_sigma_sq = 0.5 * torch.exp(-2.0 * log_sigma.to(ct)).view(1, -1, 1, 1)
+    q_sq = (qf * qf).sum(-1).unsqueeze(-1)
+    x_sq = (xf * xf).sum(-1).unsqueeze(-2)
+    dist_sq = (q_sq + x_sq - 2.0 * (qf @ xf.transpose(-1, -2))).clamp_min(0.0)
+    scores = -dist_sq * inv_two_sigma_sq
+    if mask.key_log_weights is not None:
+        scores = scores + mask.key_log_weights.to(ct).unsqueeze(-2)
+    out = masked_kernel_average(scores, xf, allowed_mask(mask, x.device), normalize=True, eps=eps)
+    return out.to(x.dtype)
+
+
+def _candidates(query, x, log_sigma, eps, mask):
+    """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
+    return {"naive": (gka_attention_naive, None)}
+
+
+def gka_attention(
+    x: torch.Tensor,
+    log_sigma,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    eps: float = 1e-6,
+    key_log_weights: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    num_prefix_keys: int = 0,
+    query: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gaussian kernel attention.
+
+    Args:
+        x: features ``[B, H, N, d]``; query, key and value at once.
+        log_sigma: per-head log bandwidth, a tensor ``[H]`` (may require grad) or a float shared by all heads.
+        eps: the denominator's epsilon (paper eq. 4); ``>= 0``.
+        query: optional separate query features ``[B, H, Nq, d]`` for a KV-cache decode step, where ``x`` then holds
+            the cached features (keys and values); the queries are the last ``Nq`` positions of ``x``.
+        causal, window, key_log_weights, attention_mask, num_prefix_keys: the shared mask arguments (see
+            :mod:`hf_rbf.attention_utils`).
+        backend: "auto", "naive", "sdpa", "flex" or "triton".
+
+    Returns:
+        ``[B, H, Nq, d]`` in the dtype of ``x``.
+    """
+    check_tensor(OP, "x", x, 4, "[B, H, N, d]")
+    b, h, nk, d = x.shape
+    if query is None:
+        query = x
+    else:
+        check_tensor(OP, "query", query, 4, "[B, H, Nq, d]")
+        check_same(OP, {"x": x, "query": query})
+        check_dim(OP, "query", query, 0, b, "batch size")
+        check_dim(OP, "query", query, 1, h, "head count")
+        check_dim(OP, "query", query, 3, d, "feature dim")
+    nq = query.shape[2]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"{OP}: `eps` must be a float >= 0; got {eps!r}")
+    log_sigma = per_head_param(OP, "log_sigma", log_sigma, h, x.device, positive=False)
+    mask = normalize_mask_args(
+        OP,
+        batch=b,
+        heads=h,
+        nq=nq,
+        nk=nk,
+        device=x.device,
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        key_log_weights=key_log_weights,
+        attention_mask=attention_mask,
+    )
+    eps = float(eps)
+    _, fn = choose_backend(OP, backend, x.device, _candidates(query, x, log_sigma, eps, mask))
+    return fn(query, x, log_sigma, eps, mask)

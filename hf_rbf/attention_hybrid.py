@@ -1,0 +1,116 @@
+"""Hybrid scalar + dot-product attention: ``w_ij`` proportional to
+``exp(scale * q_i.k_j - (qs_i - ks_j)^2 / tau + log w_j)``.
+
+A per-head ``scale`` of 0 gives a pure scalar head; scalar inputs that are zero for a head give a plain dot-product
+head, so one call serves the per-head mixes of the hybrid model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention_scalar import check_grouped_values, expand_value_groups, scalar_scores
+from .attention_utils import (
+    MaskArgs,
+    allowed_mask,
+    check_dim,
+    check_same,
+    check_tensor,
+    choose_backend,
+    compute_dtype,
+    masked_kernel_average,
+    normalize_mask_args,
+    per_head_param,
+    per_query_param,
+)
+
+
+OP = "hybrid_attention"
+
+
+def hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch.Tensor:
+    """Materialised reference (float32, or float64 for float64 inputs)."""
+    ct = compute_dtype(q.dtype)
+    s = scale if isinstance(scale, float) else scale.to(ct).view(1, -1, 1, 1)
+    scores = s * (q.to(ct) @ k.to(ct).transpose(-1, -2)) + scalar_scores(qs, ks, tau, ct)
+    if mask.key_log_weights is not None:
+        scores = scores + mask.key_log_weights.to(ct).unsqueeze(-2)
+    values = expand_value_groups(v.to(ct), q.shape[1])
+    out = masked_kernel_average(scores, values, allowed_mask(mask, q.device))
+    return out.to(q.dtype)
+
+
+def _candidates(q, k, v, qs, ks, tau, scale, mask):
+    """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
+    return {"naive": (hybrid_attention_naive, None)}
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    tau,
+    *,
+    scale=None,
+    causal: bool = True,
+    window: int | None = None,
+    key_log_weights: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    num_prefix_keys: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Hybrid attention: scaled dot product minus the scalar Gaussian penalty.
+
+    Args:
+        q: queries ``[B, H, Nq, D]``; k: keys ``[B, H, Nk, D]``.
+        v: values ``[B, G, Nk, Dv]`` with G dividing H (G = H for one value head per head).
+        qs: scalar queries ``[B, H, Nq]``; ks: scalar keys ``[B, H, Nk]``.
+        tau: temperature as in :func:`hf_rbf.scalar_attention` (float, ``[H]`` or broadcastable to ``[B, H, Nq]``).
+        scale: dot-product scale; ``None`` means ``1 / sqrt(D)``; a float >= 0 or a per-head tensor ``[H]``.
+        causal, window, key_log_weights, attention_mask, num_prefix_keys: the shared mask arguments (see
+            :mod:`hf_rbf.attention_utils`).
+        backend: "auto", "naive", "sdpa", "flex" or "triton".
+
+    Returns:
+        ``[B, H, Nq, Dv]`` in the dtype of ``q``.
+    """
+    check_tensor(OP, "q", q, 4, "[B, H, Nq, D]")
+    check_tensor(OP, "k", k, 4, "[B, H, Nk, D]")
+    check_tensor(OP, "v", v, 4, "[B, G, Nk, Dv]")
+    check_tensor(OP, "qs", qs, 3, "[B, H, Nq]")
+    check_tensor(OP, "ks", ks, 3, "[B, H, Nk]")
+    check_same(OP, {"q": q, "k": k, "v": v, "qs": qs, "ks": ks})
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    check_dim(OP, "k", k, 0, b, "batch size")
+    check_dim(OP, "k", k, 1, h, "head count")
+    check_dim(OP, "k", k, 3, d, "head dim")
+    check_grouped_values(OP, v, b, h, nk)
+    for name, t, n in (("qs", qs, nq), ("ks", ks, nk)):
+        check_dim(OP, name, t, 0, b, "batch size")
+        check_dim(OP, name, t, 1, h, "head count")
+        check_dim(OP, name, t, 2, n, "length")
+    tau = per_query_param(OP, "tau", tau, b, h, nq, q.device)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale == 0:
+        scale = 0.0
+    else:
+        scale = per_head_param(OP, "scale", 1.0 / math.sqrt(d) if scale is None else scale, h, q.device)
+    mask = normalize_mask_args(
+        OP,
+        batch=b,
+        heads=h,
+        nq=nq,
+        nk=nk,
+        device=q.device,
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        key_log_weights=key_log_weights,
+        attention_mask=attention_mask,
+    )
+    _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, qs, ks, tau, scale, mask))
+    return fn(q, k, v, qs, ks, tau, scale, mask)

@@ -1,0 +1,119 @@
+"""Scalar sort attention: a Gaussian kernel on one scalar query and key per head, with grouped values.
+
+``w_ij`` proportional to ``exp(-(qs_i - ks_j)^2 / tau + log w_j)``; head ``h`` reads value group ``h // (H // G)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_utils import (
+    MaskArgs,
+    allowed_mask,
+    check_dim,
+    check_same,
+    check_tensor,
+    choose_backend,
+    compute_dtype,
+    masked_kernel_average,
+    normalize_mask_args,
+    per_query_param,
+)
+
+
+OP = "scalar_attention"
+
+
+def expand_value_groups(v: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, G, N, Dv]`` -> ``[B, H, N, Dv]``: head ``h`` reads group ``h // (H // G)``."""
+    groups = v.shape[1]
+    return v if groups == heads else v.repeat_interleave(heads // groups, dim=1)
+
+
+def scalar_scores(qs: torch.Tensor, ks: torch.Tensor, tau, ct: torch.dtype) -> torch.Tensor:
+    """``-(qs_i - ks_j)^2 / tau`` in dtype ``ct``; ``tau`` is a float or ``[B|1, H|1, Nq|1]``."""
+    diff = qs.to(ct).unsqueeze(-1) - ks.to(ct).unsqueeze(-2)
+    inv_tau = 1.0 / tau if isinstance(tau, float) else (1.0 / tau.to(ct)).unsqueeze(-1)
+    return -(diff * diff) * inv_tau
+
+
+def scalar_attention_naive(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
+    """Materialised reference (float32, or float64 for float64 inputs)."""
+    ct = compute_dtype(v.dtype)
+    scores = scalar_scores(qs, ks, tau, ct)
+    if mask.key_log_weights is not None:
+        scores = scores + mask.key_log_weights.to(ct).unsqueeze(-2)
+    values = expand_value_groups(v.to(ct), qs.shape[1])
+    out = masked_kernel_average(scores, values, allowed_mask(mask, v.device))
+    return out.to(v.dtype)
+
+
+def _candidates(qs, ks, v, tau, mask):
+    """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
+    return {"naive": (scalar_attention_naive, None)}
+
+
+def check_grouped_values(op: str, v: torch.Tensor, batch: int, heads: int, nk: int) -> None:
+    check_dim(op, "v", v, 0, batch, "batch size")
+    check_dim(op, "v", v, 2, nk, "key length")
+    groups = v.shape[1]
+    if groups < 1 or heads % groups != 0:
+        raise ValueError(
+            f"{op}: `v` has {groups} value groups (shape {tuple(v.shape)}); the number of groups G must divide "
+            f"the number of heads H = {heads}"
+        )
+
+
+def scalar_attention(
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    v: torch.Tensor,
+    tau,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    key_log_weights: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    num_prefix_keys: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Scalar Gaussian-kernel attention.
+
+    Args:
+        qs: scalar queries ``[B, H, Nq]``.
+        ks: scalar keys ``[B, H, Nk]``.
+        v: grouped values ``[B, G, Nk, Dv]`` with G dividing H.
+        tau: temperature: a positive float (global), a tensor ``[H]`` (per head) or a tensor broadcastable to
+            ``[B, H, Nq]`` (per query token); tensors may require grad.
+        causal, window, key_log_weights, attention_mask, num_prefix_keys: the shared mask arguments (see
+            :mod:`hf_rbf.attention_utils`).
+        backend: "auto", "naive", "sdpa", "flex" or "triton".
+
+    Returns:
+        ``[B, H, Nq, Dv]`` in the dtype of ``v``.
+    """
+    check_tensor(OP, "qs", qs, 3, "[B, H, Nq]")
+    check_tensor(OP, "ks", ks, 3, "[B, H, Nk]")
+    check_tensor(OP, "v", v, 4, "[B, G, Nk, Dv]")
+    check_same(OP, {"qs": qs, "ks": ks, "v": v})
+    b, h, nq = qs.shape
+    nk = ks.shape[2]
+    check_dim(OP, "ks", ks, 0, b, "batch size")
+    check_dim(OP, "ks", ks, 1, h, "head count")
+    check_grouped_values(OP, v, b, h, nk)
+    tau = per_query_param(OP, "tau", tau, b, h, nq, qs.device)
+    mask = normalize_mask_args(
+        OP,
+        batch=b,
+        heads=h,
+        nq=nq,
+        nk=nk,
+        device=qs.device,
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        key_log_weights=key_log_weights,
+        attention_mask=attention_mask,
+    )
+    _, fn = choose_backend(OP, backend, qs.device, _candidates(qs, ks, v, tau, mask))
+    return fn(qs, ks, v, tau, mask)

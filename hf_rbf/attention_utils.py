@@ -1,0 +1,338 @@
+"""Shared pieces of the four attention functions: argument checks, the mask semantics and backend choice.
+
+Mask semantics (the same for every family and every backend)
+------------------------------------------------------------
+Queries are ``[B, H, Nq, ...]`` and keys ``[B, H, Nk, ...]``.  The first ``num_prefix_keys`` keys (``P``) form a
+*prefix* (register tokens, a scalar sink): every query may see them, whatever ``causal`` and ``window`` say.  The
+other ``Nk - P`` keys are sequence keys at positions ``s = 0 .. Nk - P - 1``.  The queries are the *last* ``Nq``
+sequence positions (bottom-right alignment, as in a KV-cache decode step): query ``i`` sits at position
+``t_i = (Nk - P) - Nq + i``.  A sequence key ``s`` is allowed for query ``i`` when
+
+* ``causal``: ``s <= t_i``; with ``window=W`` also ``t_i - s < W`` (the last ``W`` positions, itself included);
+* not ``causal``: every ``s``; with ``window=W`` only ``|t_i - s| < W`` (a symmetric band).
+
+``attention_mask`` is the usual Hugging Face padding mask over the keys, ``[B, Nk]`` with 1 for a real token and 0
+for padding; padded keys get no weight.  ``key_log_weights`` (``[B, Nk]`` or ``[B, H, Nk]``, a batch size of 1
+broadcasts) adds ``log w_j`` to every score of key ``j``.  A query row with no allowed key returns zeros.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+logger = logging.getLogger("hf_rbf")
+
+BACKENDS = ("auto", "naive", "sdpa", "flex", "triton")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
+
+
+@dataclass
+class MaskArgs:
+    """Normalised masking arguments handed to every backend.
+
+    ``key_log_weights`` is ``None`` or a float tensor ``[B or 1, H or 1, Nk]``; ``attention_mask`` is ``None`` or a
+    bool tensor ``[B, Nk]`` (True = real key).  ``nq`` / ``nk`` are the query and key lengths.
+    """
+
+    causal: bool
+    window: int | None
+    num_prefix_keys: int
+    key_log_weights: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    nq: int
+    nk: int
+
+    @property
+    def is_plain(self) -> bool:
+        """True when nothing but (possibly) a square causal mask restricts the keys."""
+        return (
+            self.window is None
+            and self.num_prefix_keys == 0
+            and self.key_log_weights is None
+            and self.attention_mask is None
+            and (not self.causal or self.nq == self.nk)
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_tensor(op: str, name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor {layout}; got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{op}: `{name}` must be a {ndim}-D tensor {layout}; got shape {_shape(t)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: `{name}` must have dtype {_DTYPE_NAMES}; got {t.dtype}")
+
+
+def check_same(op: str, tensors: dict[str, torch.Tensor]) -> None:
+    """All tensors share one dtype and one device."""
+    names = list(tensors)
+    first = tensors[names[0]]
+    for name in names[1:]:
+        t = tensors[name]
+        if t.dtype != first.dtype:
+            raise TypeError(
+                f"{op}: `{name}` has dtype {t.dtype} but `{names[0]}` has {first.dtype}; all inputs must share one dtype"
+            )
+        if t.device != first.device:
+            raise ValueError(
+                f"{op}: `{name}` is on {t.device} but `{names[0]}` is on {first.device}; all inputs must share one device"
+            )
+
+
+def check_dim(op: str, name: str, t: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    if t.shape[dim] != expected:
+        raise ValueError(f"{op}: `{name}` has {what} {t.shape[dim]} (shape {_shape(t)}); expected {expected}")
+
+
+def check_backend(op: str, backend) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: `backend` must be one of {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
+    return backend
+
+
+def normalize_mask_args(
+    op: str,
+    *,
+    batch: int,
+    heads: int,
+    nq: int,
+    nk: int,
+    device: torch.device,
+    causal,
+    window,
+    num_prefix_keys,
+    key_log_weights,
+    attention_mask,
+) -> MaskArgs:
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: `causal` must be True or False; got {causal!r}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise ValueError(f"{op}: `window` must be None or a positive int (the number of visible positions); got {window!r}")
+    if isinstance(num_prefix_keys, bool) or not isinstance(num_prefix_keys, int) or not 0 <= num_prefix_keys <= nk:
+        raise ValueError(f"{op}: `num_prefix_keys` must be an int in [0, Nk={nk}]; got {num_prefix_keys!r}")
+
+    klw = None
+    if key_log_weights is not None:
+        if not isinstance(key_log_weights, torch.Tensor) or not key_log_weights.is_floating_point():
+            raise TypeError(f"{op}: `key_log_weights` must be a floating-point tensor [B, Nk] or [B, H, Nk]")
+        if key_log_weights.device != device:
+            raise ValueError(f"{op}: `key_log_weights` is on {key_log_weights.device}; the inputs are on {device}")
+        klw = key_log_weights
+        if klw.dim() == 2:
+            klw = klw.unsqueeze(1)
+        if klw.dim() != 3 or klw.shape[0] not in (1, batch) or klw.shape[1] not in (1, heads) or klw.shape[2] != nk:
+            raise ValueError(
+                f"{op}: `key_log_weights` must have shape [B, Nk] or [B, H, Nk] = [{batch}, {nk}] or "
+                f"[{batch}, {heads}, {nk}] (a batch size of 1 broadcasts); got {_shape(key_log_weights)}"
+            )
+
+    am = None
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"{op}: `attention_mask` must be a tensor [B, Nk] with 1 = real token, 0 = padding")
+        if attention_mask.dim() != 2 or attention_mask.shape[0] not in (1, batch) or attention_mask.shape[1] != nk:
+            raise ValueError(
+                f"{op}: `attention_mask` must have shape [B, Nk] = [{batch}, {nk}] (1 = real token, 0 = padding); "
+                f"got {_shape(attention_mask)}"
+            )
+        if attention_mask.device != device:
+            raise ValueError(f"{op}: `attention_mask` is on {attention_mask.device}; the inputs are on {device}")
+        am = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+        am = am.expand(batch, nk)
+
+    return MaskArgs(
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        key_log_weights=klw,
+        attention_mask=am,
+        nq=nq,
+        nk=nk,
+    )
+
+
+def per_head_param(op: str, name: str, value, heads: int, device, *, positive: bool = True, allow_none=False):
+    """A float or a per-head tensor ``[H]`` (a 0-d tensor is expanded to ``[H]``); returns a float or a tensor [H]."""
+    if value is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{op}: `{name}` must be a float or a tensor of shape [H] = [{heads}]")
+    if isinstance(value, bool):
+        raise TypeError(f"{op}: `{name}` must be a float or a tensor of shape [H] = [{heads}]; got {value!r}")
+    if isinstance(value, (int, float)):
+        value = float(value)
+        if not math.isfinite(value) or (positive and value <= 0):
+            kind = "a positive finite" if positive else "a finite"
+            raise ValueError(f"{op}: `{name}` must be {kind} float or a tensor [H]; got {value!r}")
+        return value
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise TypeError(f"{op}: `{name}` must be a float or a floating-point tensor of shape [H] = [{heads}]")
+    if value.device != device:
+        raise ValueError(f"{op}: `{name}` is on {value.device}; the inputs are on {device}")
+    if value.dim() == 0:
+        return value.expand(heads)
+    if value.dim() != 1 or value.shape[0] != heads:
+        raise ValueError(f"{op}: `{name}` must be a float, a 0-d tensor or a tensor of shape [H] = [{heads}]; got {_shape(value)}")
+    return value
+
+
+def per_query_param(op: str, name: str, value, batch: int, heads: int, nq: int, device):
+    """A positive float, a per-head tensor ``[H]`` or a tensor broadcastable to ``[B, H, Nq]``.
+
+    Returns a float or a 3-D tensor ``[B or 1, H or 1, Nq or 1]``.
+    """
+    layout = f"a positive float, a tensor [H] = [{heads}] (per head) or a tensor broadcastable to [B, H, Nq] = [{batch}, {heads}, {nq}]"
+    if isinstance(value, bool) or value is None:
+        raise TypeError(f"{op}: `{name}` must be {layout}; got {value!r}")
+    if isinstance(value, (int, float)):
+        value = float(value)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{op}: `{name}` must be {layout}; got {value!r}")
+        return value
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise TypeError(f"{op}: `{name}` must be {layout}; got {type(value).__name__}")
+    if value.device != device:
+        raise ValueError(f"{op}: `{name}` is on {value.device}; the inputs are on {device}")
+    if value.dim() == 0:
+        return value.reshape(1, 1, 1)
+    if value.dim() == 1:
+        if value.shape[0] != heads:
+            raise ValueError(f"{op}: a 1-D `{name}` is per head and must have shape [H] = [{heads}]; got {_shape(value)}")
+        return value.reshape(1, heads, 1)
+    if value.dim() > 3:
+        raise ValueError(f"{op}: `{name}` must be {layout}; got shape {_shape(value)}")
+    v3 = value.reshape((1,) * (3 - value.dim()) + tuple(value.shape))
+    for size, full, what in zip(v3.shape, (batch, heads, nq), ("B", "H", "Nq")):
+        if size not in (1, full):
+            raise ValueError(f"{op}: `{name}` must be {layout}; got shape {_shape(value)} ({what} does not broadcast)")
+    return v3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the allowed-pairs mask (used by the naive and sdpa backends and by tests)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def allowed_positions(nq: int, nk: int, causal: bool, window: int | None, num_prefix_keys: int, device) -> torch.Tensor:
+    """Bool ``[Nq, Nk]``: which keys each query may see, before padding (see the module docstring)."""
+    p = num_prefix_keys
+    t = torch.arange(nq, device=device).unsqueeze(1) + (nk - p - nq)  # query positions
+    j = torch.arange(nk, device=device).unsqueeze(0)
+    s = j - p  # key positions (negative for the prefix)
+    allowed = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if causal:
+        allowed = allowed & (s <= t)
+        if window is not None:
+            allowed = allowed & (t - s < window)
+    elif window is not None:
+        allowed = allowed & ((t - s).abs() < window)
+    return allowed | (j < p)
+
+
+def allowed_mask(mask: MaskArgs, device) -> torch.Tensor:
+    """Bool ``[B or 1, 1, Nq, Nk]``: positions and padding combined."""
+    allowed = allowed_positions(mask.nq, mask.nk, mask.causal, mask.window, mask.num_prefix_keys, device)[None, None]
+    if mask.attention_mask is not None:
+        allowed = allowed & mask.attention_mask[:, None, None, :]
+    return allowed
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision the reference paths compute in: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def masked_kernel_average(
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    *,
+    normalize: bool = True,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """``out_i = sum_j w_ij v_j`` over the allowed ``j``, the reference core of every family.
+
+    ``scores`` are log-weights ``[B, H, Nq, Nk]``; with ``normalize`` ``w_ij = exp(s_ij) / (sum_j' exp(s_ij') + eps)``
+    (``eps = 0`` is the softmax); without it ``w_ij = exp(s_ij)``.  Rows without any allowed key give zeros and no NaN,
+    in the output or in the gradients.
+    """
+    neg_inf = torch.finfo(scores.dtype).min
+    scores = scores.masked_fill(~allowed, neg_inf)
+    if not normalize:
+        weights = torch.exp(scores).masked_fill(~allowed, 0.0)
+        return weights @ values
+    # The row maximum is a constant shift: exp(s - m) / (sum exp(s - m) + eps * exp(-m)) is exact for any m.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_ok = allowed.any(dim=-1, keepdim=True) & torch.isfinite(row_max)
+    row_max = torch.where(row_ok, row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max).masked_fill(~allowed, 0.0)
+    denom = p.sum(dim=-1, keepdim=True)
+    if eps:
+        denom = denom + eps * torch.exp(-row_max)
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    return (p / denom) @ values
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backend choice
+# ----------------------------------------------------------------------------------------------------------------
+
+_LOGGED: set = set()
+_LAST_CHOICE: dict[str, str] = {}
+
+
+def last_backend(op: str | None = None):
+    """The backend that served the last call of ``op`` (e.g. ``"rbf_attention"``), or the whole table."""
+    return dict(_LAST_CHOICE) if op is None else _LAST_CHOICE.get(op)
+
+
+def _note_choice(op: str, backend: str, device: torch.device, requested: str, skipped: list[str]) -> None:
+    if torch.compiler.is_compiling():
+        return
+    _LAST_CHOICE[op] = backend
+    key = (op, backend, device.type, requested)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+        logger.info("%s: backend=%r on %s (requested %r)%s", op, backend, device.type, requested, why)
+
+
+def choose_backend(op: str, requested: str, device: torch.device, candidates: dict) -> tuple[str, object]:
+    """Pick the implementation.
+
+    ``candidates`` maps a backend name to ``(fn, reason)`` where ``reason`` is ``None`` when the backend can serve
+    this call and otherwise a sentence saying why not.  An explicit backend that cannot serve raises; "auto" takes
+    the first that can in the order of ``candidates`` (fastest first) and logs its choice once.
+    """
+    check_backend(op, requested)
+    if requested != "auto":
+        if requested not in candidates:
+            raise ValueError(f"{op}: backend={requested!r} is not available for this function")
+        fn, reason = candidates[requested]
+        if reason is not None:
+            raise ValueError(f"{op}: backend={requested!r} cannot serve this call: {reason}")
+        _note_choice(op, requested, device, requested, [])
+        return requested, fn
+    skipped = []
+    for name, (fn, reason) in candidates.items():
+        if reason is None:
+            _note_choice(op, name, device, requested, skipped)
+            return name, fn
+        skipped.append(f"{name}: {reason}")
+    raise ValueError(f"{op}: no backend can serve this call ({'; '.join(skipped)})")
