@@ -294,7 +294,7 @@ def test_left_cropping_in_evaluation(words, tmp_path):
 @pytest.fixture(scope="module")
 def llama():
     tok = byte_bpe_tokenizer(sample_texts())
-    return tiny_llama(len(tok), max_position_embeddings=256), tok
+    return tiny_llama(len(tok), max_position_embeddings=128), tok
 
 
 def test_bundle_loading_and_baselines():
@@ -344,10 +344,10 @@ def test_nanochat_bundle_layout_reads_v1_from_eval_meta_data_csv(tmp_path):
 
 def test_batched_equals_unbatched(llama):
     model, tok = llama
-    tasks, _, _ = load_core_tasks(CORE_SAMPLE, ["hellaswag", "winograd", "bigbench_operators", "agi_eval_lsat_ar"])
+    tasks, _, _ = load_core_tasks(CORE_SAMPLE, ["hellaswag", "winograd", "bigbench_operators"])
     enc, bos = hf_encoder(tok), resolve_bos_id(tok)
     for task in tasks:
-        per_example, _ = task_sequences(task, enc, bos, 256)
+        per_example, _ = task_sequences(task, enc, bos, 128)
         flat = [s for seqs in per_example for s in seqs]
         one = score_sequences(model, flat, batch_size=1, pad_id=bos)
         many = score_sequences(model, flat, batch_size=11, pad_id=bos)
@@ -357,8 +357,9 @@ def test_batched_equals_unbatched(llama):
             assert c.sum_loss == pytest.approx(a.sum_loss, rel=1e-5, abs=1e-5)
             assert a.greedy_match == b.greedy_match == c.greedy_match
     for task in tasks:
-        r1 = evaluate_task(model, task, enc, bos, 256, batch_size=1)
-        r2 = evaluate_task(model, task, enc, bos, 256, batch_size=7)
+        r1 = evaluate_task(model, task, enc, bos, 128, batch_size=1)
+        r2 = evaluate_task(model, task, enc, bos, 128, batch_size=7)
+        assert r1.num_cropped > 0 or task.label == "winograd"
         assert r1.predictions == r2.predictions and r1.correct == r2.correct
 
 
@@ -370,7 +371,7 @@ def test_core20_on_the_sample_bundle(llama):
         out = evaluate_core(model, tok, CORE_SAMPLE, max_per_task=11, batch_size=32, log=None)
     finally:
         hook.remove()
-    assert max(seen) <= 256  # left-cropped to max_position_embeddings
+    assert max(seen) <= 128  # left-cropped to max_position_embeddings
     assert out["label"] == "CORE-20" and out["num_tasks"] == 20
     assert out["missing_tasks"] == ["squad", "coqa"]
     assert sum(t["num_cropped"] for t in out["tasks"].values()) > 0
@@ -401,3 +402,20 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
     assert out["settings"]["max_seq_len"] == 256 and out["settings"]["dtype"] == "torch.float32"
     assert "CORE-3 (v1 baselines)" in printed and "missing from the 22-task CORE" in printed
     assert f"{out['core_metric']:.4f}" in printed
+
+
+def test_empty_scored_span_cannot_win(words, tmp_path):
+    tok, table = words
+    root = tmp_path / "b"
+    os.makedirs(root / "eval_data")
+    rows = [
+        # "sky is blue" is a token prefix of "sky is blue very": the first choice has nothing left to score
+        {"query": "sky is", "choices": ["blue", "blue very"], "gold": 1},
+        {"query": "sky is", "choices": ["blue", "blue"], "gold": 0},  # identical choices: the first is taken
+    ]
+    (root / "eval_data" / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "core.yaml").write_text(yaml.safe_dump({"icl_tasks": [{
+        "label": "t", "dataset_uri": "t.jsonl", "num_fewshot": [0], "icl_task_type": "multiple_choice",
+        "random_baseline_v1": 50}]}))
+    out = evaluate_core(TableLM(table), tok, str(root), max_seq_len=None, log=None)
+    assert out["tasks"]["t"]["accuracy"] == 1.0

@@ -168,13 +168,25 @@ def score_sequences(
                 f"model returned logits for {logits.shape[1]} positions after logits_to_keep asked for {len(needed)}; "
                 "use logits_to_keep='off' for this model"
             )
+        # Gather every scored position of the batch at once: one cross-entropy, one transfer to the host.
+        row_idx, col_idx, target_pos = [], [], []
         for r, s in enumerate(rows):
-            cols = [column[p] for p in range(s.start - 1, s.end - 1)] if keep else list(range(s.start - 1, s.end - 1))
-            span_logits = logits[r, cols].float()
-            targets = input_ids[r, s.start : s.end]
-            losses = F.cross_entropy(span_logits, targets, reduction="none")
-            match = bool(torch.equal(span_logits.argmax(dim=-1), targets))
-            results[order[b + r]] = SequenceScore(losses.double().sum().item(), s.end - s.start, match)
+            for p in range(s.start - 1, s.end - 1):
+                row_idx.append(r)
+                col_idx.append(column[p] if keep else p)
+                target_pos.append(p + 1)
+        ri = torch.tensor(row_idx, dtype=torch.long, device=logits.device)
+        ci = torch.tensor(col_idx, dtype=torch.long, device=logits.device)
+        ti = torch.tensor(target_pos, dtype=torch.long, device=logits.device)
+        picked = logits[ri, ci].float()
+        targets = input_ids[ri, ti]
+        losses = F.cross_entropy(picked, targets, reduction="none").cpu().double()
+        misses = (picked.argmax(dim=-1) != targets).cpu().long()
+        ri = ri.cpu()
+        sums = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, ri, losses).tolist()
+        wrong = torch.zeros(len(rows), dtype=torch.long).index_add_(0, ri, misses).tolist()
+        for r, s in enumerate(rows):
+            results[order[b + r]] = SequenceScore(sums[r], s.end - s.start, wrong[r] == 0)
     return results
 
 
