@@ -128,7 +128,7 @@ def score_sequences(
     device=None,
     logits_to_keep: str = "auto",
 ) -> list[SequenceScore]:
-    """Mean loss and greedy match of each sequence's span, running the model ``batch_size`` sequences at a time.
+    """Summed loss and greedy match of each sequence's span, running the model ``batch_size`` sequences at a time.
 
     Args:
         model: a causal LM; ``model(input_ids=..., attention_mask=...)`` returns an object with ``.logits``
@@ -343,6 +343,7 @@ def evaluate_core(
             "batch_size": batch_size,
             "max_seq_len": max_seq_len,
             "bos_id": bos_id,
+            "logits_to_keep": logits_to_keep == "auto" and _accepts_logits_to_keep(model),
             "few_shot_seed": "1234 + example index",
             "shuffle_seed": 1337,
         },
