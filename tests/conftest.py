@@ -32,7 +32,7 @@ TINY = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     max_position_embeddings=64,
-    initializer_range=0.2,
+    initializer_range=0.1,
     attention_backend="naive",
 )
 
