@@ -111,6 +111,8 @@ class GkaPreTrainedModel(DecoderPreTrainedModel):
 
     config_class = GkaConfig
     attention_classes = {"gka": GkaAttention, "dot": DotAttention}
+    # PEFT LoRA ``target_modules``: GKA layers have only ``o_proj``; "dot" layers add q/k/v (ignored when absent).
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class GkaModel(GkaPreTrainedModel, DecoderModel):

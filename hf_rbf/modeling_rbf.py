@@ -127,6 +127,8 @@ class RbfPreTrainedModel(DecoderPreTrainedModel):
 
     config_class = RbfConfig
     attention_classes = {"rbf": RbfAttention, "dot": DotAttention}
+    # PEFT LoRA ``target_modules`` covering every projection of the family (attention of both kinds, SwiGLU MLP).
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class RbfModel(RbfPreTrainedModel, DecoderModel):
