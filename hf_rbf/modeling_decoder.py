@@ -180,7 +180,7 @@ class DecoderAttention(nn.Module):
         b, _, n, _ = x.shape
         return x.transpose(1, 2).reshape(b, n, -1)
 
-    def _key_arguments(self, num_text_keys: int, batch: int, attention_mask, key_log_weights, like: torch.Tensor):
+    def _key_arguments(self, num_text_keys: int, attention_mask, key_log_weights):
         """Slice the text-key mask / log-weights to the keys the cache returned and prepend the registers."""
         r = self.num_registers
         am = attention_mask[:, -num_text_keys:] if attention_mask is not None else None
@@ -233,7 +233,7 @@ class DotAttention(DecoderAttention):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        am, klw = self._key_arguments(k.shape[2], b, attention_mask, key_log_weights, q)
+        am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights)
 
         register_out = None
         if self.num_registers > 0:

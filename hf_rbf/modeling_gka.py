@@ -79,7 +79,7 @@ class GkaAttention(DecoderAttention):
         if past_key_values is not None:
             # One copy per token: the features are the keys; the value slot holds a zero-width tensor.
             keys, _ = past_key_values.update(feats, feats.new_empty(*feats.shape[:-1], 0), self.layer_idx)
-        am, klw = self._key_arguments(keys.shape[2], b, attention_mask, key_log_weights, feats)
+        am, klw = self._key_arguments(keys.shape[2], attention_mask, key_log_weights)
 
         register_out = None
         query = None if keys is feats else feats

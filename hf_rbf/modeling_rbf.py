@@ -91,7 +91,7 @@ class RbfAttention(DecoderAttention):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        am, klw = self._key_arguments(k.shape[2], b, attention_mask, key_log_weights, q)
+        am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights)
         gamma = self._gamma()
 
         register_out = None
