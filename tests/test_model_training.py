@@ -165,3 +165,16 @@ def test_rbf_and_dot_parameter_counts():
     assert _attention_params(rbf_layer) == 4 * d * d + heads + heads * head_dim // 2 + 2 * head_dim
     assert _attention_params(dot_layer) == 4 * d * d + 2 * head_dim
     assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("family", ["rbf", "gka"])
+def test_zero_initialised_registers_get_ordinary_gradients(family):
+    """Registers start at exactly zero; normalising them would multiply their gradient by 1/sqrt(eps) per layer
+    (1e6 and more at initialisation), which would make global gradient clipping freeze every other parameter."""
+    model = build_model(family, dict(num_hidden_layers=4, num_register_tokens=2), randomize=False)
+    model.train()
+    batch = _collate(_examples(model.config.vocab_size))
+    norms = {n: g.norm().item() for n, g in _grads(model, batch).items()}
+    register = max(v for n, v in norms.items() if "register" in n)
+    others = max(v for n, v in norms.items() if "register" not in n)
+    assert 0 < register < others
