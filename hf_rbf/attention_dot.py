@@ -31,7 +31,9 @@ from .attention_utils import (
 OP = "dot_attention"
 
 
-def dot_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: MaskArgs) -> torch.Tensor:
+def dot_attention_naive(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: MaskArgs
+) -> torch.Tensor:
     """Materialised reference: float32 math (float64 for float64 inputs), any mask."""
     ct = compute_dtype(q.dtype)
     scores = (q.to(ct) @ k.to(ct).transpose(-1, -2)) * scale

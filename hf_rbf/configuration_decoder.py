@@ -46,9 +46,7 @@ def check_bool(config_name: str, name: str, value) -> None:
 
 def check_choice(config_name: str, name: str, value, allowed) -> None:
     if value not in allowed:
-        raise ValueError(
-            f"{config_name}: `{name}` must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}"
-        )
+        raise ValueError(f"{config_name}: `{name}` must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
 
 
 class DecoderConfig(PreTrainedConfig):
@@ -74,8 +72,8 @@ class DecoderConfig(PreTrainedConfig):
             shorter than ``num_hidden_layers`` is tiled (layer ``i`` gets ``attention_layers[i % len]``); it is stored
             expanded.  Default: every layer is the family kind.
         window_pattern (`str`, *optional*): one letter per layer, tiled the same way: ``"S"`` = sliding window of
-            ``sliding_window`` positions, ``"L"`` = full causal attention (nanochat's ``"SSSL"``).  Default: ``"S"`` when
-            ``sliding_window`` is set, ``"L"`` otherwise.
+            ``sliding_window`` positions, ``"L"`` = full causal attention (nanochat's ``"SSSL"``).  Default: ``"S"``
+            when ``sliding_window`` is set, ``"L"`` otherwise.
         sliding_window (`int`, *optional*): the window ``W`` of the ``"S"`` layers: a query at position ``t`` sees the
             keys ``t - W < s <= t`` (itself included), plus the register tokens.
         num_register_tokens (`int`): learnable, zero-initialised register tokens prepended inside the model (never
@@ -92,7 +90,8 @@ class DecoderConfig(PreTrainedConfig):
         layer_types (`list[str]`, *optional*): the standard transformers field, ``"full_attention"`` or
             ``"sliding_attention"`` per layer.  Written from ``window_pattern``; when given (e.g. from a saved
             config.json) it must agree with it, or it defines the pattern when ``window_pattern`` is not given.
-        head_dim (`int`, *optional*): always ``hidden_size // num_attention_heads``; accepted only to check a saved value.
+        head_dim (`int`, *optional*): always ``hidden_size // num_attention_heads``; accepted only to check a saved
+            value.
     """
 
     model_type = ""
@@ -148,7 +147,8 @@ class DecoderConfig(PreTrainedConfig):
             )
         if head_dim is not None and head_dim != derived_head_dim:
             raise ValueError(
-                f"{name}: `head_dim` is always `hidden_size // num_attention_heads` = {derived_head_dim}; got {head_dim!r}"
+                f"{name}: `head_dim` is always `hidden_size // num_attention_heads` = {derived_head_dim}; "
+                f"got {head_dim!r}"
             )
         check_float(name, "rms_norm_eps", rms_norm_eps, positive=True)
         check_float(name, "initializer_range", initializer_range, minimum=0.0)
@@ -203,7 +203,9 @@ class DecoderConfig(PreTrainedConfig):
             else:
                 window_pattern = "S" if sliding_window is not None else "L"
         if not isinstance(window_pattern, str) or not window_pattern:
-            raise ValueError(f"{name}: `window_pattern` must be a non-empty string of 'S' and 'L'; got {window_pattern!r}")
+            raise ValueError(
+                f"{name}: `window_pattern` must be a non-empty string of 'S' and 'L'; got {window_pattern!r}"
+            )
         bad = sorted(set(window_pattern) - set(WINDOW_LETTERS))
         if bad:
             raise ValueError(
@@ -213,7 +215,8 @@ class DecoderConfig(PreTrainedConfig):
         derived_types = [WINDOW_LETTERS[window_pattern[i % len(window_pattern)]] for i in range(num_hidden_layers)]
         if "sliding_attention" in derived_types and sliding_window is None:
             raise ValueError(
-                f"{name}: `window_pattern` {window_pattern!r} has 'S' layers, so `sliding_window` must be a positive int; "
+                f"{name}: `window_pattern` {window_pattern!r} has 'S' layers, so `sliding_window` must be a "
+                "positive int; "
                 "got None"
             )
         if layer_types is not None and list(layer_types) != derived_types:

@@ -20,7 +20,8 @@ class RbfConfig(DecoderConfig):
 
     Args:
         position_embedding_type (`str`, defaults to "susie"): how text positions enter q and k:
-            ``"susie"``: the blog's SuSiE, unrotated sinusoids ``[sin(t w_f), cos(t w_f)]`` (``w_f = rope_theta^(-2f/d)``)
+            ``"susie"``: the blog's SuSiE, unrotated sinusoids ``[sin(t w_f), cos(t w_f)]``
+            (``w_f = rope_theta^(-2f/d)``)
             *added* to q and k, scaled by a learnable weight per head and frequency (``[H, head_dim // 2]``, shared
             by the sin and cos of a frequency, initialised to ``susie_init``); since the same term is added to q and
             k, the distance gains ``||P_t - P_s||^2``, a learnable locality bias.

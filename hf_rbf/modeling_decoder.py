@@ -1,6 +1,7 @@
 """The shared pre-norm decoder backbone of every hf_rbf model family.
 
-token embedding -> N x DecoderLayer [RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual] -> RMSNorm -> LM head
+token embedding -> N x DecoderLayer [RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual]
+-> RMSNorm -> LM head
 
 * Each layer's attention class comes from the config (``attention_layers``: one kind per layer) through the family's
   ``attention_classes`` table, so one model can mix kinds (GKA layers with "dot" layers) and windows (``"SSSL"``).
@@ -16,7 +17,6 @@ token embedding -> N x DecoderLayer [RMSNorm -> attention -> residual, RMSNorm -
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -94,7 +94,9 @@ class SinusoidFrequencies(nn.Module):
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
     def compute_inv_freq(self, device=None) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / self.head_dim
+        exponents = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / self.head_dim
+        )
         return 1.0 / (self.theta**exponents)
 
     @torch.no_grad()
@@ -397,7 +399,9 @@ class DecoderModel(DecoderPreTrainedModel):
             ]
         )
         self.norm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.position_frequencies = SinusoidFrequencies(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        self.position_frequencies = SinusoidFrequencies(
+            config.hidden_size // config.num_attention_heads, config.rope_theta
+        )
         if config.num_register_tokens > 0:
             self.register_tokens = nn.Parameter(torch.zeros(config.num_register_tokens, config.hidden_size))
         else:
@@ -469,7 +473,8 @@ class DecoderModel(DecoderPreTrainedModel):
                 `model.make_cache()`); it holds text keys only, never registers.
             use_cache (`bool`, *optional*): create / extend and return a cache; default `config.use_cache` in eval
                 mode, False in training mode.
-            key_log_weights (`torch.Tensor` of shape `[B|1, past + N]` or `[B|1, H, past + N]`, *optional*): a log-measure
+            key_log_weights (`torch.Tensor` of shape `[B|1, past + N]` or `[B|1, H, past + N]`, *optional*): a
+                log-measure
                 added to every score of each key (geometry-aware attention: quadrature weights of non-uniform
                 samples), covering the same tokens as `attention_mask`; registers get 0.
             output_hidden_states (`bool`, *optional*): also return the text hidden states entering each layer and the
@@ -507,7 +512,8 @@ class DecoderModel(DecoderPreTrainedModel):
                 )
             if attention_mask.shape[0] not in (1, batch) or attention_mask.shape[1] != total:
                 raise ValueError(
-                    f"`attention_mask` must have shape [B, past + N] = [{batch}, {past_len} + {seq_len}] (it covers the "
+                    f"`attention_mask` must have shape [B, past + N] = [{batch}, {past_len} + {seq_len}] "
+                    "(it covers the "
                     f"cached tokens too); got {tuple(attention_mask.shape)}"
                 )
             attention_mask = attention_mask.to(inputs_embeds.device)
@@ -518,8 +524,10 @@ class DecoderModel(DecoderPreTrainedModel):
                 batch,
                 total,
                 self.config.num_attention_heads,
-                f"[B, past + N] or [B, H, past + N] = [{batch}, {total}] or [{batch}, {self.config.num_attention_heads}, {total}]",
+                f"[B, past + N] or [B, H, past + N] = [{batch}, {total}] or "
+                f"[{batch}, {self.config.num_attention_heads}, {total}]",
             )
+            key_log_weights = key_log_weights.to(inputs_embeds.device)
 
         if position_ids is None:
             if attention_mask is not None:
@@ -530,7 +538,9 @@ class DecoderModel(DecoderPreTrainedModel):
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         if position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
-            raise ValueError(f"`position_ids` must have shape [B, N] with N = {seq_len}; got {tuple(position_ids.shape)}")
+            raise ValueError(
+                f"`position_ids` must have shape [B, N] with N = {seq_len}; got {tuple(position_ids.shape)}"
+            )
         position_embeddings = self.position_frequencies(position_ids)
 
         # A mask with no padding is dropped so the kernels can take their unmasked fast paths.
@@ -633,7 +643,8 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         r"""
         Args: those of the base model's forward, plus
             labels (`torch.LongTensor` of shape `[B, N]`, *optional*): next-token targets in the usual HF convention
-                (not shifted; -100 = ignored).  The loss is ``self.loss_function(logits, labels, vocab_size, **kwargs)``,
+                (not shifted; -100 = ignored).  The loss is
+                ``self.loss_function(logits, labels, vocab_size, **kwargs)``,
                 so `num_items_in_batch` (passed by `Trainer`) makes gradient accumulation exact.
             logits_to_keep (`int` or `torch.Tensor`): compute logits only for the last `logits_to_keep` positions
                 (0 = all) or for the given indices.

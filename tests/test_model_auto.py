@@ -39,7 +39,9 @@ def test_from_config_and_save_load_give_identical_logits(family_case, tmp_path):
         assert torch.equal(loaded(ids, attention_mask=mask).logits, ref)
         # the base model loads from the same checkpoint and gives the same final hidden states
         base = AutoModel.from_pretrained(tmp_path).eval()
-        assert torch.equal(base(ids, attention_mask=mask).last_hidden_state, model.model(ids, attention_mask=mask).last_hidden_state)
+        assert torch.equal(
+            base(ids, attention_mask=mask).last_hidden_state, model.model(ids, attention_mask=mask).last_hidden_state
+        )
     # tying survives the round trip
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == model.config.tie_word_embeddings
 
@@ -106,7 +108,9 @@ _REMOTE_SCRIPT = textwrap.dedent(
     with torch.no_grad():
         logits = model(ref["ids"], attention_mask=ref["mask"]).logits
         hidden = base(ref["ids"], attention_mask=ref["mask"]).last_hidden_state
-        tokens = model.generate(ref["ids"], attention_mask=ref["mask"], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        tokens = model.generate(
+            ref["ids"], attention_mask=ref["mask"], max_new_tokens=4, do_sample=False, pad_token_id=0
+        )
     print(json.dumps({
         "logits_equal": bool(torch.equal(logits, ref["logits"])),
         "hidden_equal": bool(torch.equal(hidden, ref["hidden"])),

@@ -138,7 +138,9 @@ def test_gka_cache_stores_features_once():
 
 
 def test_sliding_layers_keep_only_their_window():
-    overrides = dict(num_hidden_layers=4, window_pattern="SSSL", sliding_window=3, attention_layers=["gka", "gka", "gka", "dot"])
+    overrides = dict(
+        num_hidden_layers=4, window_pattern="SSSL", sliding_window=3, attention_layers=["gka", "gka", "gka", "dot"]
+    )
     model = build_model("gka", overrides)
     ids = torch.randint(1, 128, (1, 10))
     mask = torch.ones_like(ids)

@@ -54,7 +54,11 @@ def test_layer_types_define_the_pattern_when_given_alone():
 
 def test_json_round_trip(tmp_path):
     cfg = make_config(
-        "gka", num_hidden_layers=4, attention_layers=["gka", "gka", "gka", "dot"], window_pattern="SSSL", sliding_window=5
+        "gka",
+        num_hidden_layers=4,
+        attention_layers=["gka", "gka", "gka", "dot"],
+        window_pattern="SSSL",
+        sliding_window=5,
     )
     cfg.save_pretrained(tmp_path)
     from transformers import AutoConfig

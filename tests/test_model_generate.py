@@ -82,7 +82,9 @@ def test_prompt_lookup_decoding_equals_greedy(core_case):
     calls = []
     hook = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
     try:
-        lookup = _generate(model, ids, mask, use_cache=True, do_sample=False, max_new_tokens=8, prompt_lookup_num_tokens=3)
+        lookup = _generate(
+            model, ids, mask, use_cache=True, do_sample=False, max_new_tokens=8, prompt_lookup_num_tokens=3
+        )
     finally:
         hook.remove()
     greedy = _generate(model, ids, mask, use_cache=False, do_sample=False, max_new_tokens=8)
@@ -101,10 +103,26 @@ def test_generate_with_user_cache_and_continuation():
     ids, mask = _prompts(model.config.vocab_size, [5, 3])
     cache = DynamicCache()
     with torch.no_grad():
-        first = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+        first = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=PAD,
+        )
         mask2 = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
-        second = model.generate(input_ids=first, attention_mask=mask2, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
-        reference = model.generate(input_ids=ids, attention_mask=mask, use_cache=False, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+        second = model.generate(
+            input_ids=first,
+            attention_mask=mask2,
+            past_key_values=cache,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=PAD,
+        )
+        reference = model.generate(
+            input_ids=ids, attention_mask=mask, use_cache=False, max_new_tokens=6, do_sample=False, pad_token_id=PAD
+        )
     assert torch.equal(second, reference)
 
 

@@ -79,7 +79,10 @@ def _train_one_step(family, overrides, tmp_path, batch_size: int, accumulation: 
     return result.training_loss, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family,overrides", [("rbf", dict(num_register_tokens=2)), ("gka", dict(num_hidden_layers=2, attention_layers=["gka", "dot"]))])
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("rbf", dict(num_register_tokens=2)), ("gka", dict(num_hidden_layers=2, attention_layers=["gka", "dot"]))],
+)
 def test_trainer_gradient_accumulation_equals_one_large_batch(family, overrides, tmp_path):
     loss_big, params_big = _train_one_step(family, overrides, tmp_path, batch_size=4, accumulation=1)
     loss_acc, params_acc = _train_one_step(family, overrides, tmp_path, batch_size=2, accumulation=2)
@@ -139,7 +142,12 @@ def _attention_params(layer) -> int:
 def test_gka_attention_parameter_count_matches_the_paper(bias, registers):
     d, heads, layers = 64, 4, 3
     cfg = make_config(
-        "gka", hidden_size=d, num_attention_heads=heads, num_hidden_layers=layers, attention_bias=bias, num_register_tokens=registers
+        "gka",
+        hidden_size=d,
+        num_attention_heads=heads,
+        num_hidden_layers=layers,
+        attention_bias=bias,
+        num_register_tokens=registers,
     )
     model = GkaForCausalLM(cfg)
     head_dim = d // heads
@@ -147,7 +155,9 @@ def test_gka_attention_parameter_count_matches_the_paper(bias, registers):
     for layer in model.model.layers:
         assert _attention_params(layer) == per_layer
         assert {n for n, _ in layer.self_attn.named_parameters()} == (
-            {"o_proj.weight", "log_sigma"} | ({"o_proj.bias"} if bias else set()) | ({"register_position"} if registers else set())
+            {"o_proj.weight", "log_sigma"}
+            | ({"o_proj.bias"} if bias else set())
+            | ({"register_position"} if registers else set())
         )
     mlp = 3 * d * cfg.intermediate_size
     expected = cfg.vocab_size * d + layers * (per_layer + mlp + 2 * d) + d + registers * d
@@ -157,7 +167,12 @@ def test_gka_attention_parameter_count_matches_the_paper(bias, registers):
 def test_rbf_and_dot_parameter_counts():
     d, heads = 32, 4
     cfg = make_config(
-        "rbf", num_hidden_layers=2, attention_layers=["rbf", "dot"], rbf_learnable_gamma=True, num_register_tokens=2, tie_word_embeddings=False
+        "rbf",
+        num_hidden_layers=2,
+        attention_layers=["rbf", "dot"],
+        rbf_learnable_gamma=True,
+        num_register_tokens=2,
+        tie_word_embeddings=False,
     )
     model = RbfForCausalLM(cfg)
     head_dim = d // heads
