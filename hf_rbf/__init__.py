@@ -16,6 +16,7 @@ from .configuration_decoder import DecoderConfig
 from .configuration_gka import GkaConfig
 from .configuration_rbf import RbfConfig
 from .modeling_decoder import (
+    DecoderAttention,
     DecoderForCausalLM,
     DecoderModel,
     DecoderPreTrainedModel,
@@ -39,6 +40,7 @@ for _config, _model, _lm in _FAMILIES:
 
 __all__ = [
     "BACKENDS",
+    "DecoderAttention",
     "DecoderConfig",
     "DecoderForCausalLM",
     "DecoderModel",
