@@ -471,8 +471,9 @@ class DecoderModel(DecoderPreTrainedModel):
                 length.
             past_key_values (`Cache`, *optional*): a `DynamicCache` (from a previous call, `DynamicCache()`, or
                 `model.make_cache()`); it holds text keys only, never registers.
-            use_cache (`bool`, *optional*): create / extend and return a cache; default `config.use_cache` in eval
-                mode, False in training mode.
+            use_cache (`bool`, *optional*): create a cache when none is given, and return it; default: True when
+                `past_key_values` is given, else `config.use_cache` in eval mode and False in training mode.  A given
+                cache is always extended.
             key_log_weights (`torch.Tensor` of shape `[B|1, past + N]` or `[B|1, H, past + N]`, *optional*): a
                 log-measure
                 added to every score of each key (geometry-aware attention: quadrature weights of non-uniform
@@ -489,7 +490,7 @@ class DecoderModel(DecoderPreTrainedModel):
         if output_hidden_states is None:
             output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
         if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
+            use_cache = past_key_values is not None or (self.config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
 
@@ -571,7 +572,7 @@ class DecoderModel(DecoderPreTrainedModel):
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            past_key_values=past_key_values,
             hidden_states=all_hidden_states,
         )
         if return_dict is False:

@@ -98,13 +98,14 @@ def _grads(model, batch):
     return {n: p.grad.detach().clone() if p.grad is not None else None for n, p in model.named_parameters()}
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(core_case):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(core_case, reentrant):
     _, family, overrides = core_case
     model = build_model(family, overrides)
     model.train()
     batch = _collate(_examples(model.config.vocab_size))
     plain = _grads(model, batch)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = _grads(model, batch)
     model.gradient_checkpointing_disable()
