@@ -4,17 +4,59 @@
 ``transformers`` Auto classes.
 """
 
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .attention_dot import dot_attention
 from .attention_gka import gka_attention
 from .attention_hybrid import hybrid_attention
 from .attention_rbf import rbf_attention
 from .attention_scalar import scalar_attention
 from .attention_utils import BACKENDS, last_backend
+from .configuration_decoder import DecoderConfig
+from .configuration_gka import GkaConfig
+from .configuration_rbf import RbfConfig
+from .modeling_decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderModel,
+    DecoderPreTrainedModel,
+    DotAttention,
+)
+from .modeling_gka import GkaAttention, GkaForCausalLM, GkaModel, GkaPreTrainedModel
+from .modeling_rbf import RbfAttention, RbfForCausalLM, RbfModel, RbfPreTrainedModel
 
 
 __version__ = "0.1.0"
 
+# Model families: (config, base model, causal LM).  exist_ok: re-importing (e.g. after importlib.reload) is harmless.
+_FAMILIES = (
+    (RbfConfig, RbfModel, RbfForCausalLM),
+    (GkaConfig, GkaModel, GkaForCausalLM),
+)
+for _config, _model, _lm in _FAMILIES:
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModel.register(_config, _model, exist_ok=True)
+    AutoModelForCausalLM.register(_config, _lm, exist_ok=True)
+
 __all__ = [
     "BACKENDS",
+    "DecoderAttention",
+    "DecoderConfig",
+    "DecoderForCausalLM",
+    "DecoderModel",
+    "DecoderPreTrainedModel",
+    "DotAttention",
+    "GkaAttention",
+    "GkaConfig",
+    "GkaForCausalLM",
+    "GkaModel",
+    "GkaPreTrainedModel",
+    "RbfAttention",
+    "RbfConfig",
+    "RbfForCausalLM",
+    "RbfModel",
+    "RbfPreTrainedModel",
+    "dot_attention",
     "gka_attention",
     "hybrid_attention",
     "last_backend",

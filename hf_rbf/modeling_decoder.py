@@ -1,0 +1,696 @@
+"""The shared pre-norm decoder backbone of every hf_rbf model family.
+
+token embedding -> N x DecoderLayer [RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual]
+-> RMSNorm -> LM head
+
+* Each layer's attention class comes from the config (``attention_layers``: one kind per layer) through the family's
+  ``attention_classes`` table, so one model can mix kinds (GKA layers with "dot" layers) and windows (``"SSSL"``).
+* Register tokens (``num_register_tokens = R``) are a separate ``[1, R, D]`` residual stream that runs through every
+  layer next to the text: register rows attend only to registers (causally), text rows see the R registers as a prefix
+  (``num_prefix_keys=R``) plus their causal / windowed text.  They depend on the parameters alone, so every forward
+  recomputes them (batch 1, R rows) and they are never stored in the KV cache: cache lengths, positions,
+  ``attention_mask`` and outputs only ever count text tokens.
+* The KV cache is a transformers ``DynamicCache`` whose layers each attention module builds
+  (:meth:`DecoderAttention.make_cache_layer`): RBF / dot layers store positioned keys and values, GKA layers store
+  each token's feature once; sliding-window layers use transformers' sliding cache layer.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .attention_dot import dot_attention
+from .attention_utils import last_backend
+from .configuration_decoder import DecoderConfig
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# building blocks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DecoderRMSNorm(nn.Module):
+    """RMSNorm with a learnable scale (computed in float32, as Llama)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def scale_only(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The learnable scale without the normalisation: what the register rows get (see ``DecoderLayer``)."""
+        return self.weight * hidden_states
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Parameter-free RMS norm over the last dimension (float32 math, input dtype out)."""
+    xf = x.to(torch.float32)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class DecoderMLP(nn.Module):
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SinusoidFrequencies(nn.Module):
+    """Angles ``t * w_f`` of text positions, shared by RoPE and SuSiE: ``w_f = theta^(-2f / head_dim)``.
+
+    ``inv_freq`` is a non-persistent buffer (not in checkpoints); ``DecoderPreTrainedModel._init_weights`` recomputes
+    it, so it is right after ``from_pretrained`` too.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self, device=None) -> torch.Tensor:
+        exponents = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / self.head_dim
+        )
+        return 1.0 / (self.theta**exponents)
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``position_ids [B|1, N]`` -> ``(cos, sin)``, each float32 ``[B|1, N, head_dim // 2]``."""
+        angles = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(position_ids.device)
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half convention: ``x [B, H, N, D]``, ``cos/sin [B|1, N, D/2]``."""
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def susie_embedding(cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SuSiE's additive position term ``[sin, cos] * weight``: ``[B|1, H, N, D]`` from ``cos/sin [B|1, N, D/2]`` and
+    the per-head, per-frequency ``weight [H, D/2]`` (shared by the sin and cos of a frequency)."""
+    w = weight.to(dtype)[None, :, None, :]
+    return torch.cat((sin.unsqueeze(1).to(dtype) * w, cos.unsqueeze(1).to(dtype) * w), dim=-1)
+
+
+def dot_backend_for(config: DecoderConfig) -> str:
+    """The backend of "dot" layers: ``dot_attention`` has "naive" and "sdpa" only (see ``attention_backend``)."""
+    return "naive" if config.attention_backend == "naive" else "sdpa"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention base class and the "dot" kind
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DecoderAttention(nn.Module):
+    """Base class of every attention kind of the backbone.
+
+    ``forward(hidden_states [B, N, D], register_states [1, R, D] | None, *, position_embeddings, past_key_values,
+    attention_mask, key_log_weights)`` returns ``(text_out [B, N, D], register_out [1, R, D] | None)``: the inputs are
+    already RMS-normalised, the outputs go into the residual stream.  ``attention_mask`` ``[B, past + N]`` and
+    ``key_log_weights`` ``[B|1, (H,) past + N]`` cover text keys only; each layer slices them to the keys its cache
+    returns and prepends the registers (always visible, log-weight 0).
+
+    A kind that needs its own cache layer overrides :meth:`make_cache_layer` and :meth:`accepts_cache_layer`.
+    Subclasses own ``o_proj`` and call :meth:`_init_own_parameters` from ``_init_weights`` for their extra parameters.
+    """
+
+    kind = ""
+
+    def __init__(self, config: DecoderConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.window = config.layer_window(layer_idx)
+        self.num_registers = config.num_register_tokens
+        self.backend = config.attention_backend
+        self.last_backend = None  # the backend that served the last text call (set at every forward)
+        if self.num_registers > 0:
+            # Registers' position embedding, added in place of the text position term (zero-init: the origin).
+            self.register_position = nn.Parameter(torch.zeros(self.num_registers, self.head_dim))
+        else:
+            self.register_position = None
+
+    # -- cache ---------------------------------------------------------------------------------------------------
+    def make_cache_layer(self):
+        """A fresh cache layer for this attention layer (sliding layers keep only the last ``window - 1`` keys)."""
+        if self.window is not None:
+            return DynamicSlidingWindowLayer(sliding_window=self.window)
+        return DynamicLayer()
+
+    def accepts_cache_layer(self, layer) -> bool:
+        """Whether an existing cache layer (e.g. from a user's ``DynamicCache``) can serve this attention layer."""
+        return isinstance(layer, DynamicLayer)
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def _init_own_parameters(self) -> None:
+        if self.register_position is not None:
+            init.zeros_(self.register_position)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        return x.view(b, n, self.num_heads, -1).transpose(1, 2)
+
+    def _merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, n, _ = x.shape
+        return x.transpose(1, 2).reshape(b, n, -1)
+
+    def _key_arguments(self, num_text_keys: int, attention_mask, key_log_weights):
+        """Slice the text-key mask / log-weights to the keys the cache returned and prepend the registers."""
+        r = self.num_registers
+        am = attention_mask[:, -num_text_keys:] if attention_mask is not None else None
+        klw = key_log_weights[..., -num_text_keys:] if key_log_weights is not None else None
+        if r > 0:
+            if am is not None:
+                am = torch.cat([am.new_ones(am.shape[0], r), am], dim=1)
+            if klw is not None:
+                klw = torch.cat([klw.new_zeros(*klw.shape[:-1], r), klw], dim=-1)
+        return am, klw
+
+    def _note_backend(self, op: str) -> None:
+        if not torch.compiler.is_compiling():
+            self.last_backend = last_backend(op)
+
+
+class DotAttention(DecoderAttention):
+    """The "dot" kind: learned W_Q, W_K, W_V, W_O, RoPE, softmax dot product (``dot_attention``, SDPA).
+
+    PEFT LoRA targets: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
+    """
+
+    kind = "dot"
+
+    def __init__(self, config: DecoderConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d, hd = config.hidden_size, self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(d, hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(hd, d, bias=config.attention_bias)
+        self.dot_backend = dot_backend_for(config)
+
+    def _project(self, x: torch.Tensor):
+        return self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x)), self._split_heads(self.v_proj(x))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        register_states: torch.Tensor | None,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        key_log_weights: torch.Tensor | None = None,
+    ):
+        b = hidden_states.shape[0]
+        q, k, v = self._project(hidden_states)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights)
+
+        register_out = None
+        if self.num_registers > 0:
+            qr, kr, vr = self._project(register_states)
+            qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
+            register_out = dot_attention(qr, kr, vr, causal=True, backend=self.dot_backend)
+            register_out = self.o_proj(self._merge_heads(register_out))
+            k = torch.cat([kr.expand(b, -1, -1, -1), k], dim=2)
+            v = torch.cat([vr.expand(b, -1, -1, -1), v], dim=2)
+
+        out = dot_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            window=self.window,
+            key_log_weights=klw,
+            attention_mask=am,
+            num_prefix_keys=self.num_registers,
+            backend=self.dot_backend,
+        )
+        self._note_backend("dot_attention")
+        return self.o_proj(self._merge_heads(out)), register_out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decoder layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DecoderLayer(GradientCheckpointingLayer):
+    """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual, for the text and the register streams.
+
+    The register rows get the norms' learnable scale but not the normalisation.  Their states are learned constants
+    that start at exactly zero (so their keys start at the origin), and RMS normalisation is singular there: its
+    Jacobian at zero is ``1 / sqrt(eps)`` (1000 for eps = 1e-6) and compounds from layer to layer, which gave the
+    zero-initialised registers gradient norms of 1e6 (RBF) to 1e7 (GKA) in a 4-layer model at initialisation: six
+    orders of magnitude above every other parameter, enough to make global gradient clipping freeze the rest of
+    the model.  Unnormalised, the register stream's Jacobian is the norm weight.
+    """
+
+    def __init__(self, config: DecoderConfig, layer_idx: int, attention_class: type[DecoderAttention]):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = attention_class(config, layer_idx)
+        self.mlp = DecoderMLP(config)
+        self.input_layernorm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        register_states: torch.Tensor | None = None,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        key_log_weights: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        normed_registers = self.input_layernorm.scale_only(register_states) if register_states is not None else None
+        attn_out, register_attn_out = self.self_attn(
+            self.input_layernorm(hidden_states),
+            normed_registers,
+            position_embeddings=position_embeddings,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            key_log_weights=key_log_weights,
+        )
+        hidden_states = hidden_states + attn_out
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        if register_states is not None:
+            register_states = register_states + register_attn_out
+            register_states = register_states + self.mlp(self.post_attention_layernorm.scale_only(register_states))
+        return hidden_states, register_states
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pretrained-model base, model, causal LM
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _auto_map_name(cls) -> str:
+    return f"{cls.__module__.split('.')[-1]}.{cls.__name__}"
+
+
+class DecoderPreTrainedModel(PreTrainedModel):
+    """Weight init, gradient checkpointing and the remote-code ``auto_map`` shared by every family."""
+
+    config_class = DecoderConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    # the attention kind -> class table of the family (set by each family's PreTrainedModel)
+    attention_classes: dict[str, type[DecoderAttention]] = {}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DecoderRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, SinusoidFrequencies):
+            init.copy_(module.inv_freq, module.compute_inv_freq(device=module.inv_freq.device))
+        elif isinstance(module, DecoderAttention):
+            module._init_own_parameters()
+        elif isinstance(module, DecoderModel):
+            if module.register_tokens is not None:
+                init.zeros_(module.register_tokens)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained`` with an ``auto_map`` listing AutoConfig, AutoModel and
+        AutoModelForCausalLM, so the checkpoint loads with ``trust_remote_code=True`` where hf_rbf is not installed
+        (the modeling files and their relative imports are copied by transformers)."""
+        auto_map = dict(getattr(self.config, "auto_map", None) or {})
+        auto_map["AutoConfig"] = _auto_map_name(type(self.config))
+        module = sys.modules[type(self).__module__]
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == module.__name__:
+                auto_class = obj.__dict__.get("_auto_class")
+                if auto_class is not None:
+                    auto_map[auto_class] = _auto_map_name(obj)
+        self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def _check_key_tensor(name: str, t, batch: int, total: int, heads: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"`{name}` must be a tensor {layout}; got {type(t).__name__}")
+    ok = t.dim() in (2, 3) and t.shape[0] in (1, batch) and t.shape[-1] == total
+    if ok and t.dim() == 3:
+        ok = t.shape[1] in (1, heads)
+    if not ok:
+        raise ValueError(f"`{name}` must have shape {layout}; got {tuple(t.shape)}")
+
+
+class DecoderModel(DecoderPreTrainedModel):
+    """The backbone without the LM head: returns the final (RMS-normalised) hidden states of the text tokens."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [
+                DecoderLayer(config, i, self.attention_classes[config.layer_kind(i)])
+                for i in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.position_frequencies = SinusoidFrequencies(
+            config.hidden_size // config.num_attention_heads, config.rope_theta
+        )
+        if config.num_register_tokens > 0:
+            self.register_tokens = nn.Parameter(torch.zeros(config.num_register_tokens, config.hidden_size))
+        else:
+            self.register_tokens = None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    # -- cache ---------------------------------------------------------------------------------------------------
+    def make_cache(self) -> DynamicCache:
+        """An empty ``DynamicCache`` whose layers are those the model's attention layers need."""
+        cache = DynamicCache()
+        cache.layers = [layer.self_attn.make_cache_layer() for layer in self.layers]
+        return cache
+
+    def _prepare_cache_layers(self, cache) -> None:
+        """Make a user's cache (e.g. a plain ``DynamicCache()``) fit the model: add the missing layers, replace empty
+        layers of the wrong type, reject filled ones."""
+        if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
+            raise TypeError(
+                "`past_key_values` must be a transformers Cache (a DynamicCache, e.g. from a previous forward, or "
+                f"`DynamicCache()`); got {type(cache).__name__}"
+            )
+        for idx, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if idx >= len(cache.layers):
+                cache.layers.append(attn.make_cache_layer())
+                continue
+            existing = cache.layers[idx]
+            if attn.accepts_cache_layer(existing):
+                continue
+            if type(existing) is DynamicLayer and not existing.is_initialized:
+                cache.layers[idx] = attn.make_cache_layer()
+                continue
+            raise TypeError(
+                f"`past_key_values` layer {idx} is a {type(existing).__name__}, which cannot serve a {attn.kind!r} "
+                f"attention layer (it needs a {type(attn.make_cache_layer()).__name__}); pass a DynamicCache "
+                "(static and quantized caches are not supported)"
+            )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        key_log_weights: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        r"""
+        Args:
+            input_ids (`torch.LongTensor` of shape `[B, N]`): token ids (or pass `inputs_embeds` `[B, N, D]`).
+            attention_mask (`torch.Tensor` of shape `[B, past + N]`, *optional*): 1 for real tokens, 0 for padding,
+                over the cached and the current tokens (as `generate` passes it).
+            position_ids (`torch.LongTensor` of shape `[B|1, N]`, *optional*): text positions (for RoPE / SuSiE);
+                default: from `attention_mask` (`cumsum - 1`, so left padding starts real tokens at 0) or from the cache
+                length.
+            past_key_values (`Cache`, *optional*): a `DynamicCache` (from a previous call, `DynamicCache()`, or
+                `model.make_cache()`); it holds text keys only, never registers.
+            use_cache (`bool`, *optional*): create a cache when none is given, and return it; default: True when
+                `past_key_values` is given, else `config.use_cache` in eval mode and False in training mode.  A given
+                cache is always extended.
+            key_log_weights (`torch.Tensor` of shape `[B|1, past + N]` or `[B|1, H, past + N]`, *optional*): a
+                log-measure
+                added to every score of each key (geometry-aware attention: quadrature weights of non-uniform
+                samples), covering the same tokens as `attention_mask`; registers get 0.
+            output_hidden_states (`bool`, *optional*): also return the text hidden states entering each layer and the
+                final normalised ones.
+        """
+        if output_attentions:
+            raise ValueError(
+                "`output_attentions=True` is not supported: hf_rbf attention functions never materialise the weights"
+            )
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`")
+        if output_hidden_states is None:
+            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
+        if use_cache is None:
+            use_cache = past_key_values is not None or (self.config.use_cache and not self.training)
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, seq_len = inputs_embeds.shape[:2]
+
+        if use_cache and past_key_values is None:
+            past_key_values = self.make_cache()
+        if past_key_values is not None:
+            self._prepare_cache_layers(past_key_values)
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        total = past_len + seq_len
+
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+                raise ValueError(
+                    "`attention_mask` must be a 2-D padding mask [B, past + N] (1 = real token, 0 = padding); got "
+                    f"{getattr(attention_mask, 'shape', attention_mask)}"
+                )
+            if attention_mask.shape[0] not in (1, batch) or attention_mask.shape[1] != total:
+                raise ValueError(
+                    f"`attention_mask` must have shape [B, past + N] = [{batch}, {past_len} + {seq_len}] "
+                    "(it covers the "
+                    f"cached tokens too); got {tuple(attention_mask.shape)}"
+                )
+            attention_mask = attention_mask.to(inputs_embeds.device)
+        if key_log_weights is not None:
+            _check_key_tensor(
+                "key_log_weights",
+                key_log_weights,
+                batch,
+                total,
+                self.config.num_attention_heads,
+                f"[B, past + N] or [B, H, past + N] = [{batch}, {total}] or "
+                f"[{batch}, {self.config.num_attention_heads}, {total}]",
+            )
+            key_log_weights = key_log_weights.to(inputs_embeds.device)
+
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -seq_len:]
+            else:
+                position_ids = torch.arange(past_len, total, device=inputs_embeds.device).unsqueeze(0)
+        position_ids = position_ids.to(inputs_embeds.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
+            raise ValueError(
+                f"`position_ids` must have shape [B, N] with N = {seq_len}; got {tuple(position_ids.shape)}"
+            )
+        position_embeddings = self.position_frequencies(position_ids)
+
+        # A mask with no padding is dropped so the kernels can take their unmasked fast paths.
+        if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
+            attention_mask = None
+
+        hidden_states = inputs_embeds
+        register_states = None
+        if self.register_tokens is not None:
+            register_states = self.register_tokens.to(inputs_embeds.dtype).unsqueeze(0)
+
+        all_hidden_states = () if output_hidden_states else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states, register_states = layer(
+                hidden_states,
+                register_states,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                attention_mask=attention_mask,
+                key_log_weights=key_log_weights,
+                use_cache=use_cache,
+            )
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+            hidden_states=all_hidden_states,
+        )
+        if return_dict is False:
+            return output.to_tuple()
+        return output
+
+
+class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
+    """The backbone with a (tied by default) LM head; the loss goes through ``self.loss_function``."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    base_model_class: type[DecoderModel] = DecoderModel
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__(config)
+        self.model = self.base_model_class(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def make_cache(self) -> DynamicCache:
+        """An empty cache with the layers this model needs (what ``generate`` uses)."""
+        return self.model.make_cache()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """Create the model's own cache for ``generate`` (same signature on transformers 5.17 and 5.23)."""
+        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        implementation = generation_config.cache_implementation
+        if implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"{type(self).__name__}: `cache_implementation={implementation!r}` is not supported; use None or "
+                "'dynamic' (the model builds its own DynamicCache: registers are recomputed and GKA features are "
+                "stored once, which static and quantized caches cannot express)"
+            )
+        cache = self.model.make_cache()
+        if getattr(generation_config, "is_assistant", False):
+            cache.activate_past_recording()
+        model_kwargs["past_key_values"] = cache
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        key_log_weights: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        r"""
+        Args: those of the base model's forward, plus
+            labels (`torch.LongTensor` of shape `[B, N]`, *optional*): next-token targets in the usual HF convention
+                (not shifted; -100 = ignored).  The loss is
+                ``self.loss_function(logits, labels, vocab_size, **kwargs)``,
+                so `num_items_in_batch` (passed by `Trainer`) makes gradient accumulation exact.
+            logits_to_keep (`int` or `torch.Tensor`): compute logits only for the last `logits_to_keep` positions
+                (0 = all) or for the given indices.
+        """
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            key_log_weights=key_log_weights,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+        )
+        if return_dict is False:
+            return output.to_tuple()
+        return output
+
+
+__all__ = [
+    "DecoderAttention",
+    "DecoderForCausalLM",
+    "DecoderLayer",
+    "DecoderMLP",
+    "DecoderModel",
+    "DecoderPreTrainedModel",
+    "DecoderRMSNorm",
+    "DotAttention",
+    "SinusoidFrequencies",
+    "apply_rotary",
+    "rms_normalize",
+    "susie_embedding",
+]

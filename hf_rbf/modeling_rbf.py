@@ -1,0 +1,151 @@
+"""RBF-attention decoder (``model_type="rbf"``): the shared backbone with :class:`RbfAttention` layers.
+
+``softmax_j(-gamma * ||q_i - k_j||^2 + log w_j)`` over learned projections, SuSiE / RoPE / no positions, register
+tokens as the "origin sink" (the RBF blog).  Layers of kind "dot" (:class:`~hf_rbf.modeling_decoder.DotAttention`)
+can be mixed in through ``config.attention_layers``.
+
+PEFT LoRA target modules: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+
+from .attention_rbf import rbf_attention
+from .configuration_rbf import RbfConfig
+from .modeling_decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderModel,
+    DecoderPreTrainedModel,
+    DotAttention,
+    apply_rotary,
+    susie_embedding,
+)
+
+
+class RbfAttention(DecoderAttention):
+    """Scaled RBF attention with learned W_Q, W_K, W_V, W_O (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``).
+
+    Positions (``config.position_embedding_type``): "susie" adds ``susie_weight``-scaled sinusoids to q and k,
+    "rope" rotates them, "none" leaves them.  Register rows get ``register_position`` added instead.  ``gamma`` is
+    ``config.rbf_gamma`` (default ``1 / sqrt(head_dim)``), or ``exp(log_gamma)`` per head when learnable.
+    """
+
+    kind = "rbf"
+
+    def __init__(self, config: RbfConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d, hd = config.hidden_size, self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(d, hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(hd, d, bias=config.attention_bias)
+        self.position_embedding_type = config.position_embedding_type
+        self.normalize = config.rbf_normalize
+        self.gamma_init = config.rbf_gamma if config.rbf_gamma is not None else 1.0 / math.sqrt(self.head_dim)
+        if config.rbf_learnable_gamma:
+            self.log_gamma = nn.Parameter(torch.full((self.num_heads,), math.log(self.gamma_init)))
+        else:
+            self.log_gamma = None
+        if self.position_embedding_type == "susie":
+            self.susie_weight = nn.Parameter(torch.full((self.num_heads, self.head_dim // 2), config.susie_init))
+        else:
+            self.susie_weight = None
+
+    def _init_own_parameters(self) -> None:
+        super()._init_own_parameters()
+        if self.log_gamma is not None:
+            init.constant_(self.log_gamma, math.log(self.gamma_init))
+        if self.susie_weight is not None:
+            init.constant_(self.susie_weight, self.config.susie_init)
+
+    def _project(self, x: torch.Tensor):
+        return self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x)), self._split_heads(self.v_proj(x))
+
+    def _gamma(self):
+        return self.gamma_init if self.log_gamma is None else self.log_gamma.exp()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        register_states: torch.Tensor | None,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        key_log_weights: torch.Tensor | None = None,
+    ):
+        b = hidden_states.shape[0]
+        q, k, v = self._project(hidden_states)
+        cos, sin = position_embeddings
+        if self.position_embedding_type == "susie":
+            pos = susie_embedding(cos, sin, self.susie_weight, q.dtype)
+            q, k = q + pos, k + pos
+        elif self.position_embedding_type == "rope":
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights)
+        gamma = self._gamma()
+
+        register_out = None
+        if self.num_registers > 0:
+            qr, kr, vr = self._project(register_states)
+            qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
+            register_out = rbf_attention(
+                qr, kr, vr, gamma=gamma, causal=True, normalize=self.normalize, backend=self.backend
+            )
+            register_out = self.o_proj(self._merge_heads(register_out))
+            k = torch.cat([kr.expand(b, -1, -1, -1), k], dim=2)
+            v = torch.cat([vr.expand(b, -1, -1, -1), v], dim=2)
+
+        out = rbf_attention(
+            q,
+            k,
+            v,
+            gamma=gamma,
+            causal=True,
+            window=self.window,
+            normalize=self.normalize,
+            key_log_weights=klw,
+            attention_mask=am,
+            num_prefix_keys=self.num_registers,
+            backend=self.backend,
+        )
+        self._note_backend("rbf_attention")
+        return self.o_proj(self._merge_heads(out)), register_out
+
+
+class RbfPreTrainedModel(DecoderPreTrainedModel):
+    """Base class of the RBF family: its config class and its layer kinds ("rbf", "dot")."""
+
+    config_class = RbfConfig
+    attention_classes = {"rbf": RbfAttention, "dot": DotAttention}
+    # PEFT LoRA ``target_modules`` covering every projection of the family (attention of both kinds, SwiGLU MLP).
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class RbfModel(RbfPreTrainedModel, DecoderModel):
+    """The RBF decoder without the LM head (``AutoModel``)."""
+
+
+class RbfForCausalLM(RbfPreTrainedModel, DecoderForCausalLM):
+    """The RBF decoder with its LM head (``AutoModelForCausalLM``)."""
+
+    base_model_class = RbfModel
+
+
+# Remote code: save_pretrained writes these classes into config.json's auto_map and copies this file and its
+# relative imports next to the weights.
+RbfConfig.register_for_auto_class()
+RbfModel.register_for_auto_class("AutoModel")
+RbfForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+__all__ = ["RbfAttention", "RbfForCausalLM", "RbfModel", "RbfPreTrainedModel"]

@@ -1,0 +1,134 @@
+"""Shared fixtures of the model tests: a private HF cache, tiny configs of every family, random-but-sane weights.
+
+HF_HOME / HF_MODULES_CACHE point at a temporary directory *before* transformers is imported (the remote-code module
+cache path is read at import time), so tests that save and load with ``trust_remote_code`` never touch the user's
+cache or another process's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+
+_HF_HOME = tempfile.mkdtemp(prefix="hf_rbf_test_hf_home_")
+os.environ["HF_HOME"] = _HF_HOME
+os.environ["HF_MODULES_CACHE"] = os.path.join(_HF_HOME, "modules")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+# The model tests compare float32 results to 1e-5 and time themselves in a few minutes on 2 cores.
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    initializer_range=0.1,
+    attention_backend="naive",
+)
+
+# (id, family, overrides): the configurations most tests run on.  They cover both families, every position type,
+# normalize on/off, registers 0 and 2, windows ("SSSL") and mixed layer kinds ("dot" layers in both families).
+FAMILY_CASES = [
+    ("rbf-susie-r1", "rbf", dict()),
+    ("rbf-rope-r0", "rbf", dict(position_embedding_type="rope", num_register_tokens=0)),
+    ("rbf-none-nonorm-r2", "rbf", dict(position_embedding_type="none", rbf_normalize=False, num_register_tokens=2)),
+    (
+        "rbf-mixed-window-r2",
+        "rbf",
+        dict(
+            num_hidden_layers=4,
+            attention_layers=["rbf", "dot"],
+            window_pattern="SSL",
+            sliding_window=3,
+            num_register_tokens=2,
+            rbf_learnable_gamma=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    ("gka-rope-r0", "gka", dict()),
+    (
+        "gka-sssl-dot-r2",
+        "gka",
+        dict(
+            num_hidden_layers=4,
+            attention_layers=["gka", "gka", "gka", "dot"],
+            window_pattern="SSSL",
+            sliding_window=3,
+            num_register_tokens=2,
+        ),
+    ),
+    ("gka-none-nonorm-r1", "gka", dict(position_embedding_type="none", gka_feature_norm=False, num_register_tokens=1)),
+]
+
+# A smaller set for the slower generate / Trainer / PEFT tests.
+CORE_CASES = [c for c in FAMILY_CASES if c[0] in ("rbf-susie-r1", "rbf-mixed-window-r2", "gka-sssl-dot-r2")]
+
+
+def make_config(family: str, **overrides):
+    from transformers import AutoConfig
+
+    import hf_rbf  # noqa: F401  (registers the model types)
+
+    kwargs = dict(TINY)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(family, **kwargs)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> torch.nn.Module:
+    """Perturb every parameter (registers, their positions, SuSiE weights, sigmas, norms) so that tests see
+    non-trivial attention patterns instead of the zero / constant initial values."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
+        if name.endswith("log_sigma") or name.endswith("log_gamma"):
+            p.add_(0.3 * noise)
+        elif "norm" in name:
+            p.copy_(1.0 + 0.2 * noise)
+        elif p.dim() >= 2 and "register" not in name and "susie" not in name:
+            p.add_(0.1 * noise)
+        else:
+            p.add_(scale * noise)
+    return model
+
+
+def build_model(family: str, overrides: dict, seed: int = 0, randomize: bool = True):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(family, **overrides))
+    if randomize:
+        randomize_(model, seed=seed)
+    return model.eval()
+
+
+@pytest.fixture(params=FAMILY_CASES, ids=[c[0] for c in FAMILY_CASES])
+def family_case(request):
+    """(case id, family, config overrides) for every configuration in FAMILY_CASES."""
+    return request.param
+
+
+@pytest.fixture(params=CORE_CASES, ids=[c[0] for c in CORE_CASES])
+def core_case(request):
+    """(case id, family, config overrides) for the smaller CORE_CASES set."""
+    return request.param
+
+
+@pytest.fixture
+def hf_home():
+    """The private HF_HOME of this test session."""
+    return _HF_HOME
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_HF_HOME, ignore_errors=True)
