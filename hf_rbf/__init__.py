@@ -11,10 +11,33 @@ from .attention_scalar import scalar_attention
 from .attention_utils import BACKENDS, last_backend
 
 
+# --- GKA vision transformer (geometry helper): config, models and image processor with the Auto classes ---------
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForImageClassification,
+)
+
+from .configuration_gka_vit import GkaVitConfig  # noqa: E402
+from .image_processing_gka_vit import GkaVitImageProcessor  # noqa: E402
+from .modeling_gka_vit import GkaVitForImageClassification, GkaVitModel  # noqa: E402
+
+AutoConfig.register(GkaVitConfig.model_type, GkaVitConfig, exist_ok=True)
+AutoModel.register(GkaVitConfig, GkaVitModel, exist_ok=True)
+AutoModelForImageClassification.register(GkaVitConfig, GkaVitForImageClassification, exist_ok=True)
+AutoImageProcessor.register(GkaVitConfig, slow_image_processor_class=GkaVitImageProcessor, exist_ok=True)
+# --- end GKA vision transformer ---------------------------------------------------------------------------------
+
+
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "GkaVitConfig",
+    "GkaVitForImageClassification",
+    "GkaVitImageProcessor",
+    "GkaVitModel",
     "gka_attention",
     "hybrid_attention",
     "last_backend",
