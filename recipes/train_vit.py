@@ -272,15 +272,15 @@ def parse_args(argv=None):
     ap.add_argument("--progress", action="store_true", help="show the Trainer's progress bars")
     ap.add_argument("--cache-dir", default=None, help="datasets cache (default: $HF_HOME/datasets)")
     ap.add_argument("--quick", action="store_true",
-                    help="CPU quick run: 4000 train / 1000 test images, 1 epoch, batch 64, throughput batch 128")
+                    help="CPU quick run: 5000 train / 1000 test images, 2 epochs, batch 50, throughput batch 128")
     args = ap.parse_args(argv)
     if args.data_dir is None:
         ap.error("--data-dir (or $MNIST_DIR) is required: the folder with the MNIST IDX files")
     if args.quick:
-        args.max_train_samples = args.max_train_samples or 4000
+        args.max_train_samples = args.max_train_samples or 5000
         args.max_eval_samples = args.max_eval_samples or 1000
-        args.epochs = 1
-        args.batch_size = 64
+        args.epochs = 2
+        args.batch_size = 50
         args.throughput_batch_size = 128
         args.logging_steps = 10
     kinds = [k.strip() for k in args.attention_type.split(",") if k.strip()]
