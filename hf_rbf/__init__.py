@@ -26,7 +26,15 @@ from .modeling_gka_vit import GkaVitForImageClassification, GkaVitModel  # noqa:
 AutoConfig.register(GkaVitConfig.model_type, GkaVitConfig, exist_ok=True)
 AutoModel.register(GkaVitConfig, GkaVitModel, exist_ok=True)
 AutoModelForImageClassification.register(GkaVitConfig, GkaVitForImageClassification, exist_ok=True)
-AutoImageProcessor.register(GkaVitConfig, slow_image_processor_class=GkaVitImageProcessor, exist_ok=True)
+try:
+    AutoImageProcessor.register(GkaVitConfig, slow_image_processor_class=GkaVitImageProcessor, exist_ok=True)
+except ImportError as _err:  # transformers 5.17 gates AutoImageProcessor on torchvision; the class itself works
+    import logging as _logging
+
+    _logging.getLogger("hf_rbf").warning(
+        "GkaVitImageProcessor is not registered with AutoImageProcessor (%s); use GkaVitImageProcessor directly",
+        str(_err).strip().splitlines()[0],
+    )
 # --- end GKA vision transformer ---------------------------------------------------------------------------------
 
 

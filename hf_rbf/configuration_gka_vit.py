@@ -1,4 +1,4 @@
-"""Configuration of the GKA vision transformer (DeiT-style ViT with Gaussian Kernel Attention or a dot-product baseline)."""
+"""Configuration of the GKA vision transformer: a DeiT-style ViT with Gaussian Kernel Attention or dot products."""
 
 from __future__ import annotations
 
@@ -88,7 +88,9 @@ class GkaVitConfig(PretrainedConfig):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GkaVitConfig: `{name}` must be a positive int; got {value!r}")
         if image_size % patch_size:
-            raise ValueError(f"GkaVitConfig: `image_size` ({image_size}) must be a multiple of `patch_size` ({patch_size})")
+            raise ValueError(
+                f"GkaVitConfig: `image_size` ({image_size}) must be a multiple of `patch_size` ({patch_size})"
+            )
         if hidden_size % num_attention_heads:
             raise ValueError(
                 f"GkaVitConfig: `hidden_size` ({hidden_size}) must be a multiple of `num_attention_heads` "

@@ -141,8 +141,10 @@ class GkaVitImageProcessor(BaseImageProcessor):
         h, w = size["height"], size["width"]
         if im.shape[:2] == (h, w):
             return im
-        chans = [np.asarray(Image.fromarray(np.ascontiguousarray(im[..., i], dtype=np.float32)).resize((w, h), resample=resample))
-                 for i in range(im.shape[-1])]
+        chans = []
+        for i in range(im.shape[-1]):
+            channel = Image.fromarray(np.ascontiguousarray(im[..., i], dtype=np.float32))  # PIL mode "F"
+            chans.append(np.asarray(channel.resize((w, h), resample=resample)))
         return np.stack(chans, axis=-1)
 
     # --------------------------------------------------------------------------------------------------------

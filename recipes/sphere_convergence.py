@@ -37,6 +37,8 @@ import csv
 import json
 import math
 import os
+import re
+import sys
 import time
 
 import numpy as np
@@ -48,7 +50,6 @@ from hf_rbf.geometry_sphere import (
     equiangular_grid,
     gauss_legendre_grid,
     latlon_grid_from_edges,
-    sphere_points,
 )
 
 
@@ -250,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--gamma", type=float, default=2.0, help="rbf kernel exp(-gamma |x-y|^2)")
     ap.add_argument("--gka-sigma", type=float, default=0.5, help="GKA bandwidth sigma")
     ap.add_argument("--num-queries", type=int, default=256)
+    ap.add_argument("--doc", default=None,
+                    help="also rewrite the <!-- sphere_convergence:start/end --> block of this markdown file")
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -263,12 +266,24 @@ def main(argv=None):
     rows = convergence_table(resolutions, GRID_KINDS, args.gamma, args.gka_sigma, args.num_queries)
     md = to_markdown(rows)
     print(md)
+    text = (
+        f"Max error over {args.num_queries + 7} query points of attention (keys = grid points) against the "
+        f"closed-form spherical kernel average; rbf gamma={args.gamma:g}, GKA sigma={args.gka_sigma:g}, "
+        f"float64.  Closed form checked against a direct quadrature: max diff {check:.1e}.\n\n" + md
+    )
     with open(os.path.join(args.out_dir, "sphere_convergence.md"), "w") as f:
-        f.write(
-            f"Max error over {args.num_queries + 7} query points of attention (keys = grid points) against the "
-            f"closed-form spherical kernel average; rbf gamma={args.gamma:g}, GKA sigma={args.gka_sigma:g}, "
-            f"float64.  Closed form checked against a direct quadrature: max diff {check:.1e}.\n\n" + md
-        )
+        f.write(text)
+    if args.doc:
+        with open(args.doc) as f:
+            doc = f.read()
+        pattern = re.compile(r"(<!-- sphere_convergence:start -->\n).*?(<!-- sphere_convergence:end -->)", re.S)
+        if not pattern.search(doc):
+            raise SystemExit(f"{args.doc} has no <!-- sphere_convergence:start --> ... :end --> block")
+        given = argv if argv is not None else sys.argv[1:]
+        cmd = "PYTHONPATH=$PWD python recipes/sphere_convergence.py " + " ".join(given)
+        doc = pattern.sub(lambda m: m.group(1) + text + f"\nMade by `{cmd}`.\n" + m.group(2), doc, count=1)
+        with open(args.doc, "w") as f:
+            f.write(doc)
     with open(os.path.join(args.out_dir, "sphere_convergence.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()

@@ -235,7 +235,8 @@ def summary_markdown(results: list[dict]) -> str:
 
         rows += (
             f"| {r['attention_type']} ({r['preset']}) | {r['parameters']['total'] / 1e6:.3f} | "
-            f"{r['parameters']['attention'] / 1e6:.3f} | {fmt(r['test_accuracy'] and 100 * r['test_accuracy'], '.2f')} | "
+            f"{r['parameters']['attention'] / 1e6:.3f} | "
+            f"{fmt(None if r['test_accuracy'] is None else 100 * r['test_accuracy'], '.2f')} | "
             f"{r['train_images_per_s']:.0f} | {r['inference']['images_per_s']:.0f} | "
             f"{fmt(r['train_peak_memory_mb'], '.0f')} | {fmt(r['inference'].get('peak_memory_mb'), '.0f')} | "
             f"{r['train_time_s']:.0f} |\n"

@@ -141,6 +141,7 @@ class MnistCollator:
 
         images = np.stack([np.asarray(e["image"], dtype=np.uint8) for e in examples])
         images = random_shift(images, self.max_shift, self._rng())
-        pixel_values = self.image_processor(images, return_tensors="pt")["pixel_values"]
+        # a list of 2-D images is unambiguous (a [3, 28, 28] array could be read as one 3-channel image)
+        pixel_values = self.image_processor(list(images), return_tensors="pt")["pixel_values"]
         labels = torch.tensor([int(e["label"]) for e in examples], dtype=torch.long)
         return {"pixel_values": pixel_values, "labels": labels}

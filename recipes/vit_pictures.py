@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -214,7 +213,8 @@ def make_pictures(model, processor, image: np.ndarray, label: int | None, out_di
             axes[0, qi].set_yticks([])
             _overlay(axes[1, qi], disp, m)
             s = disp.shape[0] / p
-            axes[1, qi].add_patch(Rectangle((c * s - 0.5, r * s - 0.5), s, s, fill=False, edgecolor="cyan", linewidth=2))
+            box = Rectangle((c * s - 0.5, r * s - 0.5), s, s, fill=False, edgecolor="cyan", linewidth=2)
+            axes[1, qi].add_patch(box)
         fig.suptitle(f"layer {li + 1}: head-averaged patch-to-patch attention", fontsize=9)
         _save(fig, os.path.join(out_dir, f"patch_to_patch_layer{li + 1:02d}.png"), files)
 
@@ -271,8 +271,13 @@ def load_model(model_dir: str, trust_remote_code: bool = False):
         processor = GkaVitImageProcessor.from_pretrained(model_dir)
     else:
         from transformers import AutoImageProcessor
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-        processor = AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=True)
+        try:
+            processor = AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=True)
+        except ImportError:  # transformers 5.17 without torchvision: AutoImageProcessor is unusable, the class is not
+            cls = get_class_from_dynamic_module("image_processing_gka_vit.GkaVitImageProcessor", model_dir)
+            processor = cls.from_pretrained(model_dir)
     model = AutoModelForImageClassification.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     return model, processor
 

@@ -18,7 +18,6 @@ import torch
 from hf_rbf import gka_attention, rbf_attention
 from hf_rbf.geometry_measure import log_weights_from_measure
 from hf_rbf.geometry_sphere import (
-    band_areas,
     equiangular_grid,
     gauss_legendre_grid,
     latlon_grid_from_edges,

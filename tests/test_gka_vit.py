@@ -42,6 +42,17 @@ MNIST_DIR = os.environ.get("MNIST_DIR", "/work/shared/data/images/mnist")
 KINDS = ["gka", "dot"]
 
 
+def auto_image_processor_available() -> bool:
+    """transformers 5.17 without torchvision exposes AutoImageProcessor as a dummy that raises on any use."""
+    from transformers import AutoImageProcessor
+
+    try:
+        AutoImageProcessor.from_pretrained  # noqa: B018
+        return True
+    except ImportError:
+        return False
+
+
 @pytest.fixture(autouse=True)
 def _isolated_hf_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
@@ -309,12 +320,22 @@ REMOTE_SCRIPT = textwrap.dedent(
         pass
     import numpy as np, torch
     from transformers import AutoImageProcessor, AutoModel, AutoModelForImageClassification
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    try:
+        AutoImageProcessor.from_pretrained
+        auto_proc = True
+    except ImportError:  # transformers 5.17 without torchvision: load the processor's remote class directly
+        auto_proc = False
     img = np.load(sys.argv[1])
     results = {}
     for d in sys.argv[2:]:
         model = AutoModelForImageClassification.from_pretrained(d, trust_remote_code=True).eval()
         base = AutoModel.from_pretrained(d, trust_remote_code=True)
-        proc = AutoImageProcessor.from_pretrained(d, trust_remote_code=True)
+        if auto_proc:
+            proc = AutoImageProcessor.from_pretrained(d, trust_remote_code=True)
+        else:
+            cls = get_class_from_dynamic_module("image_processing_gka_vit.GkaVitImageProcessor", d)
+            proc = cls.from_pretrained(d)
         x = proc(img, return_tensors="pt")["pixel_values"]
         out = model(pixel_values=x, output_attentions=True)
         results[d] = {"model": type(model).__module__, "base": type(base).__name__, "proc": type(proc).__module__,
@@ -404,7 +425,8 @@ def test_image_processor_round_trip(tmp_path):
     p = GkaVitImageProcessor(num_channels=3, size={"height": 32, "width": 32}, image_mean=[0.5, 0.4, 0.3],
                              image_std=[0.2, 0.2, 0.25], resample=3)
     p.save_pretrained(tmp_path)
-    for loader in (GkaVitImageProcessor, AutoImageProcessor):
+    loaders = [GkaVitImageProcessor] + ([AutoImageProcessor] if auto_image_processor_available() else [])
+    for loader in loaders:
         q = loader.from_pretrained(tmp_path)
         assert type(q) is GkaVitImageProcessor
         for k in ("size", "image_mean", "image_std", "num_channels", "resample", "rescale_factor", "do_normalize"):
@@ -449,8 +471,11 @@ def test_idx_reader_and_datasets_loader(tmp_path):
     assert len(vit_data.load_mnist(d, "test", max_samples=8, cache_dir=str(tmp_path / "cache"))) == 8
     with pytest.raises(FileNotFoundError):
         vit_data.load_mnist(str(tmp_path), "train")
-    batch = vit_data.MnistCollator(GkaVitImageProcessor(), max_shift=2)([ds[i] for i in range(6)])
-    assert batch["pixel_values"].shape == (6, 1, 28, 28) and batch["labels"].dtype == torch.long
+    for n in (6, 3, 1):  # a batch of 3 or 1 must not be read as one 3-channel or one 2-D image
+        batch = vit_data.MnistCollator(GkaVitImageProcessor(), max_shift=2)([ds[i] for i in range(n)])
+        assert batch["pixel_values"].shape == (n, 1, 28, 28) and batch["labels"].dtype == torch.long
+    plain = vit_data.MnistCollator(GkaVitImageProcessor())([ds[i] for i in range(3)])["pixel_values"]
+    np.testing.assert_allclose(plain[2, 0].numpy(), (raw[2] / 255 - 0.1307) / 0.3081, atol=1e-5)
 
 
 @pytest.mark.skipif(not os.path.isdir(MNIST_DIR), reason="the shared MNIST copy is not on this machine")
