@@ -1,15 +1,22 @@
 """Image processor of the GKA vision transformer: channels, resize, rescale, normalise -> ``pixel_values``.
 
-NumPy and PIL only (no torchvision), so it runs wherever transformers does and loads as remote code.
+NumPy, and Pillow for resizing (no torchvision), so it runs wherever transformers does and loads as remote code.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from PIL import Image
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
-from transformers.image_utils import PILImageResampling
 
+
+try:  # Pillow is optional: needed only to resize and to read PIL images (hf_rbf[recipes] installs it)
+    from PIL import Image
+except ImportError:
+    Image = None
+
+
+# PIL's resampling codes (PIL.Image.Resampling): NEAREST 0, LANCZOS 1, BILINEAR 2, BICUBIC 3, BOX 4, HAMMING 5.
+BILINEAR = 2
 
 # MNIST training-set statistics of pixel / 255 (mean 33.32 / 255, std of all pixels).
 MNIST_MEAN = (0.1307,)
@@ -30,7 +37,8 @@ class GkaVitImageProcessor(BaseImageProcessor):
     ``[B, 28, 28]``).
 
     Args:
-        do_resize, size (``{"height": h, "width": w}`` or an int), resample: resizing.
+        do_resize, size (``{"height": h, "width": w}`` or an int), resample: resizing (``resample`` a PIL
+            resampling code, default 2 = bilinear).
         do_rescale, rescale_factor: multiply the pixel values.
         do_normalize, image_mean, image_std: per-channel ``(x - mean) / std`` (one value per output channel, or
             one value for all).  Defaults: the MNIST statistics.
@@ -43,7 +51,7 @@ class GkaVitImageProcessor(BaseImageProcessor):
         self,
         do_resize: bool = True,
         size: dict | int | None = None,
-        resample: int = PILImageResampling.BILINEAR,
+        resample: int = BILINEAR,
         do_rescale: bool = True,
         rescale_factor: float = 1 / 255,
         do_normalize: bool = True,
@@ -98,7 +106,7 @@ class GkaVitImageProcessor(BaseImageProcessor):
             for im in images:
                 out.extend(self._to_list(im))
             return out
-        if isinstance(images, Image.Image):
+        if Image is not None and isinstance(images, Image.Image):
             return [self._hwc(np.asarray(images))]
         if hasattr(images, "detach") and hasattr(images, "cpu"):  # torch.Tensor, without importing torch here
             images = images.detach().cpu().float().numpy()
@@ -141,6 +149,11 @@ class GkaVitImageProcessor(BaseImageProcessor):
         h, w = size["height"], size["width"]
         if im.shape[:2] == (h, w):
             return im
+        if Image is None:
+            raise ImportError(
+                f"GkaVitImageProcessor: resizing {im.shape[1]}x{im.shape[0]} images to {w}x{h} needs Pillow "
+                "(pip install pillow), or pass images of the model's size"
+            )
         chans = []
         for i in range(im.shape[-1]):
             channel = Image.fromarray(np.ascontiguousarray(im[..., i], dtype=np.float32))  # PIL mode "F"

@@ -218,7 +218,7 @@ def train_one(kind: str, args, train_ds, test_ds, out_dir: str) -> dict:
         "log_history": trainer.state.log_history,
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "datasets": __import__("datasets").__version__},
-        "command": " ".join(sys.argv),
+        "command": args.command,
     }
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
@@ -275,6 +275,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="CPU quick run: 5000 train / 1000 test images, 2 epochs, batch 50, throughput batch 128")
     args = ap.parse_args(argv)
+    args.command = "recipes/train_vit.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.data_dir is None:
         ap.error("--data-dir (or $MNIST_DIR) is required: the folder with the MNIST IDX files")
     if args.quick:

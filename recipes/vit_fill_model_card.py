@@ -77,7 +77,14 @@ def results_table(results: list[dict]) -> str:
         "is the forward pass alone at the given batch (after warm-up).  Peak memory is `torch.cuda."
         "max_memory_allocated` (n/a on the CPU).\n"
     )
-    cmds = "".join(f"\n    {r['command']}" for r in results if r.get("command"))
+    commands = []
+    for r in results:
+        c = r.get("command")
+        if c and c.startswith("recipes/"):
+            c = "PYTHONPATH=$PWD python " + c
+        if c and c not in commands:
+            commands.append(c)
+    cmds = "".join(f"\n    {c}" for c in commands)
     gka = next((r for r in results if r["attention_type"] == "gka" and r.get("learned_log_sigma")), None)
     sig = ""
     if gka:

@@ -589,3 +589,21 @@ def test_gzip_helper_is_standard(tmp_path):
     vit_data.write_idx(str(tmp_path / "y.gz"), np.zeros((2, 3), np.uint8))
     with gzip.open(tmp_path / "y.gz") as f:
         assert f.read()[:4] == b"\x00\x00\x08\x02"
+
+
+def test_model_card_is_filled_from_results_files(trained, tmp_path):
+    import vit_fill_model_card
+
+    root, _, results = trained
+    out = tmp_path / "card.md"
+    vit_fill_model_card.main(["--cpu-results", str(root / "out"), "--output", str(out), "--no-accounting",
+                              "--summary", str(tmp_path / "summary.md")])
+    text = out.read_text()
+    block = text.split("<!-- mnist_cpu:start -->")[1].split("<!-- mnist_cpu:end -->")[0]
+    for r in results:
+        assert f"{100 * r['test_accuracy']:.2f}" in block
+        assert f"{r['parameters']['total'] / 1e6:.3f}" in block
+    assert "(not run yet)" in text.split("<!-- mnist_gpu:start -->")[1]  # blocks without a source stay as they are
+    assert (tmp_path / "summary.md").read_text().strip() == block.strip()
+    with pytest.raises(ValueError, match="no <!-- nope:start -->"):
+        vit_fill_model_card.replace_block("text", "nope", "x")
