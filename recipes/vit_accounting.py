@@ -106,14 +106,14 @@ Notes on the comparison (our numbers come from the models; the paper's from its 
    both.  The sigma counts (36, 72, 144 = L x H) agree.
 2. FLOPs agree with the paper's values at 2 FLOPs per multiply-add counting matrix products only (see the script's
    docstring).  The one difference is DeiT-S: the paper's Table 3 says 9.22 G while its Table 2 says 9.20 G for the
-   same model; the matrix-product count is 9.198 G, i.e. Table 2's value.  Elementwise work (softmax, LayerNorm,
-   GELU) would add about 0.5 % and would not explain a 0.02 G difference at S alone.  Counting a multiply-add as
-   one FLOP halves every number (DeiT-Ti 1.25 G "FLOPs", the value in the DeiT paper).
+   same model; the matrix-product count is 9.198 G, i.e. Table 2's value.  Counting elementwise work too (softmax,
+   LayerNorm, GELU: under 1 %) would change every row, not DeiT-S alone, so 9.22 reads as a slip in Table 3.
+   Counting a multiply-add as one FLOP halves every number (DeiT-Ti 1.25 G, the "1.3 GFLOPs" of the DeiT paper).
 3. Checkpoint sizes: ours are the float32 parameter bytes in MiB.  The paper's are 0.0-0.1 MB above ours and
    disagree between its own tables (GKA-Ti 16.8 in Table 2, 16.7 in Table 3; DeiT-B 330.3 / 330.2), consistent
    with file-format overhead or rounding of a measured file size, not with a different parameter count.
 4. GKA's FLOP saving (21-24 %) is smaller than its parameter saving in attention (75 %) because the two N^2 D
-   products (Gram matrix and aggregation) remain, and the MLP (two thirds of the FLOPs) is unchanged.  The paper's
+   products (Gram matrix and aggregation) remain, and the MLP (56-64 % of the FLOPs) is unchanged.  The paper's
    Table 4 shows that the saving does not turn into wall-clock speed without a fused kernel; see the MNIST run.
 5. The Δ columns use unrounded counts.  The paper's Table 2 deltas (Ti -23.4 % params, -21.1 % FLOPs) follow from its
    rounded entries (4.38 / 5.72, 1.98 / 2.51); unrounded they are -23.3 % and -20.9 %.  S and B agree.
