@@ -1,10 +1,19 @@
 """hf_rbf: distance-based attention (RBF, GKA, scalar sort, hybrid) as first-class Hugging Face models.
 
-``import hf_rbf`` exposes the four attention functions and registers every config and model with the
-``transformers`` Auto classes.
+``import hf_rbf`` exposes the attention functions and registers every config and model with the
+``transformers`` Auto classes (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification,
+AutoImageProcessor).
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+import logging as _logging
+
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+)
 
 from .attention_dot import dot_attention
 from .attention_gka import gka_attention
@@ -14,7 +23,11 @@ from .attention_scalar import scalar_attention
 from .attention_utils import BACKENDS, last_backend
 from .configuration_decoder import DecoderConfig
 from .configuration_gka import GkaConfig
+from .configuration_gka_vit import GkaVitConfig
 from .configuration_rbf import RbfConfig
+from .geometry_measure import log_weights_from_measure
+from .geometry_sphere import SphereGrid, equiangular_grid, gauss_legendre_grid, latlon_grid_from_edges
+from .image_processing_gka_vit import GkaVitImageProcessor
 from .modeling_decoder import (
     DecoderAttention,
     DecoderForCausalLM,
@@ -23,12 +36,13 @@ from .modeling_decoder import (
     DotAttention,
 )
 from .modeling_gka import GkaAttention, GkaForCausalLM, GkaModel, GkaPreTrainedModel
+from .modeling_gka_vit import GkaVitForImageClassification, GkaVitModel
 from .modeling_rbf import RbfAttention, RbfForCausalLM, RbfModel, RbfPreTrainedModel
 
 
 __version__ = "0.1.0"
 
-# Model families: (config, base model, causal LM).  exist_ok: re-importing (e.g. after importlib.reload) is harmless.
+# Language-model families: (config, base model, causal LM).  exist_ok: re-importing (e.g. importlib.reload) is harmless.
 _FAMILIES = (
     (RbfConfig, RbfModel, RbfForCausalLM),
     (GkaConfig, GkaModel, GkaForCausalLM),
@@ -37,6 +51,18 @@ for _config, _model, _lm in _FAMILIES:
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
     AutoModel.register(_config, _model, exist_ok=True)
     AutoModelForCausalLM.register(_config, _lm, exist_ok=True)
+
+# The GKA vision transformer.
+AutoConfig.register(GkaVitConfig.model_type, GkaVitConfig, exist_ok=True)
+AutoModel.register(GkaVitConfig, GkaVitModel, exist_ok=True)
+AutoModelForImageClassification.register(GkaVitConfig, GkaVitForImageClassification, exist_ok=True)
+try:
+    AutoImageProcessor.register(GkaVitConfig, slow_image_processor_class=GkaVitImageProcessor, exist_ok=True)
+except ImportError as _err:  # transformers 5.17 gates AutoImageProcessor on torchvision; the class itself works
+    _logging.getLogger("hf_rbf").warning(
+        "GkaVitImageProcessor is not registered with AutoImageProcessor (%s); use GkaVitImageProcessor directly",
+        str(_err).strip().splitlines()[0],
+    )
 
 __all__ = [
     "BACKENDS",
@@ -51,15 +77,24 @@ __all__ = [
     "GkaForCausalLM",
     "GkaModel",
     "GkaPreTrainedModel",
+    "GkaVitConfig",
+    "GkaVitForImageClassification",
+    "GkaVitImageProcessor",
+    "GkaVitModel",
     "RbfAttention",
     "RbfConfig",
     "RbfForCausalLM",
     "RbfModel",
     "RbfPreTrainedModel",
+    "SphereGrid",
     "dot_attention",
+    "equiangular_grid",
+    "gauss_legendre_grid",
     "gka_attention",
     "hybrid_attention",
     "last_backend",
+    "latlon_grid_from_edges",
+    "log_weights_from_measure",
     "rbf_attention",
     "scalar_attention",
 ]
