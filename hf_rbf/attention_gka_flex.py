@@ -1,0 +1,48 @@
+"""Gaussian kernel attention with FlexAttention.
+
+With ``s = 1 / sigma^2``: ``q' = s x_i`` (or the separate ``query``), ``k' = x_j`` and the score_mod adds the
+per-key bias ``-s ||x_j||^2 / 2 + log w_j`` (one captured float32 tensor, indexed once), so flex computes
+``O_i = sum_j K_ij x_j / Z_i`` with ``Z_i = sum_j K_ij`` and returns ``lse_i = log Z_i + s ||x_i||^2 / 2``.
+The paper's ``eps`` then enters exactly: ``sum_j K_ij x_j / (Z_i + eps) = O_i * sigmoid(log Z_i - log eps)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention_flex_utils import flex_reason, key_bias, run_flex, zero_rows_without_live_keys
+from .attention_utils import MaskArgs, compute_dtype
+
+
+def gka_attention_flex(query, x, log_sigma, eps: float, mask: MaskArgs) -> torch.Tensor:
+    """The flex backend of :func:`hf_rbf.gka_attention` (arguments already validated)."""
+    ct = compute_dtype(x.dtype)
+    b, h = x.shape[:2]
+    if isinstance(log_sigma, float):
+        inv_var = inv_var4 = math.exp(-2.0 * log_sigma)
+    else:
+        inv_var = torch.exp(-2.0 * log_sigma.to(ct)).view(1, -1, 1)  # [1, H, 1]
+        inv_var4 = inv_var.unsqueeze(-1)
+    qf = query.to(ct)
+    bias = -0.5 * inv_var * x.to(ct).square().sum(-1)
+    if mask.key_log_weights is not None:
+        bias = bias + mask.key_log_weights.to(ct)
+    bias = key_bias(bias, b, h)
+
+    def score_mod(score, b_idx, h_idx, q_idx, kv_idx):
+        return score + bias[b_idx, h_idx, kv_idx]
+
+    out, lse = run_flex((inv_var4 * qf).to(x.dtype), x, x, score_mod, mask, return_lse=eps > 0)
+    if eps == 0:
+        return zero_rows_without_live_keys(out, mask)
+    log_z = lse.to(ct) - 0.5 * inv_var * qf.square().sum(-1)
+    # Z / (Z + eps) = sigmoid(log Z - log eps); 0 for a row without keys (log Z = -inf)
+    return (out.to(ct) * torch.sigmoid(log_z - math.log(eps)).unsqueeze(-1)).to(x.dtype)
+
+
+def gka_flex_reason(query, x, log_sigma, mask: MaskArgs) -> str | None:
+    """Why :func:`gka_attention_flex` cannot serve a call, or None."""
+    inputs = {"x": x, "query": query, "log_sigma": log_sigma, "key_log_weights": mask.key_log_weights}
+    return flex_reason(x.device, mask, inputs)
