@@ -124,36 +124,53 @@ def block_mask_for(mask: MaskArgs, batch: int, device: torch.device):
     return block_mask
 
 
+def bias_score_mod(bias: torch.Tensor):
+    """``score + bias[b, h, kv]``: a per-key bias ``[B, H, Nk]`` (float32), indexed once (flex can differentiate it)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[b, h, kv_idx]
+
+    return score_mod
+
+
+def _flex_call(q, k, v, block_mask, make_score_mod, captured: tuple, return_lse: bool):
+    # The score_mod closure is built here, inside the compiled region, from tensors that are plain arguments:
+    # a fresh closure passed from outside would make Dynamo guard on (and recompile for) every new function object.
+    score_mod = make_score_mod(*captured)
+    kwargs = {"score_mod": score_mod, "block_mask": block_mask, "scale": 1.0}
+    if not return_lse:
+        return flex_attention(q, k, v, **kwargs), None
+    if AuxRequest is not None:
+        out, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
+        return out, aux.lse
+    return flex_attention(q, k, v, return_lse=True, **kwargs)
+
+
 def _flex_callable(device: torch.device):
     if device.type != "cuda":
-        return flex_attention
+        return _flex_call
     fn = _COMPILED.get("flex")
     if fn is None:
-        fn = _COMPILED["flex"] = torch.compile(flex_attention)
+        fn = _COMPILED["flex"] = torch.compile(_flex_call)
     return fn
 
 
-def run_flex(q, k, v, score_mod, mask: MaskArgs, *, return_lse: bool):
-    """``flex_attention(q, k, v, score_mod, block_mask, scale=1)``; returns ``(out, lse or None)``.
+def run_flex(q, k, v, make_score_mod, captured: tuple, mask: MaskArgs, *, return_lse: bool):
+    """``flex_attention(q, k, v, make_score_mod(*captured), block_mask, scale=1)``; returns ``(out, lse or None)``.
 
-    ``q``/``k``/``v`` are ``[B, H, N, *]`` in one dtype; ``lse`` is the natural-log log-sum-exp ``[B, H, Nq]`` in
-    float32 (float64 for float64 inputs), ``-inf`` for rows without an allowed key.
+    ``q``/``k``/``v`` are ``[B, H, N, *]`` in one dtype; ``make_score_mod`` is a module-level function building the
+    score_mod from the ``captured`` tensors.  ``lse`` is the natural-log log-sum-exp ``[B, H, Nq]`` in float32
+    (float64 for float64 inputs), ``-inf`` for rows without an allowed key.
     """
     if not torch.is_grad_enabled():
         # flex refuses leaf tensors that require grad outside CUDA even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
     block_mask = block_mask_for(mask, q.shape[0], q.device)
     fn = _flex_callable(q.device)
-    kwargs = {"score_mod": score_mod, "block_mask": block_mask, "scale": 1.0}
     with warnings.catch_warnings():
         # eager flex on CPU warns that it materialises the scores: that is the intended CPU path
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        if not return_lse:
-            return fn(q, k, v, **kwargs), None
-        if AuxRequest is not None:
-            out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
-            return out, aux.lse
-        return fn(q, k, v, return_lse=True, **kwargs)
+        return fn(q, k, v, block_mask, make_score_mod, tuple(captured), return_lse)
 
 
 def key_bias(bias: torch.Tensor, batch: int, heads: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .attention_flex_utils import flex_reason, run_flex, zero_rows_without_live_keys
-from .attention_scalar_flex import scalar_score_mod
+from .attention_scalar_flex import scalar_captured, scalar_score_mod
 from .attention_utils import MaskArgs, compute_dtype, expand_value_groups
 
 
@@ -16,8 +16,8 @@ def hybrid_attention_flex(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch.
     h = q.shape[1]
     s = scale if isinstance(scale, float) else scale.to(ct).view(1, -1, 1, 1)
     q_scaled = (s * q.to(ct)).to(q.dtype)
-    score_mod = scalar_score_mod(qs, ks, tau, mask, ct)
-    out, _ = run_flex(q_scaled, k, expand_value_groups(v, h), score_mod, mask, return_lse=False)
+    captured = scalar_captured(qs, ks, tau, mask, ct)
+    out, _ = run_flex(q_scaled, k, expand_value_groups(v, h), scalar_score_mod, captured, mask, return_lse=False)
     return zero_rows_without_live_keys(out, mask)
 
 

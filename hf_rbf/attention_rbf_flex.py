@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_flex_utils import flex_reason, key_bias, run_flex, zero_rows_without_live_keys
+from .attention_flex_utils import bias_score_mod, flex_reason, key_bias, run_flex, zero_rows_without_live_keys
 from .attention_utils import MaskArgs, compute_dtype
 
 
@@ -25,11 +25,7 @@ def rbf_attention_flex(q, k, v, gamma, normalize: bool, mask: MaskArgs) -> torch
     if mask.key_log_weights is not None:
         bias = bias + mask.key_log_weights.to(ct)
     bias = key_bias(bias, b, h)
-
-    def score_mod(score, b_idx, h_idx, q_idx, kv_idx):
-        return score + bias[b_idx, h_idx, kv_idx]
-
-    out, lse = run_flex(q_scaled, k, v, score_mod, mask, return_lse=not normalize)
+    out, lse = run_flex(q_scaled, k, v, bias_score_mod, (bias,), mask, return_lse=not normalize)
     if normalize:
         return zero_rows_without_live_keys(out, mask)
     # lse_i = log sum_j exp(s_ij + gamma ||q_i||^2): remove the row shift; exp(-inf) = 0 for empty rows

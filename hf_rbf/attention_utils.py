@@ -373,7 +373,8 @@ def choose_backend(op: str, requested: str, device: torch.device, candidates: di
     check_backend(op, requested)
     if requested != "auto":
         if requested not in candidates:
-            raise ValueError(f"{op}: backend={requested!r} is not available for this function")
+            available = ", ".join(repr(b) for b in ("auto", *candidates))
+            raise ValueError(f"{op}: backend={requested!r} is not available for this function (available: {available})")
         fn, reason = candidates[requested]
         if reason is not None:
             raise ValueError(f"{op}: backend={requested!r} cannot serve this call: {reason}")
