@@ -51,7 +51,10 @@ def _candidates(qs, ks, v, tau, mask, backend):
     # "triton" (CUDA + triton installed) goes first here once the fused kernels exist.
     return {
         "sdpa": (scalar_attention_sdpa, scalar_sdpa_reason(mask)),
-        "flex": (scalar_attention_flex, flex_auto_reason(v.device, backend) or scalar_flex_reason(qs, ks, v, tau, mask)),
+        "flex": (
+            scalar_attention_flex,
+            flex_auto_reason(v.device, backend) or scalar_flex_reason(qs, ks, v, tau, mask),
+        ),
         "naive": (scalar_attention_naive, None),
     }
 

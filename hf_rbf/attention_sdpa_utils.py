@@ -220,9 +220,7 @@ def padded_sdpa(
             window=mask.window,
             num_prefix_keys=mask.num_prefix_keys + dummy,
             key_log_weights=None,
-            attention_mask=None
-            if mask.attention_mask is None
-            else F.pad(mask.attention_mask, (dummy, 0), value=True),
+            attention_mask=None if mask.attention_mask is None else F.pad(mask.attention_mask, (dummy, 0), value=True),
             nq=nq,
             nk=nk + dummy,
         )

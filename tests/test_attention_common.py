@@ -69,11 +69,21 @@ def test_allowed_key_counts_match_brute_force():
         am = (torch.rand(2, nk, generator=gen) > 0.3).long()
         live = torch.rand(2, 3, nk, generator=gen) > 0.2
         mask = attention_utils.normalize_mask_args(
-            "test", batch=2, heads=3, nq=nq, nk=nk, device=torch.device("cpu"), causal=causal, window=window,
-            num_prefix_keys=prefix, key_log_weights=None, attention_mask=am,
+            "test",
+            batch=2,
+            heads=3,
+            nq=nq,
+            nk=nk,
+            device=torch.device("cpu"),
+            causal=causal,
+            window=window,
+            num_prefix_keys=prefix,
+            key_log_weights=None,
+            attention_mask=am,
         )
-        want = (_positions(nq, nk, causal, window, prefix)[None, None] & am.bool()[:, None, None, :]
-                & live[:, :, None, :]).sum(-1)
+        want = (
+            _positions(nq, nk, causal, window, prefix)[None, None] & am.bool()[:, None, None, :] & live[:, :, None, :]
+        ).sum(-1)
         got = attention_utils.allowed_key_counts(mask, "cpu", key_live=live)
         assert torch.equal(got.expand_as(want), want), (nq, nk, causal, window, prefix)
 
@@ -141,7 +151,12 @@ def test_rbf_softmax_free_large_weights_bfloat16():
     ref = rbf_ref(q, k, v, gamma=0.25, key_log_weights=klw, normalize=False)
     for backend in ("naive", "sdpa"):
         out = hf_rbf.rbf_attention(
-            q.bfloat16(), k.bfloat16(), v.bfloat16(), gamma=0.25, key_log_weights=klw.bfloat16(), normalize=False,
+            q.bfloat16(),
+            k.bfloat16(),
+            v.bfloat16(),
+            gamma=0.25,
+            key_log_weights=klw.bfloat16(),
+            normalize=False,
             backend=backend,
         )
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, backend

@@ -21,7 +21,9 @@ from attention_testing import (
 CASES = {
     "causal-n7-d16": dict(b=2, h=2, nq=7, nk=7, d=16),
     "n1-d24-eps0": dict(b=1, h=2, nq=1, nk=1, d=24, eps=0.0),
-    "full-window3-prefix2-n33-d40-eps0.5": dict(b=2, h=2, nq=33, nk=33, d=40, causal=False, window=3, prefix=2, eps=0.5),
+    "full-window3-prefix2-n33-d40-eps0.5": dict(
+        b=2, h=2, nq=33, nk=33, d=40, causal=False, window=3, prefix=2, eps=0.5
+    ),
     "window1-prefix1-padded-klw-bn-d64": dict(
         b=2, h=2, nq=7, nk=7, d=64, window=1, prefix=1, pad=True, klw="bn", eps=1e-3
     ),
@@ -87,19 +89,27 @@ def test_float64_matches_reference(backend, name):
 @pytest.mark.parametrize("with_query", [False, True])
 def test_gradcheck(backend, with_query):
     """Every differentiable input (x, per-head log_sigma, key_log_weights, query), eps > 0, window and padding."""
-    b, h, n, d = 2, 2, 5, 4
+    b, h, n, d = 2, 2, 4, 3
     x, log_sigma, klw = randn(b, h, n, d, seed=1), randn(h, seed=2, scale=0.2), randn(b, h, n, seed=3, scale=0.3)
     query = randn(b, h, 2, d, seed=4) if with_query else None
-    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     args = [t.requires_grad_() for t in (x, log_sigma, klw) + ((query,) if with_query else ())]
 
     def fn(x, log_sigma, klw, query=None):
         return hf_rbf.gka_attention(
-            x, log_sigma, key_log_weights=klw, window=3, num_prefix_keys=1, attention_mask=mask, eps=0.3,
-            query=query, backend=backend,
+            x,
+            log_sigma,
+            key_log_weights=klw,
+            window=3,
+            num_prefix_keys=1,
+            attention_mask=mask,
+            eps=0.3,
+            query=query,
+            backend=backend,
         )
 
-    assert torch.autograd.gradcheck(fn, args)
+    # full gradcheck of the reference; sdpa (also matched to float64 above) in gradcheck's fast mode
+    assert torch.autograd.gradcheck(fn, args, fast_mode=backend != "naive")
 
 
 def test_eps_is_the_papers_denominator():

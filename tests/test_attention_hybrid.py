@@ -101,21 +101,32 @@ def test_float64_matches_reference(backend, name):
 @pytest.mark.parametrize("backend", ["naive", "sdpa"])
 def test_gradcheck(backend):
     """Every differentiable input (q, k, grouped v, qs, ks, per-token tau, per-head scale, key_log_weights)."""
-    b, h, n, d = 2, 4, 5, 4
-    q, k, v = randn(b, h, n, d, seed=1), randn(b, h, n, d, seed=2), randn(b, 2, n, 3, seed=3)
+    b, h, n, d = 2, 2, 4, 3
+    q, k, v = randn(b, h, n, d, seed=1), randn(b, h, n, d, seed=2), randn(b, 1, n, 2, seed=3)
     qs, ks = randn(b, h, n, seed=4), randn(b, h, n, seed=5)
     tau, scale = rand(b, h, n, seed=6, low=0.4, high=1.2), rand(h, seed=7, low=0.2, high=0.6)
     klw = randn(b, h, n, seed=8, scale=0.3)
-    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     args = [t.requires_grad_() for t in (q, k, v, qs, ks, tau, scale, klw)]
 
     def fn(q, k, v, qs, ks, tau, scale, klw):
         return hf_rbf.hybrid_attention(
-            q, k, v, qs, ks, tau, scale=scale, key_log_weights=klw, window=3, num_prefix_keys=1,
-            attention_mask=mask, backend=backend,
+            q,
+            k,
+            v,
+            qs,
+            ks,
+            tau,
+            scale=scale,
+            key_log_weights=klw,
+            window=3,
+            num_prefix_keys=1,
+            attention_mask=mask,
+            backend=backend,
         )
 
-    assert torch.autograd.gradcheck(fn, args)
+    # full gradcheck of the reference; sdpa (also matched to float64 above) in gradcheck's fast mode
+    assert torch.autograd.gradcheck(fn, args, fast_mode=backend != "naive")
 
 
 def test_zero_scale_is_scalar_attention_and_zero_scalars_are_dot_product():

@@ -22,7 +22,9 @@ CASES = {
     "causal-n7-d24": dict(b=2, h=2, nq=7, nk=7, d=24, dv=24),
     "n1-d16": dict(b=1, h=2, nq=1, nk=1, d=16, dv=8, gamma="head"),
     "full-window3-prefix2-n33-d40": dict(b=2, h=2, nq=33, nk=33, d=40, dv=16, causal=False, window=3, prefix=2),
-    "window1-prefix1-padded-klw-bn-d64": dict(b=2, h=2, nq=7, nk=7, d=64, dv=32, window=1, prefix=1, pad=True, klw="bn"),
+    "window1-prefix1-padded-klw-bn-d64": dict(
+        b=2, h=2, nq=7, nk=7, d=64, dv=32, window=1, prefix=1, pad=True, klw="bn"
+    ),
     "decode3of33-window40-prefix1-klw-bhn-d100": dict(
         b=2, h=3, nq=3, nk=33, d=100, dv=20, window=40, prefix=1, klw="bhn", gamma="head"
     ),
@@ -103,20 +105,29 @@ def test_sdpa_float64_is_exact(name):
 @pytest.mark.parametrize("normalize", [True, False])
 def test_gradcheck(backend, normalize):
     """Every differentiable input (q, k, v, per-head gamma, key_log_weights), with a window, prefix and padding."""
-    b, h, n, d = 2, 2, 5, 4
+    b, h, n, d = 2, 2, 4, 3
     q, k, v = randn(b, h, n, d, seed=1), randn(b, h, n, d, seed=2), randn(b, h, n, 3, seed=3)
     gamma = rand(h, seed=4, low=0.2, high=0.6)
     klw = randn(b, h, n, seed=5, scale=0.3)
-    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     args = [t.requires_grad_() for t in (q, k, v, gamma, klw)]
 
     def fn(q, k, v, gamma, klw):
         return hf_rbf.rbf_attention(
-            q, k, v, gamma=gamma, key_log_weights=klw, window=3, num_prefix_keys=1, attention_mask=mask,
-            normalize=normalize, backend=backend,
+            q,
+            k,
+            v,
+            gamma=gamma,
+            key_log_weights=klw,
+            window=3,
+            num_prefix_keys=1,
+            attention_mask=mask,
+            normalize=normalize,
+            backend=backend,
         )
 
-    assert torch.autograd.gradcheck(fn, args)
+    # full gradcheck of the reference; sdpa (also matched to float64 above) in gradcheck's fast mode
+    assert torch.autograd.gradcheck(fn, args, fast_mode=backend != "naive")
 
 
 def test_sdpa_refuses_unnormalized_float16():

@@ -93,11 +93,11 @@ def test_float64_matches_reference(backend, name):
 @pytest.mark.parametrize("tau_kind", ["head", "token"])
 def test_gradcheck(backend, tau_kind):
     """Every differentiable input (qs, ks, grouped v, tau per head or per token, key_log_weights)."""
-    b, h, n = 2, 4, 5
-    qs, ks, v = randn(b, h, n, seed=1), randn(b, h, n, seed=2), randn(b, 2, n, 3, seed=3)
+    b, h, n = 2, 2, 4
+    qs, ks, v = randn(b, h, n, seed=1), randn(b, h, n, seed=2), randn(b, 1, n, 2, seed=3)
     tau = rand(h, seed=4, low=0.4, high=1.2) if tau_kind == "head" else rand(b, h, n, seed=4, low=0.4, high=1.2)
     klw = randn(b, n, seed=5, scale=0.3)
-    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     args = [t.requires_grad_() for t in (qs, ks, v, tau, klw)]
 
     def fn(qs, ks, v, tau, klw):
@@ -105,4 +105,5 @@ def test_gradcheck(backend, tau_kind):
             qs, ks, v, tau, key_log_weights=klw, window=3, num_prefix_keys=1, attention_mask=mask, backend=backend
         )
 
-    assert torch.autograd.gradcheck(fn, args)
+    # full gradcheck of the reference; sdpa (also matched to float64 above) in gradcheck's fast mode
+    assert torch.autograd.gradcheck(fn, args, fast_mode=backend != "naive")
