@@ -17,6 +17,9 @@ A large scalar term such as ``gamma ||k||^2`` rounded to bfloat16 would carry an
 absolute score errors.  So in float16/bfloat16 every scalar column is split into a high and a low part
 (``t = hi + lo``, both in the input dtype), which keeps about 16 significant bits, as the float32 reference does
 to the precision that matters.  The vector part (``2 gamma q``) is rounded once, like the inputs themselves.
+Gradients are those of SDPA's backward, which (like every flash-style backward) forms ``rowsum(dO * O)`` from the
+output rounded to the input dtype: in half precision that limits the accuracy of gradients of temperature-like
+parameters for queries far from every key they see (see ``tests/attention_testing.py`` for the measured bounds).
 
 Range.  Per-key and per-query biases are clamped to ``[-limit, limit]`` (``1e30``; ``1e6`` in float16, where they
 are also stored divided by ``2^8`` and multiplied back by a constant ``2^8`` column so that they fit the float16
@@ -40,7 +43,7 @@ from .attention_utils import MaskArgs, allowed_key_counts, allowed_mask
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # head-dim multiple that keeps tensor-core kernels on their fast path
 DIM_MULTIPLE = 8
-# flash / cuDNN / memory-efficient kernels need q, k and v of one head dim (up to 256): pad v to the same width
+# the flash and cuDNN kernels need q, k and v of one head dim (up to 256): pad v to the same width where it fits
 MAX_COMMON_DIM = 256
 
 
@@ -57,7 +60,8 @@ def bias_scale(dtype: torch.dtype) -> float:
 def split_columns(t: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
     """``t`` (float32/64) as a sum of columns in ``dtype``: itself, or ``hi + lo`` for float16/bfloat16.
 
-    Gradients stay exact: ``lo = t - hi`` has zero derivative through ``hi``, so ``d(hi + lo)/dt = 1``.
+    Gradients stay exact: the total derivative of ``lo = t - hi`` is ``1 - 1 = 0``, so the gradient reaches ``t``
+    once, through ``hi`` (whose column pairs with the same partner as ``lo``'s).
     """
     hi = t.to(dtype)
     if dtype not in HALF_DTYPES:

@@ -13,7 +13,8 @@ sequence positions (bottom-right alignment, as in a KV-cache decode step): query
 
 ``attention_mask`` is the usual Hugging Face padding mask over the keys, ``[B, Nk]`` with 1 for a real token and 0
 for padding; padded keys get no weight.  ``key_log_weights`` (``[B, Nk]`` or ``[B, H, Nk]``, a batch size of 1
-broadcasts) adds ``log w_j`` to every score of key ``j``.  A query row with no allowed key returns zeros.
+broadcasts) adds ``log w_j`` to every score of key ``j``; a log-weight of ``-inf`` gives the key no weight at all, like
+padding.  A query row with no allowed key (or whose allowed keys all have log-weight ``-inf``) returns zeros.
 """
 
 from __future__ import annotations

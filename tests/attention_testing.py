@@ -18,7 +18,10 @@ about ``u``.  Gradients in half precision get ``64 u``: a flash-style backward (
 ``u P_ij |dO_i| |O_i|`` that does not cancel where ``sum_j P_ij ds_ij/dtheta`` is large (queries far from the keys
 they attend, per-head temperatures summed over rows); the naive reference works in float32 inside and has no such
 term.  float32 gets ``5e-5`` for both: the padding trick expands ``(a - b)^2`` into terms that cancel in float32
-accumulation (about ``1e-5`` at 30-fold input norms).
+accumulation (about ``1e-5`` at 30-fold input norms).  The gradient of a per-head parameter (gamma, log_sigma, scale,
+tau per head) is a sum over all query rows; its error is measured against the norm of the per-row terms
+(:func:`per_row_scales`) when that is larger than the sum, since a sum of rounded terms is accurate relative to its
+terms, not to what is left after they cancel.
 """
 
 from __future__ import annotations
