@@ -203,6 +203,21 @@ def hybrid_ref(q, k, v, qs, ks, tau, *, scale=None, key_log_weights=None, **kw):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def backend_params(cases: dict, flex_half_cases: tuple, serves=lambda backend, dtype, case: True) -> list:
+    """``(backend, dtype, case name)`` parameters: sdpa on every case and dtype; flex on every case in float32 and on
+    ``flex_half_cases`` in half precision (on CPU flex runs torch's eager emulation, slow enough to ration; those
+    cases carry what flex does differently per dtype: the LSE factors, extreme log-weights, padding)."""
+    params = []
+    for backend in ("sdpa", "flex"):
+        for dtype in LOW_DTYPES:
+            for name, case in cases.items():
+                if backend == "flex" and dtype != torch.float32 and name not in flex_half_cases:
+                    continue
+                if serves(backend, dtype, case):
+                    params.append(pytest.param(backend, dtype, name, id=f"{backend}-{str(dtype)[6:]}-{name}"))
+    return params
+
+
 def run_with_grads(fn, inputs: dict, kwargs: dict, upstream: torch.Tensor | None):
     """``fn(**inputs, **kwargs)`` and the gradients of ``sum(out * upstream)`` w.r.t. every tensor in ``inputs``."""
     leaves = {

@@ -7,7 +7,7 @@ import torch
 
 import hf_rbf
 from attention_testing import (
-    LOW_DTYPES,
+    backend_params,
     check_backend,
     extreme_log_weights,
     flex_backward_on_cpu,  # noqa: F401  (fixture)
@@ -62,12 +62,12 @@ def make_inputs(case: dict, seed: int = 0, scale: float = 1.0):
     return inputs, kwargs
 
 
-PARAMS = [
-    pytest.param(backend, dtype, name, id=f"{backend}-{str(dtype)[6:]}-{name}")
-    for backend in ("sdpa", "flex")
-    for dtype in LOW_DTYPES
-    for name in CASES
-]
+FLEX_HALF_CASES = (
+    "full-window3-prefix2-n33-d40-eps0.5",
+    "query-decode3of33-window40-prefix1-klw-bhn-d100",
+    "extreme-log-weights-eps0.2",
+)
+PARAMS = backend_params(CASES, FLEX_HALF_CASES)
 
 
 @pytest.mark.parametrize("backend, dtype, name", PARAMS)

@@ -5,7 +5,7 @@ import torch
 
 import hf_rbf
 from attention_testing import (
-    LOW_DTYPES,
+    backend_params,
     check_backend,
     extreme_log_weights,
     flex_backward_on_cpu,  # noqa: F401  (fixture)
@@ -72,13 +72,8 @@ def _serves(backend, dtype, case) -> bool:
     return not (backend == "sdpa" and dtype == torch.float16 and not case.get("normalize", True))
 
 
-PARAMS = [
-    pytest.param(backend, dtype, name, id=f"{backend}-{str(dtype)[6:]}-{name}")
-    for backend in ("sdpa", "flex")
-    for dtype in LOW_DTYPES
-    for name, case in CASES.items()
-    if _serves(backend, dtype, case)
-]
+FLEX_HALF_CASES = ("extreme-log-weights", "unnormalized-padded-window3", "decode3of33-window40-prefix1-klw-bhn-d100")
+PARAMS = backend_params(CASES, FLEX_HALF_CASES, _serves)
 
 
 @pytest.mark.parametrize("backend, dtype, name", PARAMS)

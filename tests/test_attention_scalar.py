@@ -5,7 +5,7 @@ import torch
 
 import hf_rbf
 from attention_testing import (
-    LOW_DTYPES,
+    backend_params,
     check_backend,
     extreme_log_weights,
     padding_mask,
@@ -62,12 +62,12 @@ def make_inputs(case: dict, seed: int = 0, scale: float = 1.0):
     return inputs, kwargs
 
 
-PARAMS = [
-    pytest.param(backend, dtype, name, id=f"{backend}-{str(dtype)[6:]}-{name}")
-    for backend in ("sdpa", "flex")
-    for dtype in LOW_DTYPES
-    for name in CASES
-]
+FLEX_HALF_CASES = (
+    "full-window3-prefix2-n33-gH-tau-token",
+    "window1-prefix1-padded-klw-bn-g2",
+    "extreme-log-weights-g1",
+)
+PARAMS = backend_params(CASES, FLEX_HALF_CASES)
 
 
 def _scalar(qs, ks, v, tau, **kwargs):
