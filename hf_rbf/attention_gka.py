@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention_gka_flex import gka_attention_flex, gka_flex_reason
+from .attention_gka_sdpa import gka_attention_sdpa, gka_sdpa_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -17,6 +19,7 @@ from .attention_utils import (
     check_tensor,
     choose_backend,
     compute_dtype,
+    flex_auto_reason,
     masked_kernel_average,
     normalize_mask_args,
     per_head_param,
@@ -50,9 +53,14 @@ def gka_attention_naive(
     return out.to(x.dtype)
 
 
-def _candidates(query, x, log_sigma, eps, mask):
+def _candidates(query, x, log_sigma, eps, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    return {"naive": (gka_attention_naive, None)}
+    # "triton" (CUDA + triton installed) goes first here once the fused kernels exist.
+    return {
+        "sdpa": (gka_attention_sdpa, gka_sdpa_reason(mask)),
+        "flex": (gka_attention_flex, flex_auto_reason(x.device, backend) or gka_flex_reason(query, x, log_sigma, mask)),
+        "naive": (gka_attention_naive, None),
+    }
 
 
 def gka_attention(
@@ -111,5 +119,5 @@ def gka_attention(
         attention_mask=attention_mask,
     )
     eps = float(eps)
-    _, fn = choose_backend(OP, backend, x.device, _candidates(query, x, log_sigma, eps, mask))
+    _, fn = choose_backend(OP, backend, x.device, _candidates(query, x, log_sigma, eps, mask, backend))
     return fn(query, x, log_sigma, eps, mask)

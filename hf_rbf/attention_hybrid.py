@@ -11,7 +11,9 @@ import math
 
 import torch
 
-from .attention_scalar import check_grouped_values, expand_value_groups, scalar_scores
+from .attention_scalar import check_grouped_values, scalar_scores
+from .attention_hybrid_flex import hybrid_attention_flex, hybrid_flex_reason
+from .attention_hybrid_sdpa import hybrid_attention_sdpa, hybrid_sdpa_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -20,6 +22,8 @@ from .attention_utils import (
     check_tensor,
     choose_backend,
     compute_dtype,
+    expand_value_groups,
+    flex_auto_reason,
     masked_kernel_average,
     normalize_mask_args,
     per_head_param,
@@ -42,9 +46,15 @@ def hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch
     return out.to(q.dtype)
 
 
-def _candidates(q, k, v, qs, ks, tau, scale, mask):
+def _candidates(q, k, v, qs, ks, tau, scale, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    return {"naive": (hybrid_attention_naive, None)}
+    # "triton" (CUDA + triton installed) goes first here once the fused kernels exist.
+    flex_reason = flex_auto_reason(q.device, backend) or hybrid_flex_reason(q, k, v, qs, ks, tau, scale, mask)
+    return {
+        "sdpa": (hybrid_attention_sdpa, hybrid_sdpa_reason(mask)),
+        "flex": (hybrid_attention_flex, flex_reason),
+        "naive": (hybrid_attention_naive, None),
+    }
 
 
 def hybrid_attention(
@@ -112,5 +122,5 @@ def hybrid_attention(
         key_log_weights=key_log_weights,
         attention_mask=attention_mask,
     )
-    _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, qs, ks, tau, scale, mask))
+    _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, qs, ks, tau, scale, mask, backend))
     return fn(q, k, v, qs, ks, tau, scale, mask)

@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from .attention_rbf_flex import rbf_attention_flex, rbf_flex_reason
+from .attention_rbf_sdpa import rbf_attention_sdpa, rbf_sdpa_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -20,6 +22,7 @@ from .attention_utils import (
     check_tensor,
     choose_backend,
     compute_dtype,
+    flex_auto_reason,
     masked_kernel_average,
     normalize_mask_args,
     per_head_param,
@@ -54,9 +57,14 @@ def rbf_attention_naive(
     return out.to(q.dtype)
 
 
-def _candidates(q, k, v, gamma, normalize, mask):
+def _candidates(q, k, v, gamma, normalize, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    return {"naive": (rbf_attention_naive, None)}
+    # "triton" (CUDA + triton installed) goes first here once the fused kernels exist.
+    return {
+        "sdpa": (rbf_attention_sdpa, rbf_sdpa_reason(q, normalize, mask)),
+        "flex": (rbf_attention_flex, flex_auto_reason(q.device, backend) or rbf_flex_reason(q, k, v, gamma, mask)),
+        "naive": (rbf_attention_naive, None),
+    }
 
 
 def rbf_attention(
@@ -117,5 +125,5 @@ def rbf_attention(
         key_log_weights=key_log_weights,
         attention_mask=attention_mask,
     )
-    _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, gamma, normalize, mask))
+    _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, gamma, normalize, mask, backend))
     return fn(q, k, v, gamma, normalize, mask)

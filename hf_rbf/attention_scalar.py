@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention_scalar_flex import scalar_attention_flex, scalar_flex_reason
+from .attention_scalar_sdpa import scalar_attention_sdpa, scalar_sdpa_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -15,6 +17,8 @@ from .attention_utils import (
     check_tensor,
     choose_backend,
     compute_dtype,
+    expand_value_groups,
+    flex_auto_reason,
     masked_kernel_average,
     normalize_mask_args,
     per_query_param,
@@ -22,12 +26,6 @@ from .attention_utils import (
 
 
 OP = "scalar_attention"
-
-
-def expand_value_groups(v: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[B, G, N, Dv]`` -> ``[B, H, N, Dv]``: head ``h`` reads group ``h // (H // G)``."""
-    groups = v.shape[1]
-    return v if groups == heads else v.repeat_interleave(heads // groups, dim=1)
 
 
 def scalar_scores(qs: torch.Tensor, ks: torch.Tensor, tau, ct: torch.dtype) -> torch.Tensor:
@@ -48,9 +46,17 @@ def scalar_attention_naive(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
     return out.to(v.dtype)
 
 
-def _candidates(qs, ks, v, tau, mask):
+def _candidates(qs, ks, v, tau, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    return {"naive": (scalar_attention_naive, None)}
+    # "triton" (CUDA + triton installed) goes first here once the fused kernels exist.
+    return {
+        "sdpa": (scalar_attention_sdpa, scalar_sdpa_reason(mask)),
+        "flex": (
+            scalar_attention_flex,
+            flex_auto_reason(v.device, backend) or scalar_flex_reason(qs, ks, v, tau, mask),
+        ),
+        "naive": (scalar_attention_naive, None),
+    }
 
 
 def check_grouped_values(op: str, v: torch.Tensor, batch: int, heads: int, nk: int) -> None:
@@ -115,5 +121,5 @@ def scalar_attention(
         key_log_weights=key_log_weights,
         attention_mask=attention_mask,
     )
-    _, fn = choose_backend(OP, backend, qs.device, _candidates(qs, ks, v, tau, mask))
+    _, fn = choose_backend(OP, backend, qs.device, _candidates(qs, ks, v, tau, mask, backend))
     return fn(qs, ks, v, tau, mask)

@@ -13,7 +13,8 @@ sequence positions (bottom-right alignment, as in a KV-cache decode step): query
 
 ``attention_mask`` is the usual Hugging Face padding mask over the keys, ``[B, Nk]`` with 1 for a real token and 0
 for padding; padded keys get no weight.  ``key_log_weights`` (``[B, Nk]`` or ``[B, H, Nk]``, a batch size of 1
-broadcasts) adds ``log w_j`` to every score of key ``j``.  A query row with no allowed key returns zeros.
+broadcasts) adds ``log w_j`` to every score of key ``j``; a log-weight of ``-inf`` gives the key no weight at all, like
+padding.  A query row with no allowed key (or whose allowed keys all have log-weight ``-inf``) returns zeros.
 """
 
 from __future__ import annotations
@@ -253,6 +254,46 @@ def allowed_mask(mask: MaskArgs, device) -> torch.Tensor:
     return allowed
 
 
+def allowed_key_counts(mask: MaskArgs, device, key_live: torch.Tensor | None = None) -> torch.Tensor:
+    """Int ``[B or 1, H or 1, Nq]``: how many keys each query may see, in ``O(B * H * Nk)`` (no ``[Nq, Nk]`` mask).
+
+    A key counts when the positions allow it, ``attention_mask`` marks it real and ``key_live`` (a bool
+    ``[B or 1, H or 1, Nk]``, e.g. ``key_log_weights > -inf``) is true.  Every allowed set is the prefix plus one
+    contiguous range of sequence positions, so a cumulative sum over the keys gives each row's count.
+    """
+    nq, nk, p, w = mask.nq, mask.nk, mask.num_prefix_keys, mask.window
+    live = torch.ones(1, 1, nk, dtype=torch.bool, device=device)
+    if mask.attention_mask is not None:
+        live = live & mask.attention_mask[:, None, :]
+    if key_live is not None:
+        live = live & key_live
+    # cum[..., j] = number of live keys among the first j keys
+    cum = torch.nn.functional.pad(live.to(torch.int32).cumsum(-1), (1, 0))
+    n_seq = nk - p
+    t = torch.arange(nq, device=device) + (n_seq - nq)  # query positions
+    if mask.causal:
+        hi = t
+        lo = t - w + 1 if w is not None else torch.zeros_like(t)
+    else:
+        hi = t + w - 1 if w is not None else torch.full_like(t, n_seq - 1)
+        lo = t - w + 1 if w is not None else torch.zeros_like(t)
+    lo = lo.clamp(min=0)
+    hi = hi.clamp(max=n_seq - 1)
+    nonempty = hi >= lo
+    # keys lo..hi are columns p+lo .. p+hi, so their count is cum[p + hi + 1] - cum[p + lo]
+    end = (p + hi + 1).clamp(0, nk)
+    start = (p + lo).clamp(0, nk)
+    seq_count = cum.index_select(-1, end) - cum.index_select(-1, start)
+    seq_count = torch.where(nonempty, seq_count, torch.zeros_like(seq_count))
+    return cum[..., p : p + 1] + seq_count
+
+
+def expand_value_groups(v: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, G, N, Dv]`` -> ``[B, H, N, Dv]``: head ``h`` reads group ``h // (H // G)``."""
+    groups = v.shape[1]
+    return v if groups == heads else v.repeat_interleave(heads // groups, dim=1)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The precision the reference paths compute in: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -272,6 +313,9 @@ def masked_kernel_average(
     (``eps = 0`` is the softmax); without it ``w_ij = exp(s_ij)``.  Rows without any allowed key give zeros and no NaN,
     in the output or in the gradients.
     """
+    if scores.shape[-1] == 0:
+        # no keys at all: every row is empty; the (zero) product keeps the result in the autograd graph
+        return scores.exp() @ values
     neg_inf = torch.finfo(scores.dtype).min
     scores = scores.masked_fill(~allowed, neg_inf)
     if not normalize:
@@ -313,6 +357,13 @@ def _note_choice(op: str, backend: str, device: torch.device, requested: str, sk
         logger.info("%s: backend=%r on %s (requested %r)%s", op, backend, device.type, requested, why)
 
 
+def flex_auto_reason(device: torch.device, requested: str) -> str | None:
+    """"auto" takes flex only on CUDA: elsewhere flex runs eagerly and materialises the scores (ask for it by name)."""
+    if requested == "auto" and device.type != "cuda":
+        return f"auto uses flex only on CUDA (on {device.type} flex runs eagerly); ask for backend='flex' explicitly"
+    return None
+
+
 def choose_backend(op: str, requested: str, device: torch.device, candidates: dict) -> tuple[str, object]:
     """Pick the implementation.
 
@@ -323,7 +374,8 @@ def choose_backend(op: str, requested: str, device: torch.device, candidates: di
     check_backend(op, requested)
     if requested != "auto":
         if requested not in candidates:
-            raise ValueError(f"{op}: backend={requested!r} is not available for this function")
+            available = ", ".join(repr(b) for b in ("auto", *candidates))
+            raise ValueError(f"{op}: backend={requested!r} is not available for this function (available: {available})")
         fn, reason = candidates[requested]
         if reason is not None:
             raise ValueError(f"{op}: backend={requested!r} cannot serve this call: {reason}")
