@@ -69,7 +69,9 @@ def analytical_flops(cfg: GkaVitConfig) -> int:
 
 
 def account(preset: str, kind: str) -> dict:
-    cfg = GkaVitConfig.from_preset(preset, attention_type=kind)
+    # The materialised "naive" kernel does exactly the paper's matrix products; fused backends (e.g. the SDPA
+    # dimension-padding trick, which pads the head dim to a multiple of 8) would count their padding too.
+    cfg = GkaVitConfig.from_preset(preset, attention_type=kind, gka_backend="naive")
     with torch.device("meta"):
         model = GkaVitForImageClassification(cfg)
         x = torch.empty(1, cfg.num_channels, cfg.image_size, cfg.image_size)
