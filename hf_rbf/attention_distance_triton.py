@@ -65,8 +65,9 @@ def distance_fwd(
         q, k, v, kb, qs, ks, beta, (a32 * LOG2E).contiguous(), (b32 * LOG2E).contiguous(), causal=causal,
         window=window, num_prefix_keys=num_prefix_keys, normalize=normalize, qnorm=qnorm, kv_same=kv_same, eps=eps,
     )
-    if kb is None:
-        kb = torch.empty(0, device=q.device, dtype=torch.float32)
+    # empty placeholders: a custom op returns tensors, and its outputs must not alias each other
+    kb = torch.empty(0, device=q.device, dtype=torch.float32) if kb is None else kb
+    kn = torch.empty(0, device=q.device, dtype=torch.float32) if kn is None else kn
     return out, lse, kb, kn
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention_gka_triton import gka_attention_triton, gka_triton_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -21,6 +22,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_head_param,
 )
+from .kernels_common import triton_last_on_cpu
 
 
 OP = "gka_attention"
@@ -52,7 +54,9 @@ def gka_attention_naive(
 
 def _candidates(query, x, log_sigma, eps, mask):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    return {"naive": (gka_attention_naive, None)}
+    candidates = {"triton": (gka_attention_triton, gka_triton_reason(query, x, log_sigma, eps, mask))}
+    candidates.update({"naive": (gka_attention_naive, None)})
+    return triton_last_on_cpu(candidates, x.device)
 
 
 def gka_attention(

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .attention_hybrid_triton import hybrid_attention_triton, hybrid_triton_reason
 from .attention_scalar import check_grouped_values, expand_value_groups, scalar_scores
 from .attention_utils import (
     MaskArgs,
@@ -25,6 +26,7 @@ from .attention_utils import (
     per_head_param,
     per_query_param,
 )
+from .kernels_common import triton_last_on_cpu
 
 
 OP = "hybrid_attention"
@@ -44,7 +46,9 @@ def hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch
 
 def _candidates(q, k, v, qs, ks, tau, scale, mask):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    return {"naive": (hybrid_attention_naive, None)}
+    candidates = {"triton": (hybrid_attention_triton, hybrid_triton_reason(q, k, v, qs, ks, tau, scale, mask))}
+    candidates.update({"naive": (hybrid_attention_naive, None)})
+    return triton_last_on_cpu(candidates, q.device)
 
 
 def hybrid_attention(

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .attention_rbf_triton import rbf_attention_triton, rbf_triton_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -24,6 +25,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_head_param,
 )
+from .kernels_common import triton_last_on_cpu
 
 
 OP = "rbf_attention"
@@ -56,7 +58,9 @@ def rbf_attention_naive(
 
 def _candidates(q, k, v, gamma, normalize, mask):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    return {"naive": (rbf_attention_naive, None)}
+    candidates = {"triton": (rbf_attention_triton, rbf_triton_reason(q, k, v, gamma, normalize, mask))}
+    candidates.update({"naive": (rbf_attention_naive, None)})
+    return triton_last_on_cpu(candidates, q.device)
 
 
 def rbf_attention(

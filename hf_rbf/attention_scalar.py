@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention_scalar_triton import scalar_attention_triton, scalar_triton_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -19,6 +20,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_query_param,
 )
+from .kernels_common import triton_last_on_cpu
 
 
 OP = "scalar_attention"
@@ -50,7 +52,9 @@ def scalar_attention_naive(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
 
 def _candidates(qs, ks, v, tau, mask):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    return {"naive": (scalar_attention_naive, None)}
+    candidates = {"triton": (scalar_attention_triton, scalar_triton_reason(qs, ks, v, tau, mask))}
+    candidates.update({"naive": (scalar_attention_naive, None)})
+    return triton_last_on_cpu(candidates, v.device)
 
 
 def check_grouped_values(op: str, v: torch.Tensor, batch: int, heads: int, nk: int) -> None:

@@ -53,15 +53,15 @@ def _(qs, ks, v, beta, key_log_weights, attention_mask, causal, window, num_pref
 
 @torch.library.custom_op(f"{_NS}::scalar_bwd", mutates_args=())
 def scalar_bwd(
-    dout: Tensor, qs: Tensor, ks: Tensor, v: Tensor, beta: Tensor, kb: Tensor, out: Tensor, lse: Tensor,
+    dout: Tensor, qs: Tensor, ks: Tensor, v: Tensor, beta: Tensor, kb: Tensor, lse: Tensor,
     causal: bool, window: Optional[int], num_prefix_keys: int, need_dbeta: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return scalar_backward(dout, qs, ks, v, kb if kb.numel() else None, beta, out, lse, causal=causal, window=window,
+    return scalar_backward(dout, qs, ks, v, kb if kb.numel() else None, beta, lse, causal=causal, window=window,
                            num_prefix_keys=num_prefix_keys, need_dbeta=need_dbeta)
 
 
 @scalar_bwd.register_fake
-def _(dout, qs, ks, v, beta, kb, out, lse, causal, window, num_prefix_keys, need_dbeta):
+def _(dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, need_dbeta):
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
     f32 = dict(dtype=torch.float32)
@@ -73,7 +73,7 @@ def _(dout, qs, ks, v, beta, kb, out, lse, causal, window, num_prefix_keys, need
 def _setup_context(ctx, inputs, output):
     qs, ks, v, beta, klw, am, causal, window, num_prefix_keys = inputs
     out, lse, kb = output
-    ctx.save_for_backward(qs, ks, v, beta, out, lse, kb)
+    ctx.save_for_backward(qs, ks, v, beta, lse, kb)  # the backward needs no output (exact delta in-kernel)
     ctx.flags = (causal, window, num_prefix_keys)
     ctx.klw_shape = None if klw is None else tuple(klw.shape)
     ctx.klw_dtype = None if klw is None else klw.dtype
@@ -86,10 +86,10 @@ def _reduce_to(grad: Tensor, shape) -> Tensor:
 
 
 def _backward(ctx, dout, _dlse, _dkb):
-    qs, ks, v, beta, out, lse, kb = ctx.saved_tensors
+    qs, ks, v, beta, lse, kb = ctx.saved_tensors
     causal, window, num_prefix_keys = ctx.flags
     need_qs, need_ks, need_v, need_beta, need_klw = ctx.needs_input_grad[:5]
-    dqs, dks, dv, dkb, dbeta = scalar_bwd(dout, qs, ks, v, beta, kb, out, lse, causal, window, num_prefix_keys,
+    dqs, dks, dv, dkb, dbeta = scalar_bwd(dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys,
                                           bool(need_beta))
     return (
         dqs.to(qs.dtype) if need_qs else None,

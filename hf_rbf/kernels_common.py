@@ -44,7 +44,8 @@ except ImportError:  # the package works without triton; the "triton" backend th
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-MIN_HEAD_DIM = 16
+MIN_HEAD_DIM = 1
+MIN_DOT_DIM = 16  # the smallest tl.dot operand size: smaller head dims are zero-padded to it
 MAX_HEAD_DIM = 256
 
 
@@ -72,7 +73,7 @@ def next_pow2(n: int) -> int:
 
 def padded_dim(d: int) -> int:
     """Head dims are padded (with masked loads) to the next power of two, at least 16 (the smallest tl.dot size)."""
-    return max(MIN_HEAD_DIM, next_pow2(d))
+    return max(MIN_DOT_DIM, next_pow2(d))
 
 
 def n_bucket(n: int) -> int:
@@ -206,6 +207,19 @@ if HAS_TRITON:
             ok = (s + t) == (t + s)  # every position: all True in the broadcast shape
         return ok
 
+    # Triton's CPU interpreter (3.9) computes tl.dot on bfloat16 operands wrongly; there the operands (already
+    # rounded to the input dtype, as on the GPU) are multiplied in fp32 instead.
+    _DOT_UPCAST = tl.constexpr(DEFINED_INTERPRETED)
+
+    @triton.jit
+    def _dot(a, b, acc, DOT_PREC: tl.constexpr):
+        """``tl.dot(a, b, acc)``: tensor-core product with fp32 accumulation (``acc`` may be None)."""
+        if _DOT_UPCAST:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        return out
+
     @triton.jit
     def _load_tile(ptrs, rows_ok, cols, NCOLS: tl.constexpr, NCOLS_PAD: tl.constexpr, ROW_MASK: tl.constexpr):
         """Load a ``[rows, NCOLS_PAD]`` tile, masking the padded head-dim columns and (optionally) the rows."""
@@ -259,12 +273,13 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
     ``k``: keys ``[B, H, Nk, D]`` (read only when ``knorm``); ``coef``: fp32 ``[H]``, the ``b_h`` of ``b_h ||k||^2``
     (natural-log units, negative for a distance);
     ``key_log_weights``: ``[B|1, H|1, Nk]`` or None; ``attention_mask``: bool ``[B, Nk]`` or None.
-    Returns ``(None, empty)`` when there is nothing to add (no norm, no weights, no padding).
+    Returns ``(None, None)`` when there is nothing to add (no norm, no weights, no padding); ``kn`` is an empty
+    tensor unless ``knorm``.
     """
-    device = (k if k is not None else key_log_weights if key_log_weights is not None else attention_mask).device
-    kn = torch.empty(0, device=device, dtype=torch.float32)
     if not knorm and key_log_weights is None and attention_mask is None:
-        return None, kn
+        return None, None
+    device = (k if knorm else key_log_weights if key_log_weights is not None else attention_mask).device
+    kn = torch.empty(0, device=device, dtype=torch.float32)
     kb = torch.empty(batch, heads, nk, device=device, dtype=torch.float32)
     if knorm:
         kn = torch.empty(batch, heads, nk, device=device, dtype=torch.float32)
@@ -297,3 +312,16 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
+
+
+def triton_last_on_cpu(candidates: dict, device: torch.device) -> dict:
+    """Backend order for a family's ``_candidates``: "triton" first on CUDA; on the CPU it goes last.
+
+    On the CPU the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``, for tests), which is far slower
+    than the naive reference, so "auto" must never pick it there; an explicit ``backend="triton"`` still can.
+    """
+    if device.type == "cuda" or "triton" not in candidates:
+        return candidates
+    ordered = {name: entry for name, entry in candidates.items() if name != "triton"}
+    ordered["triton"] = candidates["triton"]
+    return ordered

@@ -44,7 +44,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .kernels_common import _allowed, _key_range, _load_tile, _query_range, _tile_range
+    from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
 
 
 # dK/dV: BLOCK_N stationary keys, BLOCK_M streamed queries.  The Triton tutorial's Hopper choice (128 keys x 32
@@ -131,7 +131,7 @@ if HAS_TRITON:
             else:
                 lse = tl.load(LSE_ptr + offs_m, mask=row_ok, other=float("inf"))
                 delta = tl.load(DELTA_ptr + offs_m, mask=row_ok, other=0.0)
-            sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * a
+            sT = _dot(k, tl.trans(q), None, DOT_PREC) * a
             if HAS_KB:
                 sT += kb[:, None]
             if SCALAR:
@@ -144,13 +144,13 @@ if HAS_TRITON:
                                         | is_prefix)
                 sT = tl.where(ok, sT, float("-inf"))
             pT = tl.math.exp2(sT - lse[None, :])
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
-            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
+            dpT = _dot(v, tl.trans(do), None, DOT_PREC)
             if NORMALIZE:
                 dsT = pT * (dpT - delta[None, :])
             else:
                 dsT = pT * dpT
-            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+            dk = _dot(dsT.to(q.dtype), q, dk, DOT_PREC)
             if HAS_KB:
                 c_acc += tl.sum(dsT, 1)
             if SCALAR:
@@ -259,7 +259,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _dq_tiles(
-        dq, e1, e2, q, do, lse, delta, qs_r, beta_r, t_r,
+        dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r,
         K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
         lo, hi, key_base, bound, a, WINDOW,
         MODE: tl.constexpr,
@@ -275,7 +275,7 @@ if HAS_TRITON:
             j = key_base + offs_n
             col_ok = offs_n < bound
             k = _load_tile(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * a
+            s = _dot(q, tl.trans(k), None, DOT_PREC) * a
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
             if SCALAR:
@@ -292,18 +292,25 @@ if HAS_TRITON:
                 v = k
             else:
                 v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+            dp = _dot(do, tl.trans(v), None, DOT_PREC)
             if NORMALIZE:
                 ds = p * (dp - delta[:, None])
             else:
                 ds = p * dp
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+            dq = _dot(ds.to(k.dtype), k, dq, DOT_PREC)
             if SCALAR:
-                t1 = ds * dd
-                e1 += tl.sum(t1, 1)
+                # Row sums for the scalar-query / temperature gradients with the *exact* delta_i = sum_j W_ij dP_ij
+                # (the dS above uses dO.O with O rounded to the input dtype, which in bf16 costs the temperature
+                # gradient, a sum of cancelling terms, several per cent): sum_j dS_ij d_ij = A1_i - delta_i B1_i.
+                pd = p * dp
+                dacc += tl.sum(pd, 1)
+                a1 += tl.sum(pd * dd, 1)
+                b1 += tl.sum(p * dd, 1)
                 if NEED_DBETA:
-                    e2 += tl.sum(t1 * dd, 1)
-        return dq, e1, e2
+                    dd2 = dd * dd
+                    a2 += tl.sum(pd * dd2, 1)
+                    b2 += tl.sum(p * dd2, 1)
+        return dq, dacc, a1, b1, a2, b2
 
     @triton.jit
     def _distance_bwd_dq_kernel(
@@ -342,31 +349,34 @@ if HAS_TRITON:
             qs_r = tl.zeros([BLOCK_M], dtype=tl.float32)
             beta_r = tl.zeros([BLOCK_M], dtype=tl.float32)
         dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        e1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        e2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        dacc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        a1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         t_r = t0 + offs_m
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + g * svh
         KB_ptr = KB + bh * NK
         KS_ptr = KS + b * sksb + h * sksh
 
-        dq, e1, e2 = _dq_tiles(
-            dq, e1, e2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
+        dq, dacc, a1, b1, a2, b2 = _dq_tiles(
+            dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
             0, P, 0, P, a, WINDOW, 2,
             D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, NEED_DBETA, DOT_PREC)
         t_first = t0 + pid_m * BLOCK_M
         t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
         start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
-        dq, e1, e2 = _dq_tiles(
-            dq, e1, e2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
+        dq, dacc, a1, b1, a2, b2 = _dq_tiles(
+            dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
             start, full_lo, P, S, a, WINDOW, 1,
             D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, NEED_DBETA, DOT_PREC)
-        dq, e1, e2 = _dq_tiles(
-            dq, e1, e2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
+        dq, dacc, a1, b1, a2, b2 = _dq_tiles(
+            dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
             full_lo, full_hi, P, S, a, WINDOW, 0,
             D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, NEED_DBETA, DOT_PREC)
-        dq, e1, e2 = _dq_tiles(
-            dq, e1, e2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
+        dq, dacc, a1, b1, a2, b2 = _dq_tiles(
+            dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
             full_hi, end, P, S, a, WINDOW, 1,
             D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, NEED_DBETA, DOT_PREC)
 
@@ -389,9 +399,11 @@ if HAS_TRITON:
         tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D))
         if SCALAR:
-            tl.store(DQS + bh * NQ + offs_m, -2.0 * beta_r * e1, mask=row_ok)
+            tl.store(DQS + bh * NQ + offs_m, -2.0 * beta_r * (a1 - dacc * b1), mask=row_ok)
             if NEED_DBETA:
-                tl.store(DBETA + bh * NQ + offs_m, -e2, mask=row_ok)
+                tl.store(DBETA + bh * NQ + offs_m, dacc * b2 - a2, mask=row_ok)
+            # the exact delta replaces the rounded one for the dK/dV kernel, which runs after this one
+            tl.store(DELTA + bh * NQ + offs_m, dacc, mask=row_ok)
 
     _BWD_KEY = ["D_PAD", "DV_PAD", "N_BUCKET", "CAUSAL", "HAS_WINDOW", "SCALAR", "NORMALIZE", "KV_SAME"]
     _distance_bwd_dkdv = autotune(make_configs(DKDV_CONFIGS, _INTERPRET_CONFIG_DKDV), _BWD_KEY, _prune_dkdv)(
@@ -468,6 +480,13 @@ def distance_backward(dout, q, k, v, kb, qs, ks, beta, a_log2, b_log2, out, lse,
                   DOT_PREC=dot_precision(q.dtype))
     hpg = heads // groups
     nb = n_bucket(max(nq, nk))
+    grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
+    _distance_bwd_dq[grid_q](
+        *ins, dq, qr, rsq if qnorm else dummy, dqs if scalar else dummy, dbeta if dbeta.numel() else dummy, *strides,
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        heads, hpg, nq, nk, num_prefix_keys, window or 0, math.log2(eps) if eps > 0 else 0.0, nb,
+        D=d, DV=dv_dim, QNORM=qnorm, HAS_EPS=normalize and eps > 0, NEED_DBETA=bool(dbeta.numel()), **common,
+    )
     grid_kv = lambda meta: (  # noqa: E731
         triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
         bsz * groups)
@@ -477,12 +496,5 @@ def distance_backward(dout, q, k, v, kb, qs, ks, beta, a_log2, b_log2, out, lse,
         dk.stride(0), dk.stride(1), dk.stride(2), dvt.stride(0), dvt.stride(1), dvt.stride(2),
         heads, hpg, nq, nk, num_prefix_keys, window or 0, nb,
         D=d, DV_=dv_dim, KNORM=knorm, **common,
-    )
-    grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
-    _distance_bwd_dq[grid_q](
-        *ins, dq, qr, rsq if qnorm else dummy, dqs if scalar else dummy, dbeta if dbeta.numel() else dummy, *strides,
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        heads, hpg, nq, nk, num_prefix_keys, window or 0, math.log2(eps) if eps > 0 else 0.0, nb,
-        D=d, DV=dv_dim, QNORM=qnorm, HAS_EPS=normalize and eps > 0, NEED_DBETA=bool(dbeta.numel()), **common,
     )
     return dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta

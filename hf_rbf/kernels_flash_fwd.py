@@ -46,7 +46,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .kernels_common import _allowed, _key_range, _load_tile
+    from .kernels_common import _allowed, _dot, _key_range, _load_tile
 
 
 # (tile sizes, num_warps, num_stages).  BLOCK_N = 64 with 4 warps is the Triton tutorial's Hopper choice at head dim
@@ -111,7 +111,7 @@ if HAS_TRITON:
             j = key_base + offs_n
             col_ok = offs_n < bound
             k = _load_tile(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * a
+            s = _dot(q, tl.trans(k), None, DOT_PREC) * a
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
             if SCALAR:
@@ -138,7 +138,7 @@ if HAS_TRITON:
                 v = k
             else:
                 v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
         return acc, l_i, m_i
 
     @triton.jit
@@ -353,10 +353,12 @@ def _num_sms(device) -> int:
 
 
 def decode_splits(bsz: int, heads: int, nq: int, span: int, device) -> int:
-    """Split-K count: about two waves of programs over the SMs, each chunk at least 256 keys."""
+    """Split-K count: about two waves of programs over the SMs, each chunk at least 256 keys (32 in the
+    interpreter, so that small test shapes exercise the merge)."""
     rows_blocks = ceil_div(nq, 16)
     want = ceil_div(2 * _num_sms(device), bsz * heads * rows_blocks)
-    return int(max(1, min(want, ceil_div(max(span, 1), 256), 128)))
+    min_chunk = 32 if DEFINED_INTERPRETED else 256
+    return int(max(1, min(want, ceil_div(max(span, 1), min_chunk), 128)))
 
 
 def distance_decode(q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm,

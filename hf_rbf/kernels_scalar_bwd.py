@@ -6,14 +6,19 @@ gradients are row and column sums, not matrix products:
     dqs_i = -2 beta_i sum_j dS_ij (qs_i - ks_j),   dks_j = 2 sum_i dS_ij beta_i (qs_i - ks_j),
     dbeta_i = -sum_j dS_ij (qs_i - ks_j)^2,        dkb_j = sum_i dS_ij  (key log-weights).
 
-Two launches after ``delta`` (``kernels_flash_bwd.bwd_delta``):
+Two launches:
 
+* ``_scalar_bwd_dq_kernel`` (first): one program per stacked query block; its only matrix product is
+  ``dP = dO V^T``.  It computes ``delta_i = sum_j W_ij dP_ij`` *exactly* in fp32 alongside the row sums
+  (``sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j``) instead of FlashAttention's
+  ``dO_i . O_i`` on the rounded output: in bf16 that rounding costs the temperature gradient, a sum of cancelling
+  terms, several per cent, while here it costs two extra row sums.  It writes ``dqs``, ``dbeta`` and ``delta``.
 * ``_scalar_bwd_dkv_kernel``: one program per key block and value group, the group's V tile stationary; the heads
   of the group are visited ``HP`` at a time with their query rows stacked (as in the forward), so ``dV = sum over
   heads and queries of W^T dO`` is one accumulator with no atomics; per-head ``dks``/``dkb`` come from a reshape of
-  the transposed ``[BLOCK_N, HP * BLOCK_M]`` tile.
-* ``_scalar_bwd_dq_kernel``: one program per stacked query block: ``dqs`` and (on request) ``dbeta``.  Its only
-  matrix product is ``dP = dO V^T``.
+  the transposed ``[BLOCK_N, HP * BLOCK_M]`` tile.  It reads the exact ``delta``.
+
+No preprocessing kernel and no saved output are needed.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from .kernels_common import HAS_TRITON, autotune, autotune_enabled, dot_precision, make_configs, n_bucket, padded_dim
-from .kernels_flash_bwd import bwd_delta
 from .kernels_scalar_fwd import heads_per_program, strides3
 
 
@@ -29,7 +33,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .kernels_common import _allowed, _key_range, _load_tile, _query_range, _tile_range
+    from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
 
 
 # dV: BLOCK_N stationary keys x ROWS streamed stacked query rows.
@@ -112,8 +116,8 @@ if HAS_TRITON:
                                         | is_prefix)
                 sT = tl.where(ok, sT, float("-inf"))
             pT = tl.math.exp2(sT - lse[None, :])
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
-            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
+            dpT = _dot(v, tl.trans(do), None, DOT_PREC)
             dsT = pT * (dpT - delta[None, :])
             dks += _per_head_colsum(dsT * dd * beta[None, :], HP, BLOCK_M, BLOCK_N)
             if HAS_KB:
@@ -196,7 +200,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _scalar_dq_tiles(
-        e1, e2, qs_r, beta_r, lse, delta, do, t_r,
+        dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r,
         KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
         lo, hi, key_base, bound, WINDOW,
         MODE: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -223,12 +227,16 @@ if HAS_TRITON:
                 s = tl.where(col_ok[None, :], s, float("-inf"))
             p = tl.math.exp2(s - lse[:, None])
             v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-            t1 = p * (dp - delta[:, None]) * dd
-            e1 += tl.sum(t1, 1)
+            dp = _dot(do, tl.trans(v), None, DOT_PREC)
+            pd = p * dp
+            dacc += tl.sum(pd, 1)
+            a1 += tl.sum(pd * dd, 1)
+            b1 += tl.sum(p * dd, 1)
             if NEED_DBETA:
-                e2 += tl.sum(t1 * dd, 1)
-        return e1, e2
+                dd2 = dd * dd
+                a2 += tl.sum(pd * dd2, 1)
+                b2 += tl.sum(p * dd2, 1)
+        return dacc, a1, b1, a2, b2
 
     @triton.jit
     def _scalar_bwd_dq_kernel(
@@ -256,36 +264,40 @@ if HAS_TRITON:
         qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
         beta_r = tl.load(BETA + b * sbb + h_r * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
         lse = tl.load(LSE + (b * H + h_r) * NQ + i, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + (b * H + h_r) * NQ + i, mask=row_ok, other=0.0)
         do = _load_tile(DO + b * sdob + h_r[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :], row_ok, offs_dv,
                         DV, DV_PAD, True)
         t_r = t0 + i
-        e1 = tl.zeros([ROWS], dtype=tl.float32)
-        e2 = tl.zeros([ROWS], dtype=tl.float32)
+        dacc = tl.zeros([ROWS], dtype=tl.float32)
+        a1 = tl.zeros([ROWS], dtype=tl.float32)
+        b1 = tl.zeros([ROWS], dtype=tl.float32)
+        a2 = tl.zeros([ROWS], dtype=tl.float32)
+        b2 = tl.zeros([ROWS], dtype=tl.float32)
         KS_ptr = KS + b * sksb + h0 * sksh
         V_ptr = V + b * svb + g * svh
         KB_ptr = KB + (b * H + h0) * NK
-        e1, e2 = _scalar_dq_tiles(
-            e1, e2, qs_r, beta_r, lse, delta, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
+        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
+            dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
             0, P, 0, P, WINDOW, 2, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, NEED_DBETA, DOT_PREC)
         t_first = t0 + pid_m * BLOCK_M
         t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
         start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
-        e1, e2 = _scalar_dq_tiles(
-            e1, e2, qs_r, beta_r, lse, delta, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
+        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
+            dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
             start, full_lo, P, S, WINDOW, 1, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, NEED_DBETA,
             DOT_PREC)
-        e1, e2 = _scalar_dq_tiles(
-            e1, e2, qs_r, beta_r, lse, delta, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
+        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
+            dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
             full_lo, full_hi, P, S, WINDOW, 0, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB,
             NEED_DBETA, DOT_PREC)
-        e1, e2 = _scalar_dq_tiles(
-            e1, e2, qs_r, beta_r, lse, delta, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
+        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
+            dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
             full_hi, end, P, S, WINDOW, 1, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, NEED_DBETA,
             DOT_PREC)
-        tl.store(DQS + (b * H + h_r) * NQ + i, -2.0 * beta_r * e1, mask=row_ok)
+        # sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j with the exact delta_i = sum_j W_ij dP_ij
+        tl.store(DQS + (b * H + h_r) * NQ + i, -2.0 * beta_r * (a1 - dacc * b1), mask=row_ok)
         if NEED_DBETA:
-            tl.store(DBETA + (b * H + h_r) * NQ + i, -e2, mask=row_ok)
+            tl.store(DBETA + (b * H + h_r) * NQ + i, dacc * b2 - a2, mask=row_ok)
+        tl.store(DELTA + (b * H + h_r) * NQ + i, dacc, mask=row_ok)
 
     _SCALAR_BWD_KEY = ["DV_PAD", "HP", "N_BUCKET", "CAUSAL", "HAS_WINDOW"]
     _scalar_bwd_dkv = autotune(make_configs(SCALAR_DKV_CONFIGS, _INTERPRET_DKV), _SCALAR_BWD_KEY, _make_prune("BLOCK_N"))(
@@ -296,7 +308,7 @@ if HAS_TRITON:
     )
 
 
-def scalar_backward(dout, qs, ks, v, kb, beta, out, lse, *, causal, window, num_prefix_keys, need_dbeta):
+def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefix_keys, need_dbeta):
     """Gradients of :func:`kernels_scalar_fwd.scalar_forward`.
 
     Returns ``dqs [B,H,Nq]``, ``dks [B,H,Nk]`` (fp32), ``dv [B,G,Nk,Dv]`` (v's dtype), ``dkb [B,H,Nk]`` (fp32,
@@ -316,23 +328,23 @@ def scalar_backward(dout, qs, ks, v, kb, beta, out, lse, *, causal, window, num_
     dbeta = torch.empty(bsz, heads, nq, **f32) if need_dbeta else torch.empty(0, **f32)
     if nq == 0 or nk == 0:
         return dqs.zero_(), dks.zero_(), dv.zero_(), dkb.zero_(), dbeta.zero_()
-    delta = bwd_delta(out, dout)
+    delta = torch.empty(bsz, heads, nq, **f32)  # written by the dqs kernel (exact delta), read by the dV kernel
     common = dict(DV_PAD=padded_dim(dv_dim), HP=hp, CAUSAL=causal, HAS_WINDOW=window is not None,
                   HAS_KB=kb is not None, DOT_PREC=dot_precision(v.dtype))
     sizes = (heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)))
     s_in = (*strides3(qs, bsz, heads, nq), *strides3(ks, bsz, heads, nk), v.stride(0), v.stride(1), v.stride(2),
             *strides3(beta, bsz, heads, nq), dout.stride(0), dout.stride(1), dout.stride(2))
     kbt = kb if kb is not None else lse
+    grid_q = lambda meta: (triton.cdiv(nq, meta["ROWS"] // hp), bsz * (heads // hp))  # noqa: E731
+    _scalar_bwd_dq[grid_q](
+        qs, ks, v, kbt, beta, dout, lse, delta, dqs, dbeta if need_dbeta else dqs,
+        *s_in, *sizes, DV=dv_dim, NEED_DBETA=need_dbeta, **common,
+    )
     grid_kv = lambda meta: (  # noqa: E731
         triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
         bsz * groups)
     _scalar_bwd_dkv[grid_kv](
         qs, ks, v, kbt, beta, dout, lse, delta, dv, dks, dkb if kb is not None else dks,
         *s_in, dv.stride(0), dv.stride(1), dv.stride(2), *sizes, DV_=dv_dim, **common,
-    )
-    grid_q = lambda meta: (triton.cdiv(nq, meta["ROWS"] // hp), bsz * (heads // hp))  # noqa: E731
-    _scalar_bwd_dq[grid_q](
-        qs, ks, v, kbt, beta, dout, lse, delta, dqs, dbeta if need_dbeta else dqs,
-        *s_in, *sizes, DV=dv_dim, NEED_DBETA=need_dbeta, **common,
     )
     return dqs, dks, dv, dkb, dbeta

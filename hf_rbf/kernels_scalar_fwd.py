@@ -22,7 +22,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .kernels_common import _allowed, _key_range, _load_tile
+    from .kernels_common import _allowed, _dot, _key_range, _load_tile
 
 
 # ROWS = stacked query rows (HP heads x BLOCK_M queries).  128 rows x 64 keys with 4 warps mirrors the flash
@@ -102,7 +102,7 @@ if HAS_TRITON:
             acc = acc * alpha[:, None]
             m_i = m_new
             v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
         return acc, l_i, m_i
 
     @triton.jit
