@@ -178,10 +178,12 @@ def distance_decode_op(
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2]
     a32, b32 = a.float(), b.float()
-    kb, _ = key_bias(k, b32.contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm)
+    # key norms inside the decode kernel (knorm): only the weights / padding go through the key-bias pass
+    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
     return distance_decode(
         q, k, v, kb, qs, ks, beta, (a32 * LOG2E).contiguous(), (b32 * LOG2E).contiguous(), causal=causal,
-        window=window, num_prefix_keys=num_prefix_keys, normalize=normalize, qnorm=qnorm, kv_same=kv_same, eps=eps,
+        window=window, num_prefix_keys=num_prefix_keys, normalize=normalize, qnorm=qnorm, knorm=knorm,
+        kv_same=kv_same, eps=eps,
     )
 
 

@@ -93,11 +93,11 @@ if HAS_TRITON:
     def _fwd_tiles(
         acc, l_i, m_i, q, qs_r, beta_r, t_r,
         K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-        lo, hi, key_base, bound, a, WINDOW,
+        lo, hi, key_base, bound, a, kn_coef, WINDOW,
         MODE: tl.constexpr,
         D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr, SCALAR: tl.constexpr,
-        NORMALIZE: tl.constexpr, KV_SAME: tl.constexpr, DOT_PREC: tl.constexpr,
+        NORMALIZE: tl.constexpr, KV_SAME: tl.constexpr, KNORM_INLINE: tl.constexpr, DOT_PREC: tl.constexpr,
     ):
         """Key tiles ``lo .. hi`` (indices ``key_base + n``, valid below ``bound``).
 
@@ -114,6 +114,11 @@ if HAS_TRITON:
             s = _dot(q, tl.trans(k), None, DOT_PREC) * a
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
+            if KNORM_INLINE:
+                # decode: the key norms come from the tile already loaded (memory-bound, so this is free, while a
+                # separate key-norm pass would read the whole cache a second time)
+                kf = k.to(tl.float32)
+                s += (tl.sum(kf * kf, 1) * kn_coef)[None, :]
             if SCALAR:
                 ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
                 dd = qs_r[:, None] - ks[None, :]
@@ -150,7 +155,7 @@ if HAS_TRITON:
         D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr, QNORM: tl.constexpr,
         SCALAR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_EPS: tl.constexpr, KV_SAME: tl.constexpr,
-        SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+        SPLIT: tl.constexpr, KNORM_INLINE: tl.constexpr, DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -173,9 +178,10 @@ if HAS_TRITON:
         else:
             qs_r = tl.zeros([BLOCK_M], dtype=tl.float32)
             beta_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+        kn_coef = tl.load(BC + h)  # b_h * log2(e): the key-norm coefficient (used here only with KNORM_INLINE)
         if QNORM:
             qf = q.to(tl.float32)
-            r = tl.sum(qf * qf, 1) * tl.load(BC + h)
+            r = tl.sum(qf * qf, 1) * kn_coef
         else:
             r = tl.zeros([BLOCK_M], dtype=tl.float32)
         if NORMALIZE:
@@ -197,8 +203,8 @@ if HAS_TRITON:
             prefix_hi = tl.where(tl.program_id(2) == 0, P, 0)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            0, prefix_hi, 0, P, a, WINDOW, 2,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, DOT_PREC)
+            0, prefix_hi, 0, P, a, kn_coef, WINDOW, 2,
+            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC)
 
         t_first = t0 + pid_m * BLOCK_M
         t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
@@ -213,16 +219,16 @@ if HAS_TRITON:
             full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            start, full_lo, P, S, a, WINDOW, 1,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, DOT_PREC)
+            start, full_lo, P, S, a, kn_coef, WINDOW, 1,
+            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            full_lo, full_hi, P, S, a, WINDOW, 0,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, DOT_PREC)
+            full_lo, full_hi, P, S, a, kn_coef, WINDOW, 0,
+            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            full_hi, end, P, S, a, WINDOW, 1,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, DOT_PREC)
+            full_hi, end, P, S, a, kn_coef, WINDOW, 1,
+            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC)
 
         if HAS_EPS:
             e = LOG2_EPS - r  # log2 of the eps term, relative to the scores without r
@@ -315,11 +321,11 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_k
     return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta, scalars
 
 
-def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same):
+def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False):
     return dict(
         D=d, DV=dv, D_PAD=padded_dim(d), DV_PAD=padded_dim(dv), CAUSAL=causal, HAS_WINDOW=window is not None,
         HAS_KB=kb is not None, QNORM=qnorm, SCALAR=qs is not None, NORMALIZE=normalize,
-        HAS_EPS=normalize and eps > 0, KV_SAME=kv_same, DOT_PREC=dot_precision(q.dtype),
+        HAS_EPS=normalize and eps > 0, KV_SAME=kv_same, KNORM_INLINE=knorm_inline, DOT_PREC=dot_precision(q.dtype),
     )
 
 
@@ -341,14 +347,14 @@ def distance_forward(q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, windo
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
     _distance_fwd[grid](
         *tensors, out, lse, lse, lse, *strides, out.stride(0), out.stride(1), out.stride(2), *sstrides, *scalars,
-        SPLIT=False, **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same),
+        SPLIT=False, **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False),
     )
     return out, lse
 
 
 def _num_sms(device) -> int:
     if device.type != "cuda":
-        return 4
+        return 16  # the CPU interpreter: a nominal count under which the small test shapes split their key range
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -362,8 +368,12 @@ def decode_splits(bsz: int, heads: int, nq: int, span: int, device) -> int:
 
 
 def distance_decode(q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm,
-                    kv_same, eps):
-    """Forward for a few query rows (a decode step) with the key range split over programs; output only."""
+                    knorm, kv_same, eps):
+    """Forward for a few query rows (a decode step) with the key range split over programs; output only.
+
+    ``kb`` here holds only key log-weights and padding (or is None): with ``knorm`` the key norms are computed from
+    the key tiles inside the kernel.
+    """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
         q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps)
     out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
@@ -376,7 +386,7 @@ def distance_decode(q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window
     lp = torch.empty_like(mp)
     erow = torch.empty(bsz * heads, nq, device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, n_split)  # noqa: E731
-    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same)
+    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=knorm)
     _distance_decode[grid](
         *tensors, acc, mp, lp, erow, *strides, 0, 0, 0, *sstrides, *scalars, SPLIT=True, **flags,
     )
