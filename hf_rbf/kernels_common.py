@@ -125,9 +125,19 @@ def shared_memory_fits(block_rows: int, block_cols: int, d_pad: int, dv_pad: int
 def autotune(configs, key, prune):
     """``triton.autotune`` with our pruning; ``cache_results`` (persist choices on disk) where this triton has it."""
     kwargs = {"configs": configs, "key": key, "prune_configs_by": {"early_config_prune": prune}}
-    if "cache_results" in inspect.signature(triton.autotune).parameters:
+    params = inspect.signature(triton.autotune).parameters
+    if "cache_results" in params:
         kwargs["cache_results"] = True
+    # short timing runs per config (the default 25 + 100 ms per config adds up over dozens of keys)
+    if "do_bench" in params:
+        kwargs["do_bench"] = _quick_bench
+    else:
+        kwargs.update(warmup=5, rep=25)
     return triton.autotune(**kwargs)
+
+
+def _quick_bench(fn, quantiles=None, **kwargs):
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
 if HAS_TRITON:
@@ -245,7 +255,7 @@ if HAS_TRITON:
     ):
         """kb_j = log2(e) * (b_h * ||k_j||^2 + log w_j), -inf for padded keys; kn_j = ||k_j||^2 (fp32)."""
         pid = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)
         b = bh // H
         h = bh % H
         offs = pid * BLOCK + tl.arange(0, BLOCK)

@@ -92,7 +92,7 @@ if HAS_TRITON:
     def _bwd_preprocess_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, NQ,
                                DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)
         b = bh // H
         h = bh % H
         offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -170,7 +170,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
-        bg = tl.program_id(1)
+        bg = tl.program_id(1).to(tl.int64)
         G = H // HPG
         b = bg // G
         g = bg % G
@@ -326,7 +326,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)
         b = bh // H
         h = bh % H
         g = h // HPG

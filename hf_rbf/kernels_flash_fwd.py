@@ -160,8 +160,8 @@ if HAS_TRITON:
     ):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b = (bh // H).to(tl.int64)  # 64-bit offsets: a 1M-token cache overflows int32 strides
+        h = (bh % H).to(tl.int64)
         g = h // HPG
         S = NK - P  # sequence keys
         t0 = S - NQ  # position of query row 0 (bottom-right alignment)
@@ -263,7 +263,7 @@ if HAS_TRITON:
     ):
         """Merge the split-K partial results of one query row: the same finalisation as the forward kernel."""
         row = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)
         b = bh // H
         h = bh % H
         offs_s = tl.arange(0, SPLIT_PAD)

@@ -135,7 +135,7 @@ if HAS_TRITON:
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
         pid_n = tl.program_id(0)
-        bg = tl.program_id(1)
+        bg = tl.program_id(1).to(tl.int64)
         G = H // HPG
         b = bg // G
         g = bg % G
@@ -249,7 +249,7 @@ if HAS_TRITON:
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
         pid_m = tl.program_id(0)
-        pid_c = tl.program_id(1)
+        pid_c = tl.program_id(1).to(tl.int64)
         n_chunks = H // HP
         b = pid_c // n_chunks
         h0 = (pid_c % n_chunks) * HP

@@ -116,7 +116,7 @@ if HAS_TRITON:
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
         pid_m = tl.program_id(0)
-        pid_c = tl.program_id(1)
+        pid_c = tl.program_id(1).to(tl.int64)
         n_chunks = H // HP
         b = pid_c // n_chunks
         h0 = (pid_c % n_chunks) * HP
