@@ -68,6 +68,7 @@ _INTERPRET_CONFIG_DQ = ({"BLOCK_M": 16, "BLOCK_N": 16}, 1, 1)
 
 def _make_prune(rows_key, cols_key, acc_cols):
     def prune(configs, nargs, **kwargs):
+        nargs = {**nargs, **kwargs}  # triton 3.6 passes the constexpr arguments separately
         d_pad, dv_pad = nargs["D_PAD"], nargs["DV_PAD"]
         el = nargs["Q"].element_size()
         out = []
@@ -178,13 +179,15 @@ if HAS_TRITON:
         t0 = S - NQ
         n_prefix_blocks = tl.cdiv(P, BLOCK_N)
         is_prefix = pid_n < n_prefix_blocks
+        ip = tl.minimum(n_prefix_blocks - pid_n, 1)
+        ip = tl.maximum(ip, 0)  # 1 for a prefix key block, else 0 (integer select: a scalar tl.where is not 0-d in triton 3.6's interpreter)
         # key tiles never straddle the prefix boundary: prefix blocks first, then sequence blocks from key P
-        s0 = tl.where(is_prefix, pid_n * BLOCK_N - P, (pid_n - n_prefix_blocks) * BLOCK_N)
+        s0 = ip * (pid_n * BLOCK_N - P) + (1 - ip) * ((pid_n - n_prefix_blocks) * BLOCK_N)
         j0 = P + s0
         offs_n = tl.arange(0, BLOCK_N)
         j = j0 + offs_n
         s_k = s0 + offs_n
-        key_ok = j < tl.where(is_prefix, P, NK)
+        key_ok = j < ip * P + (1 - ip) * NK
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
 
@@ -192,10 +195,10 @@ if HAS_TRITON:
         s_last = tl.minimum(s0 + BLOCK_N, S) - 1
         q_start, q_full_lo, q_full_hi, q_end = _query_range(s0, s_last, t0, NQ, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M)
         p_start, p_full_lo, p_full_hi, p_end = _tile_range(0, 0, NQ - 1, NQ - 1, NQ, BLOCK_M)
-        q_start = tl.where(is_prefix, p_start, q_start)
-        q_full_lo = tl.where(is_prefix, p_full_lo, q_full_lo)
-        q_full_hi = tl.where(is_prefix, p_full_hi, q_full_hi)
-        q_end = tl.where(is_prefix, p_end, q_end)
+        q_start = ip * p_start + (1 - ip) * q_start
+        q_full_lo = ip * p_full_lo + (1 - ip) * q_full_lo
+        q_full_hi = ip * p_full_hi + (1 - ip) * q_full_hi
+        q_end = ip * p_end + (1 - ip) * q_end
 
         if not KV_SAME:
             v = _load_tile(V + b * svb + g * svh + j[:, None] * svn + offs_dv[None, :], key_ok, offs_dv, DV_, DV_PAD,

@@ -81,6 +81,7 @@ def _fits(cfg, nargs, rows_key="BLOCK_M", cols_key="BLOCK_N") -> bool:
 
 
 def _prune_fwd(configs, nargs, **kwargs):
+    nargs = {**nargs, **kwargs}  # triton 3.6 passes the constexpr arguments separately
     fitting = [c for c in configs if _fits(c, nargs)] or configs[-1:]
     if nargs["NQ"] <= 64:
         fitting = [c for c in fitting if c.kwargs["BLOCK_M"] <= 64] or fitting
@@ -200,7 +201,7 @@ if HAS_TRITON:
         # the prefix (register tokens / sinks): visible to every query; split 0 owns it in decode
         prefix_hi = P
         if SPLIT:
-            prefix_hi = tl.where(tl.program_id(2) == 0, P, 0)
+            prefix_hi = P - P * tl.minimum(tl.program_id(2), 1)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
             0, prefix_hi, 0, P, a, kn_coef, WINDOW, 2,

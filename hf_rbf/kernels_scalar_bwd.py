@@ -56,6 +56,7 @@ _INTERPRET_DQ = ({"ROWS": 32, "BLOCK_N": 16}, 1, 1)
 
 def _make_prune(acc_rows_key):
     def prune(configs, nargs, **kwargs):
+        nargs = {**nargs, **kwargs}  # triton 3.6 passes the constexpr arguments separately
         hp, dv_pad = nargs["HP"], nargs["DV_PAD"]
         out = []
         for c in configs:
@@ -143,21 +144,23 @@ if HAS_TRITON:
         t0 = S - NQ
         n_prefix_blocks = tl.cdiv(P, BLOCK_N)
         is_prefix = pid_n < n_prefix_blocks
-        s0 = tl.where(is_prefix, pid_n * BLOCK_N - P, (pid_n - n_prefix_blocks) * BLOCK_N)
+        ip = tl.minimum(n_prefix_blocks - pid_n, 1)
+        ip = tl.maximum(ip, 0)  # 1 for a prefix key block, else 0 (integer select: a scalar tl.where is not 0-d in triton 3.6's interpreter)
+        s0 = ip * (pid_n * BLOCK_N - P) + (1 - ip) * ((pid_n - n_prefix_blocks) * BLOCK_N)
         offs_n = tl.arange(0, BLOCK_N)
         j = P + s0 + offs_n
         s_k = s0 + offs_n
-        key_ok = j < tl.where(is_prefix, P, NK)
+        key_ok = j < ip * P + (1 - ip) * NK
         offs_dv = tl.arange(0, DV_PAD)
         offs_h = tl.arange(0, HP)
 
         s_last = tl.minimum(s0 + BLOCK_N, S) - 1
         q_start, q_full_lo, q_full_hi, q_end = _query_range(s0, s_last, t0, NQ, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M)
         p_start, p_full_lo, p_full_hi, p_end = _tile_range(0, 0, NQ - 1, NQ - 1, NQ, BLOCK_M)
-        q_start = tl.where(is_prefix, p_start, q_start)
-        q_full_lo = tl.where(is_prefix, p_full_lo, q_full_lo)
-        q_full_hi = tl.where(is_prefix, p_full_hi, q_full_hi)
-        q_end = tl.where(is_prefix, p_end, q_end)
+        q_start = ip * p_start + (1 - ip) * q_start
+        q_full_lo = ip * p_full_lo + (1 - ip) * q_full_lo
+        q_full_hi = ip * p_full_hi + (1 - ip) * q_full_hi
+        q_end = ip * p_end + (1 - ip) * q_end
 
         v = _load_tile(V + b * svb + g * svh + j[:, None] * svn + offs_dv[None, :], key_ok, offs_dv, DV_, DV_PAD, True)
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)

@@ -45,6 +45,7 @@ def heads_per_program(heads_per_group: int, cap: int = 8) -> int:
 
 
 def _prune(configs, nargs, **kwargs):
+    nargs = {**nargs, **kwargs}  # triton 3.6 passes the constexpr arguments separately
     hp, dv_pad = nargs["HP"], nargs["DV_PAD"]
     out = []
     for c in configs:
