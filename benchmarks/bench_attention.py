@@ -328,6 +328,9 @@ def main() -> int:
     ap.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
     ap.add_argument("--flex-n", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="sequence lengths with flex rows (default: all); flex compiles per shape")
+    ap.add_argument("--flex-d", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="head dims with flex rows (default: all)")
+    ap.add_argument("--flex-masks", type=lambda s: s.split(","), default=None, help="masks with flex rows")
     ap.add_argument("--decode-lens", type=lambda s: [int(x) for x in s.split(",") if x],
                     default=[8192, 32768, 131072, 524288, 1048576])
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing new rows after this many seconds")
@@ -394,8 +397,8 @@ def main() -> int:
                 row = dict(kind="train", family=fam, impl=impl, n=n, d=d, mask=mask)
                 if time.time() - t_start > args.budget_s:
                     row["error"] = "not run: time budget of this run spent"
-                elif impl == "flex" and args.flex_n is not None and n not in args.flex_n:
-                    row["error"] = f"not run: flex rows only at N in {args.flex_n} (it compiles per shape)"
+                elif impl == "flex" and not _flex_selected(args, n, d, mask):
+                    row["error"] = "not run in this benchmark run: flex compiles per shape (see --flex-n/-d/-masks)"
                 elif impl == "naive" and not naive_fits(b, h, n):
                     row["error"] = "does not fit: the materialised scores exceed the GPU memory"
                 else:
@@ -441,6 +444,11 @@ def profile_headline(args, out_dir: Path, b, h, dtype):
         print(f"profile {fam}\n{table}", flush=True)
     with open(out_dir / "kernels.md", "a") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _flex_selected(args, n, d, mask) -> bool:
+    return ((args.flex_n is None or n in args.flex_n) and (args.flex_d is None or d in args.flex_d)
+            and (args.flex_masks is None or mask in args.flex_masks))
 
 
 def _print_row(row):
