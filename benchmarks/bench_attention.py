@@ -107,7 +107,7 @@ def model_flops(family, b, h, n, d, causal, window, backward: bool) -> float:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def bench_ms(fn, grad_to_none=None, rep=60):
+def bench_ms(fn, grad_to_none=None, rep=40):
     import triton
 
     return triton.testing.do_bench(fn, warmup=10, rep=rep, grad_to_none=grad_to_none, return_mode="median")
@@ -336,6 +336,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing new rows after this many seconds")
     ap.add_argument("--no-warm", action="store_true", help="skip the parallel compile warm-up")
     ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of the triton rows at N8192 D64")
+    ap.add_argument("--naive-max-n", type=int, default=None, help="naive rows only up to this N (time)")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -375,16 +376,20 @@ def main() -> int:
         for f in fails:
             print(f)
 
+    if args.profile and "triton" in args.impls:
+        profile_headline(args, out_dir, b, h, dtype)
     rows = []
     shapes = [(d, mask, n) for d in args.d for mask in args.masks for n in args.n]
     # the headline shape first, so that it is measured whatever the time budget allows
     shapes.sort(key=lambda s: (s != (64, "causal", 8192), s))
+    have_ref = set()
     for d, mask, n in shapes:
         window = 1024 if mask.startswith("window") else None
         for ref in ("flash", "cudnn"):
-            if mask != "causal":
+            if (n, d, ref) in have_ref:  # one causal dot-product reference per (N, D), whatever the mask
                 continue
-            row = dict(kind="train", family="dot", impl=f"sdpa-{ref}", n=n, d=d, mask=mask)
+            have_ref.add((n, d, ref))
+            row = dict(kind="train", family="dot", impl=f"sdpa-{ref}", n=n, d=d, mask="causal")
             try:
                 row.update(bench_sdpa_dot(ref, b, h, n, d, dtype))
             except Exception as exc:  # noqa: BLE001
@@ -401,6 +406,8 @@ def main() -> int:
                     row["error"] = "not run in this benchmark run: flex compiles per shape (see --flex-n/-d/-masks)"
                 elif impl == "naive" and not naive_fits(b, h, n):
                     row["error"] = "does not fit: the materialised scores exceed the GPU memory"
+                elif impl == "naive" and args.naive_max_n is not None and n > args.naive_max_n:
+                    row["error"] = f"not run in this benchmark run: naive rows only up to N={args.naive_max_n} (time)"
                 else:
                     try:
                         row.update(bench_family(fam, impl, b, h, n, d, True, window, dtype))
@@ -411,39 +418,62 @@ def main() -> int:
                     row["tflops_fwd"] = model_flops(fam, b, h, n, d, True, window, False) / row["fwd_ms"] / 1e9
                 rows.append(row)
                 _print_row(row)
-                torch.cuda.empty_cache()
-        _write(out_dir, env, rows, [])
+                if impl == "naive":
+                    torch.cuda.empty_cache()
+        _write(out_dir, env, rows, [], kernel_report())
 
     decode_rows = bench_decode(args.decode_lens, h, 64, dtype) if args.decode_lens else []
     report = kernel_report()
     _write(out_dir, env, rows, decode_rows, report)
-    if args.profile and "triton" in args.impls:
-        profile_headline(args, out_dir, b, h, dtype)
+    if args.profile and (out_dir / "profile.md").exists():
+        with open(out_dir / "kernels.md", "a") as f:
+            f.write((out_dir / "profile.md").read_text())
     print(open(out_dir / "results.md").read())
     print(f"total {time.time() - t_start:.0f}s")
     return 0
 
 
 def profile_headline(args, out_dir: Path, b, h, dtype):
-    """Per-kernel CUDA time of one forward+backward of each family's triton path (N8192, D64, causal)."""
+    """Per-kernel CUDA time and the host time of one forward+backward (D64, causal, N 2048 and 8192): the triton
+    path of each family and dot-product SDPA-flash, to separate kernel time from launch overhead."""
     import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    lines = ["", "# Profiler: one forward+backward, N8192 D64 causal bf16 (CUDA time per kernel)", ""]
-    for fam in args.families:
-        t, extra = make_inputs(fam, b, h, 8192, 64, dtype, "cuda", grad=True)
-        dout = torch.randn(b, h, 8192, 64, device="cuda", dtype=dtype)
-        for _ in range(2):
-            call(fam, t, extra, "triton", True, None).backward(dout)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            call(fam, t, extra, "triton", True, None).backward(dout)
+    lines = ["", "# Profiler: one forward+backward, D64 causal bf16 (CUDA time per kernel, host time)", ""]
+    for n in (2048, 8192):
+        cases = []
+        for fam in args.families:
+            t, extra = make_inputs(fam, b, h, n, 64, dtype, "cuda", grad=True)
+            cases.append((f"{fam} triton", lambda t=t, extra=extra, fam=fam: call(fam, t, extra, "triton", True, None)))
+        qkv = [torch.randn(b, h, n, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+
+        def flash(qkv=qkv):
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(*qkv, is_causal=True)
+
+        cases.append(("dot sdpa-flash", flash))
+        dout = torch.randn(b, h, n, 64, device="cuda", dtype=dtype)
+        for name, fn in cases:
+            for _ in range(3):
+                fn().backward(dout)
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60)
-        lines += [f"## {fam}", "", "```", table, "```", ""]
-        print(f"profile {fam}\n{table}", flush=True)
-    with open(out_dir / "kernels.md", "a") as f:
-        f.write("\n".join(lines) + "\n")
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn().backward(dout)
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3
+            events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+            events.sort(key=lambda e: -e.self_device_time_total)
+            total = sum(e.self_device_time_total for e in events) / 1e3
+            lines.append(f"## N{n} {name}: kernels {total:.3f} ms of GPU time, {wall:.2f} ms wall under the profiler")
+            lines.append("")
+            lines += [f"- {e.key[:90]}: {e.self_device_time_total / 1e3:.3f} ms x{e.count}" for e in events[:8]]
+            lines.append("")
+            print(lines[-len(events[:8]) - 3], flush=True)
+    (out_dir / "profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
 
 
 def _flex_selected(args, n, d, mask) -> bool:

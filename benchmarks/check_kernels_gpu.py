@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--small", action="store_true", help="also run the small (CPU-test) cases on the GPU")
     ap.add_argument("--out", type=str, default=None, help="folder for check_results.json")
+    ap.add_argument("--only", type=lambda s: s.split(","), default=None,
+                    help="run only the cases whose name contains one of these comma-separated substrings")
     args = ap.parse_args()
 
     import torch
@@ -53,6 +55,8 @@ def main() -> int:
     cases = kc.full_cases()
     if args.small:
         cases += [c for fam_cases in kc.small_cases().values() for c in fam_cases]
+    if args.only:
+        cases = [c for c in cases if any(sub in c.name for sub in args.only)]
     print(f"{len(cases)} cases on {torch.cuda.get_device_name()} with {args.workers} workers", flush=True)
     t0 = time.time()
     ctx = mp.get_context("spawn")

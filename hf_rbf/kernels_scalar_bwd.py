@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels_common import HAS_TRITON, autotune, autotune_enabled, dot_precision, make_configs, n_bucket, padded_dim
-from .kernels_scalar_fwd import heads_per_program, strides3
+from .kernels_common import HAS_TRITON, autotune, dot_precision, make_configs, n_bucket, padded_dim
+from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, strides3
 
 
 if HAS_TRITON:
@@ -34,57 +34,60 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
+    from .kernels_scalar_fwd import SCALAR_KEY, _stacked
 
 
-# dV: BLOCK_N stationary keys x ROWS streamed stacked query rows.
+# dV: BLOCK_N stationary keys x ROWS streamed query rows (HP heads x BLOCK_M queries, HP tuned as in the forward).
 SCALAR_DKV_CONFIGS = [
-    ({"BLOCK_N": 64, "ROWS": 64}, 4, 3),
-    ({"BLOCK_N": 128, "ROWS": 64}, 8, 3),
-    ({"BLOCK_N": 64, "ROWS": 128}, 8, 3),
-    ({"BLOCK_N": 128, "ROWS": 32}, 4, 3),
+    ({"BLOCK_N": 64, "ROWS": 64, "HP": 1}, 4, 3),
+    ({"BLOCK_N": 128, "ROWS": 64, "HP": 1}, 8, 3),
+    ({"BLOCK_N": 128, "ROWS": 32, "HP": 1}, 4, 3),
+    ({"BLOCK_N": 64, "ROWS": 32, "HP": 1}, 4, 2),
+    ({"BLOCK_N": 64, "ROWS": 128, "HP": 4}, 8, 3),
+    ({"BLOCK_N": 64, "ROWS": 64, "HP": 2}, 4, 3),
 ]
-# dqs: ROWS stationary stacked rows x BLOCK_N streamed keys.
+# dqs: ROWS stationary query rows x BLOCK_N streamed keys.
 SCALAR_DQ_CONFIGS = [
-    ({"ROWS": 128, "BLOCK_N": 64}, 4, 3),
-    ({"ROWS": 128, "BLOCK_N": 128}, 8, 3),
-    ({"ROWS": 256, "BLOCK_N": 64}, 8, 3),
-    ({"ROWS": 64, "BLOCK_N": 64}, 4, 3),
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 1}, 4, 3),
+    ({"ROWS": 128, "BLOCK_N": 128, "HP": 1}, 8, 3),
+    ({"ROWS": 64, "BLOCK_N": 64, "HP": 1}, 4, 3),
+    ({"ROWS": 64, "BLOCK_N": 32, "HP": 1}, 4, 2),
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 4}, 4, 3),
+    ({"ROWS": 64, "BLOCK_N": 64, "HP": 2}, 4, 3),
 ]
-_INTERPRET_DKV = ({"BLOCK_N": 16, "ROWS": 32}, 1, 1)
-_INTERPRET_DQ = ({"ROWS": 32, "BLOCK_N": 16}, 1, 1)
+_INTERPRET_DKV = [({"BLOCK_N": 16, "ROWS": 16, "HP": 1}, 1, 1), ({"BLOCK_N": 16, "ROWS": 32, "HP": 2}, 1, 1),
+                  ({"BLOCK_N": 16, "ROWS": 64, "HP": 4}, 1, 1)]
 
 
-def _make_prune(acc_rows_key):
-    def prune(configs, nargs, **kwargs):
-        nargs = {**nargs, **kwargs}  # triton 3.6 passes the constexpr arguments separately
-        hp, dv_pad = nargs["HP"], nargs["DV_PAD"]
-        out = []
-        for c in configs:
-            if c.kwargs["ROWS"] < 16 * hp:
-                continue
-            acc_rows = c.kwargs[acc_rows_key]
-            if acc_rows * dv_pad * 4 / (32 * c.num_warps * 4) > 128:
-                continue
-            out.append(c)
-        if not out:
-            out = [triton.Config({"ROWS": 16 * hp, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
-        return out if autotune_enabled() else out[:1]
+def _prune_dkv(configs, nargs, **kwargs):
+    return prune_scalar(configs, {**nargs, **kwargs}, "BLOCK_N", "BLOCK_N")
 
-    return prune
+
+def _prune_dq(configs, nargs, **kwargs):
+    return prune_scalar(configs, {**nargs, **kwargs}, "ROWS", "ROWS")
 
 
 if HAS_TRITON:
 
     @triton.jit
     def _stacked_t(x, HP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """``[HP, BLOCK_N]`` per-head key values -> ``[BLOCK_N, HP * BLOCK_M]`` (column r reads head r // BLOCK_M)."""
+        """``[HP, BLOCK_N]`` per-head key values -> columns ``HP * BLOCK_M`` of a ``[BLOCK_N, .]`` tile (column r
+        reads head r // BLOCK_M); with one head the ``[BLOCK_N, 1]`` column simply broadcasts."""
         xt = tl.trans(x)
-        return tl.reshape(tl.broadcast_to(xt[:, :, None], (BLOCK_N, HP, BLOCK_M)), (BLOCK_N, HP * BLOCK_M))
+        if HP == 1:
+            out = xt
+        else:
+            out = tl.reshape(tl.broadcast_to(xt[:, :, None], (BLOCK_N, HP, BLOCK_M)), (BLOCK_N, HP * BLOCK_M))
+        return out
 
     @triton.jit
     def _per_head_colsum(xT, HP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """``[BLOCK_N, HP * BLOCK_M]`` -> ``[BLOCK_N, HP]``: sum over each head's query rows."""
-        return tl.sum(tl.reshape(xT, (BLOCK_N, HP, BLOCK_M)), 2)
+        if HP == 1:
+            out = tl.sum(xT, 1)[:, None]
+        else:
+            out = tl.sum(tl.reshape(xT, (BLOCK_N, HP, BLOCK_M)), 2)
+        return out
 
     @triton.jit
     def _scalar_dkv_tiles(
@@ -129,10 +132,10 @@ if HAS_TRITON:
     def _scalar_bwd_dkv_kernel(
         QS, KS, V, KB, BETA, DO, LSE, DELTA, DV, DKS, DKB,
         sqsb, sqsh, sqsn, sksb, sksh, sksn, svb, svh, svn, sbb, sbh, sbn, sdob, sdoh, sdon, sdvb, sdvh, sdvn,
-        H, HPG, NQ, NK, P, WINDOW, N_BUCKET,
-        DV_: tl.constexpr, DV_PAD: tl.constexpr, HP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        H, HPG, NQ, NK, P, WINDOW, N_BUCKET, HP_REQ,
+        DV_: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr, DOT_PREC: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HP: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
         pid_n = tl.program_id(0)
@@ -217,12 +220,11 @@ if HAS_TRITON:
             j = key_base + offs_n
             col_ok = offs_n < bound
             ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn, mask=col_ok[None, :], other=0.0)
-            dd = qs_r[:, None] - tl.reshape(tl.broadcast_to(ks.to(tl.float32)[:, None, :], (HP, BLOCK_M, BLOCK_N)),
-                                            (HP * BLOCK_M, BLOCK_N))
+            dd = qs_r[:, None] - _stacked(ks.to(tl.float32), HP, BLOCK_M, BLOCK_N)
             s = -(dd * dd) * (beta_r * 1.4426950408889634)[:, None]
             if HAS_KB:
                 kb = tl.load(KB_ptr + offs_h[:, None] * NK + j[None, :], mask=col_ok[None, :], other=float("-inf"))
-                s += tl.reshape(tl.broadcast_to(kb[:, None, :], (HP, BLOCK_M, BLOCK_N)), (HP * BLOCK_M, BLOCK_N))
+                s += _stacked(kb, HP, BLOCK_M, BLOCK_N)
             if MODE == 1:
                 ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW) & col_ok[None, :]
                 s = tl.where(ok, s, float("-inf"))
@@ -245,10 +247,10 @@ if HAS_TRITON:
     def _scalar_bwd_dq_kernel(
         QS, KS, V, KB, BETA, DO, LSE, DELTA, DQS, DBETA,
         sqsb, sqsh, sqsn, sksb, sksh, sksn, svb, svh, svn, sbb, sbh, sbn, sdob, sdoh, sdon,
-        H, HPG, NQ, NK, P, WINDOW, N_BUCKET,
-        DV: tl.constexpr, DV_PAD: tl.constexpr, HP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        H, HPG, NQ, NK, P, WINDOW, N_BUCKET, HP_REQ,
+        DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr, NEED_DBETA: tl.constexpr, DOT_PREC: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HP: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
         pid_m = tl.program_id(0)
@@ -302,11 +304,10 @@ if HAS_TRITON:
             tl.store(DBETA + (b * H + h_r) * NQ + i, dacc * b2 - a2, mask=row_ok)
         tl.store(DELTA + (b * H + h_r) * NQ + i, dacc, mask=row_ok)
 
-    _SCALAR_BWD_KEY = ["DV_PAD", "HP", "N_BUCKET", "CAUSAL", "HAS_WINDOW"]
-    _scalar_bwd_dkv = autotune(make_configs(SCALAR_DKV_CONFIGS, _INTERPRET_DKV), _SCALAR_BWD_KEY, _make_prune("BLOCK_N"))(
+    _scalar_bwd_dkv = autotune(make_configs(SCALAR_DKV_CONFIGS, _INTERPRET_DKV), SCALAR_KEY, _prune_dkv)(
         _scalar_bwd_dkv_kernel
     )
-    _scalar_bwd_dq = autotune(make_configs(SCALAR_DQ_CONFIGS, _INTERPRET_DQ), _SCALAR_BWD_KEY, _make_prune("ROWS"))(
+    _scalar_bwd_dq = autotune(make_configs(SCALAR_DQ_CONFIGS, INTERPRET_CONFIGS), SCALAR_KEY, _prune_dq)(
         _scalar_bwd_dq_kernel
     )
 
@@ -321,7 +322,6 @@ def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefi
     nk = ks.shape[2]
     groups, dv_dim = v.shape[1], v.shape[3]
     hpg = heads // groups
-    hp = heads_per_program(hpg)
     f32 = dict(device=v.device, dtype=torch.float32)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dqs = torch.empty(bsz, heads, nq, **f32)
@@ -332,13 +332,13 @@ def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefi
     if nq == 0 or nk == 0:
         return dqs.zero_(), dks.zero_(), dv.zero_(), dkb.zero_(), dbeta.zero_()
     delta = torch.empty(bsz, heads, nq, **f32)  # written by the dqs kernel (exact delta), read by the dV kernel
-    common = dict(DV_PAD=padded_dim(dv_dim), HP=hp, CAUSAL=causal, HAS_WINDOW=window is not None,
+    common = dict(DV_PAD=padded_dim(dv_dim), CAUSAL=causal, HAS_WINDOW=window is not None,
                   HAS_KB=kb is not None, DOT_PREC=dot_precision(v.dtype))
-    sizes = (heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)))
+    sizes = (heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)), requested_heads_per_program())
     s_in = (*strides3(qs, bsz, heads, nq), *strides3(ks, bsz, heads, nk), v.stride(0), v.stride(1), v.stride(2),
             *strides3(beta, bsz, heads, nq), dout.stride(0), dout.stride(1), dout.stride(2))
     kbt = kb if kb is not None else lse
-    grid_q = lambda meta: (triton.cdiv(nq, meta["ROWS"] // hp), bsz * (heads // hp))  # noqa: E731
+    grid_q = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
     _scalar_bwd_dq[grid_q](
         qs, ks, v, kbt, beta, dout, lse, delta, dqs, dbeta if need_dbeta else dqs,
         *s_in, *sizes, DV=dv_dim, NEED_DBETA=need_dbeta, **common,

@@ -4,18 +4,31 @@
 product at all, only three fp32 operations per pair (the exact difference, not the expanded ``qs ks`` product, which
 would cancel badly for large scalar keys).  The only matrix product is ``P @ V``.
 
-Grouped values: ``HP`` heads of one value group share a program.  Their query rows are stacked, ``ROWS = HP *
-BLOCK_M`` rows ordered (head, query), so each value tile is loaded once and multiplied by a ``[ROWS, BLOCK_N]``
-weight tile: the heads of a group read V once instead of ``HP`` times, and the product is as tall as a dot-product
-attention tile.  The per-head scalar keys of a tile are loaded as ``[HP, BLOCK_N]`` and broadcast to the stacked
-rows with a reshape (no gather).  Masks, prefix and the online softmax follow ``kernels_flash_fwd.py``.
+Grouped values: ``HP`` heads of one value group may share a program.  Their query rows are then stacked,
+``ROWS = HP * BLOCK_M`` rows ordered (head, query), so each value tile is loaded once and multiplied by a
+``[ROWS, BLOCK_N]`` weight tile: the heads of a group read V once instead of ``HP`` times.  The per-head scalar keys
+of a tile are loaded as ``[HP, BLOCK_N]`` and broadcast to the stacked rows with a reshape (no gather).  ``HP`` is
+autotuned like a tile size (1, 2 or 4, dividing the group size): the first H200 run, with HP fixed at 4, was four
+times slower than the flash forward, which points at the reshape's layout conversions; ``HP = 1`` is a plain
+two-dimensional tile whose values come from L2 for the group's other heads.  Masks, prefix and the online softmax follow ``kernels_flash_fwd.py``.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from .kernels_common import HAS_TRITON, autotune, autotune_enabled, dot_precision, make_configs, n_bucket, padded_dim
+from .kernels_common import (
+    HAS_TRITON,
+    autotune,
+    autotune_enabled,
+    dot_precision,
+    make_configs,
+    n_bucket,
+    padded_dim,
+    shared_memory_fits,
+)
 
 
 if HAS_TRITON:
@@ -25,49 +38,68 @@ if HAS_TRITON:
     from .kernels_common import _allowed, _dot, _key_range, _load_tile
 
 
-# ROWS = stacked query rows (HP heads x BLOCK_M queries).  128 rows x 64 keys with 4 warps mirrors the flash
-# forward's tile; 256 rows amortise each value tile over more heads; 64-row tiles for short sequences.
+# ROWS = query rows per program = HP heads x BLOCK_M queries.  HP (heads of one value group stacked in a program)
+# is tuned like a tile size: HP = 1 keeps every tile two-dimensional (each head re-reads the group's values from L2),
+# HP > 1 reads each value tile once per group at the price of broadcasting the per-head keys to the stacked rows.
 SCALAR_FWD_CONFIGS = [
-    ({"ROWS": 128, "BLOCK_N": 64}, 4, 3),
-    ({"ROWS": 128, "BLOCK_N": 128}, 8, 3),
-    ({"ROWS": 256, "BLOCK_N": 64}, 8, 3),
-    ({"ROWS": 64, "BLOCK_N": 64}, 4, 3),
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 1}, 4, 3),
+    ({"ROWS": 128, "BLOCK_N": 128, "HP": 1}, 8, 3),
+    ({"ROWS": 64, "BLOCK_N": 64, "HP": 1}, 4, 3),
+    ({"ROWS": 64, "BLOCK_N": 32, "HP": 1}, 4, 2),
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 4}, 4, 3),
+    ({"ROWS": 256, "BLOCK_N": 64, "HP": 4}, 8, 3),
+    ({"ROWS": 64, "BLOCK_N": 64, "HP": 2}, 4, 3),
 ]
-_INTERPRET_CONFIG = ({"ROWS": 32, "BLOCK_N": 16}, 1, 1)
+# the interpreter runs the first fitting entry (HP = 1), or the one HF_RBF_SCALAR_HEADS_PER_PROGRAM asks for
+INTERPRET_CONFIGS = [({"ROWS": 16, "BLOCK_N": 16, "HP": 1}, 1, 1), ({"ROWS": 32, "BLOCK_N": 16, "HP": 2}, 1, 1),
+                     ({"ROWS": 64, "BLOCK_N": 16, "HP": 4}, 1, 1)]
 
 
-def heads_per_program(heads_per_group: int, cap: int = 8) -> int:
-    """Largest power of two that divides the group size, at most ``cap``: the heads stacked in one program."""
-    hp = 1
-    while hp * 2 <= cap and heads_per_group % (hp * 2) == 0:
-        hp *= 2
-    return hp
+def requested_heads_per_program() -> int:
+    """``HF_RBF_SCALAR_HEADS_PER_PROGRAM`` (tests and experiments): force HP; 0 lets the autotuner choose."""
+    return int(os.environ.get("HF_RBF_SCALAR_HEADS_PER_PROGRAM", "0"))
 
 
-def _prune(configs, nargs, **kwargs):
-    nargs = {**nargs, **kwargs}  # triton 3.6 passes the constexpr arguments separately
-    hp, dv_pad = nargs["HP"], nargs["DV_PAD"]
+def prune_scalar(configs, nargs, stationary_rows_key, acc_rows_key):
+    """Configs whose HP divides the group size (and matches HP_REQ), with at least 16 query rows per head, the fp32
+    accumulator in registers and the tiles in shared memory."""
+    hpg, dv_pad, hp_req = nargs["HPG"], nargs["DV_PAD"], nargs["HP_REQ"]
+    el = nargs["V"].element_size()
     out = []
     for c in configs:
-        rows = c.kwargs["ROWS"]
-        if rows < 16 * hp:  # at least 16 query rows per head
+        hp, rows = c.kwargs["HP"], c.kwargs["ROWS"]
+        if hpg % hp or (hp_req and hp != hp_req) or rows < 16 * hp:
             continue
-        if rows * dv_pad * 4 / (32 * c.num_warps * 4) > 128:  # fp32 accumulator registers
+        if c.kwargs[acc_rows_key] * dv_pad * 4 / (32 * c.num_warps * 4) > 128:
+            continue
+        stationary = c.kwargs[stationary_rows_key]
+        streamed = c.kwargs["BLOCK_N"] if stationary_rows_key == "ROWS" else rows
+        if not shared_memory_fits(stationary, streamed, 0, dv_pad, c.num_stages, el):
             continue
         out.append(c)
     if not out:
-        out = [triton.Config({"ROWS": 16 * hp, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
-    if nargs["NQ"] <= 32:
-        out = sorted(out, key=lambda c: c.kwargs["ROWS"])
+        hp = hp_req if hp_req and hpg % hp_req == 0 else 1
+        out = [triton.Config({"ROWS": 16 * hp, "BLOCK_N": 32, "HP": hp}, num_warps=4, num_stages=2)]
     return out if autotune_enabled() else out[:1]
+
+
+def _prune(configs, nargs, **kwargs):
+    return prune_scalar(configs, {**nargs, **kwargs}, "ROWS", "ROWS")
 
 
 if HAS_TRITON:
 
     @triton.jit
     def _stacked(x, HP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """``[HP, BLOCK_N]`` per-head key values -> ``[HP * BLOCK_M, BLOCK_N]`` (row r reads head r // BLOCK_M)."""
-        return tl.reshape(tl.broadcast_to(x[:, None, :], (HP, BLOCK_M, BLOCK_N)), (HP * BLOCK_M, BLOCK_N))
+        """``[HP, BLOCK_N]`` per-head key values -> rows ``HP * BLOCK_M`` (row r reads head r // BLOCK_M).
+
+        With one head per program the ``[1, BLOCK_N]`` tile simply broadcasts (no reshape, no layout change).
+        """
+        if HP == 1:
+            out = x
+        else:
+            out = tl.reshape(tl.broadcast_to(x[:, None, :], (HP, BLOCK_M, BLOCK_N)), (HP * BLOCK_M, BLOCK_N))
+        return out
 
     @triton.jit
     def _scalar_fwd_tiles(
@@ -110,10 +142,10 @@ if HAS_TRITON:
     def _scalar_fwd_kernel(
         QS, KS, V, KB, BETA, OUT, LSE,
         sqsb, sqsh, sqsn, sksb, sksh, sksn, svb, svh, svn, sob, soh, son, sbb, sbh, sbn,
-        H, HPG, NQ, NK, P, WINDOW, N_BUCKET,
-        DV: tl.constexpr, DV_PAD: tl.constexpr, HP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        H, HPG, NQ, NK, P, WINDOW, N_BUCKET, HP_REQ,
+        DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr, DOT_PREC: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HP: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
         pid_m = tl.program_id(0)
@@ -163,8 +195,8 @@ if HAS_TRITON:
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(LSE + (b * H + h_r) * NQ + i, lse, mask=row_ok)
 
-    _SCALAR_KEY = ["DV_PAD", "HP", "N_BUCKET", "CAUSAL", "HAS_WINDOW"]
-    _scalar_fwd = autotune(make_configs(SCALAR_FWD_CONFIGS, _INTERPRET_CONFIG), _SCALAR_KEY, _prune)(_scalar_fwd_kernel)
+    SCALAR_KEY = ["DV_PAD", "HPG", "HP_REQ", "N_BUCKET", "CAUSAL", "HAS_WINDOW"]
+    _scalar_fwd = autotune(make_configs(SCALAR_FWD_CONFIGS, INTERPRET_CONFIGS), SCALAR_KEY, _prune)(_scalar_fwd_kernel)
 
 
 def strides3(t, b, h, n):
@@ -183,18 +215,17 @@ def scalar_forward(qs, ks, v, kb, beta, *, causal, window, num_prefix_keys):
     nk = ks.shape[2]
     groups, dv = v.shape[1], v.shape[3]
     hpg = heads // groups
-    hp = heads_per_program(hpg)
     out = torch.empty(bsz, heads, nq, dv, device=v.device, dtype=v.dtype)
     lse = torch.empty(bsz, heads, nq, device=v.device, dtype=torch.float32)
     if nq == 0:
         return out, lse
-    grid = lambda meta: (triton.cdiv(nq, meta["ROWS"] // hp), bsz * (heads // hp))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
     _scalar_fwd[grid](
         qs, ks, v, kb if kb is not None else lse, beta, out, lse,
         *strides3(qs, bsz, heads, nq), *strides3(ks, bsz, heads, nk), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2), *strides3(beta, bsz, heads, nq),
-        heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)),
-        DV=dv, DV_PAD=padded_dim(dv), HP=hp, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_KB=kb is not None,
+        heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)), requested_heads_per_program(),
+        DV=dv, DV_PAD=padded_dim(dv), CAUSAL=causal, HAS_WINDOW=window is not None, HAS_KB=kb is not None,
         DOT_PREC=dot_precision(v.dtype),
     )
     return out, lse

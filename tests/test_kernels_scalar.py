@@ -62,3 +62,17 @@ def test_matches_float64_reference(case):
 def test_full_shapes_on_gpu(case):
     res = kc.check_case(case, "cuda")
     assert res.ok, f"{case.name}: {res.summary()} {res.errors}"
+
+
+@pytest.mark.parametrize("heads_per_program", [2, 4])
+def test_stacked_heads_of_a_value_group(heads_per_program, monkeypatch):
+    """The stacked layout (several heads of a value group per program, each value tile read once) against float64;
+    the autotuner may prefer one head per program, so this path is forced here."""
+    from hf_rbf import kernels_scalar_bwd, kernels_scalar_fwd
+
+    monkeypatch.setenv("HF_RBF_SCALAR_HEADS_PER_PROGRAM", str(heads_per_program))
+    case = kc.Case("scalar", h=4, groups=1, tau="token", klw="bh", window=7, prefix=2, pad=3, seed=21)
+    res = kc.check_case(case, DEVICE)
+    assert res.ok, f"{case.name}: {res.summary()} {res.errors}"
+    for tuner in (kernels_scalar_fwd._scalar_fwd, kernels_scalar_bwd._scalar_bwd_dkv, kernels_scalar_bwd._scalar_bwd_dq):
+        assert tuner.best_config.kwargs["HP"] == heads_per_program
