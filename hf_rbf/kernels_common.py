@@ -54,20 +54,28 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def _decorates_interpreted() -> bool:
-    """Whether ``@triton.jit`` makes interpreted functions in this process (triton reads TRITON_INTERPRET itself,
-    in some versions once at import, so the environment variable alone can disagree with it)."""
+def _interpreter_state() -> tuple[bool, bool]:
+    """(our kernels are interpreted functions, triton's own library functions are too).
+
+    ``@triton.jit`` reads TRITON_INTERPRET when it decorates (triton 3.9) or once at import (3.6), so the variable
+    alone can disagree with what was built; and when it is set after triton was imported, triton's own ``@jit``
+    library functions (``tl.cdiv``) stay compiled while ours become interpreted, a mix that cannot run at all.
+    """
     if not HAS_TRITON:
-        return False
+        return False, False
 
     def _probe():
         pass
 
-    return type(triton.jit(_probe)).__name__ == "InterpretedFunction"
+    ours = type(triton.jit(_probe)).__name__ == "InterpretedFunction"
+    library = type(tl.cdiv).__name__ == "InterpretedFunction"
+    return ours, library
 
 
-# Whether the kernels in this process were defined as interpreted functions (decided when triton decorated them).
-DEFINED_INTERPRETED = _decorates_interpreted()
+_OURS_INTERPRETED, _LIBRARY_INTERPRETED = _interpreter_state()
+# Whether the kernels in this process run in Triton's CPU interpreter (decided when triton decorated them).
+DEFINED_INTERPRETED = _OURS_INTERPRETED and _LIBRARY_INTERPRETED
+MIXED_INTERPRETER = _OURS_INTERPRETED != _LIBRARY_INTERPRETED
 
 
 def autotune_enabled() -> bool:
@@ -97,6 +105,9 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim
     """None when the fused kernels can serve tensors on ``device`` of ``dtype``; otherwise why not."""
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
+    if MIXED_INTERPRETER:
+        return ("TRITON_INTERPRET changed after triton was imported (triton's own functions and these kernels were "
+                "built in different modes); set it before importing triton, or not at all")
     if device.type == "cuda":
         if DEFINED_INTERPRETED:
             return "the kernels were defined under TRITON_INTERPRET=1 and cannot run on CUDA tensors"
