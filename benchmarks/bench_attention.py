@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-
 FAMILIES = ("rbf", "gka", "scalar", "hybrid")
 IMPLS = ("triton", "flex", "sdpa", "naive")
 OPS = {"rbf": "rbf_attention", "gka": "gka_attention", "scalar": "scalar_attention", "hybrid": "hybrid_attention"}
@@ -62,10 +61,17 @@ def make_inputs(family, b, h, n, d, dtype, device, grad: bool, nq: int | None = 
             t["query"] = rnd(b, h, nq, d)
         return t, {"eps": 1e-6}
     if family == "scalar":
-        return dict(qs=rnd(b, h, nq), ks=rnd(b, h, n), v=rnd(b, SCALAR_GROUPS, n, d),
-                    tau=param(torch.full((h,), 1.0))), {}
-    return dict(q=rnd(b, h, nq, d), k=rnd(b, h, n, d), v=rnd(b, h, n, d), qs=rnd(b, h, nq), ks=rnd(b, h, n),
-                tau=param(torch.full((h,), 1.0))), {}
+        return dict(
+            qs=rnd(b, h, nq), ks=rnd(b, h, n), v=rnd(b, SCALAR_GROUPS, n, d), tau=param(torch.full((h,), 1.0))
+        ), {}
+    return dict(
+        q=rnd(b, h, nq, d),
+        k=rnd(b, h, n, d),
+        v=rnd(b, h, n, d),
+        qs=rnd(b, h, nq),
+        ks=rnd(b, h, n),
+        tau=param(torch.full((h,), 1.0)),
+    ), {}
 
 
 def call(family, t, extra, backend, causal, window):
@@ -201,7 +207,6 @@ def _decode_sdpa(L, h, d, dtype):
 
 def _decode_family(family):
     def make(L, h, d, dtype):
-        import torch
 
         t, extra = make_inputs(family, 1, h, L, d, dtype, "cuda", grad=False, nq=1)
         if family == "gka":
@@ -242,9 +247,16 @@ def bench_decode(lengths, h, d, dtype):
             except Exception as exc:  # noqa: BLE001
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
-            print(f"decode L={L:>8} {name:<32} " + (f"{row.get('eager_us', float('nan')):8.1f} us eager  "
-                  f"{row.get('graph_us', float('nan')):8.1f} us graph" if "error" not in row else row["error"]),
-                  flush=True)
+            print(
+                f"decode L={L:>8} {name:<32} "
+                + (
+                    f"{row.get('eager_us', float('nan')):8.1f} us eager  "
+                    f"{row.get('graph_us', float('nan')):8.1f} us graph"
+                    if "error" not in row
+                    else row["error"]
+                ),
+                flush=True,
+            )
             torch.cuda.empty_cache()
     return rows
 
@@ -259,9 +271,12 @@ def kernel_report() -> list[dict]:
     from hf_rbf import kernels_flash_bwd, kernels_flash_fwd, kernels_scalar_bwd, kernels_scalar_fwd
 
     tuners = {
-        "distance_fwd": kernels_flash_fwd._distance_fwd, "distance_decode": kernels_flash_fwd._distance_decode,
-        "distance_bwd_dkdv": kernels_flash_bwd._distance_bwd_dkdv, "distance_bwd_dq": kernels_flash_bwd._distance_bwd_dq,
-        "scalar_fwd": kernels_scalar_fwd._scalar_fwd, "scalar_bwd_dkv": kernels_scalar_bwd._scalar_bwd_dkv,
+        "distance_fwd": kernels_flash_fwd._distance_fwd,
+        "distance_decode": kernels_flash_fwd._distance_decode,
+        "distance_bwd_dkdv": kernels_flash_bwd._distance_bwd_dkdv,
+        "distance_bwd_dq": kernels_flash_bwd._distance_bwd_dq,
+        "scalar_fwd": kernels_scalar_fwd._scalar_fwd,
+        "scalar_bwd_dkv": kernels_scalar_bwd._scalar_bwd_dkv,
         "scalar_bwd_dq": kernels_scalar_bwd._scalar_bwd_dq,
     }
     rows = []
@@ -283,11 +298,17 @@ def kernel_report() -> list[dict]:
                     kern._init_handles()
                 md = kern.metadata
                 consts = " ".join(str(key).split())
-                rows.append(dict(
-                    kernel=name, n_regs=getattr(kern, "n_regs", None), n_spills=getattr(kern, "n_spills", None),
-                    shared=getattr(md, "shared", None), num_warps=getattr(md, "num_warps", None),
-                    num_stages=getattr(md, "num_stages", None), constants=consts[-600:],
-                ))
+                rows.append(
+                    dict(
+                        kernel=name,
+                        n_regs=getattr(kern, "n_regs", None),
+                        n_spills=getattr(kern, "n_spills", None),
+                        shared=getattr(md, "shared", None),
+                        num_warps=getattr(md, "num_warps", None),
+                        num_stages=getattr(md, "num_stages", None),
+                        constants=consts[-600:],
+                    )
+                )
             except Exception as exc:  # noqa: BLE001
                 rows.append(dict(kernel=name, error=str(exc)[:200]))
         rows.append(dict(kernel=name, autotune_choices=chosen))
@@ -307,8 +328,21 @@ def warm_compile(args):
     for fam in args.families:
         for d in args.d:
             for mask in args.masks:
-                cmd = [sys.executable, __file__, "--warm-only", "--families", fam, "--d", str(d), "--masks", mask,
-                       "--n", "512", "--out", args.out]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--warm-only",
+                    "--families",
+                    fam,
+                    "--d",
+                    str(d),
+                    "--masks",
+                    mask,
+                    "--n",
+                    "512",
+                    "--out",
+                    args.out,
+                ]
                 jobs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     failures = []
     for job in jobs:
@@ -326,13 +360,24 @@ def main() -> int:
     ap.add_argument("--masks", type=lambda s: s.split(","), default=["causal", "window1024"])
     ap.add_argument("--families", type=lambda s: s.split(","), default=list(FAMILIES))
     ap.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
-    ap.add_argument("--flex-n", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                    help="sequence lengths with flex rows (default: all); flex compiles per shape")
-    ap.add_argument("--flex-d", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                    help="head dims with flex rows (default: all)")
+    ap.add_argument(
+        "--flex-n",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="sequence lengths with flex rows (default: all); flex compiles per shape",
+    )
+    ap.add_argument(
+        "--flex-d",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="head dims with flex rows (default: all)",
+    )
     ap.add_argument("--flex-masks", type=lambda s: s.split(","), default=None, help="masks with flex rows")
-    ap.add_argument("--decode-lens", type=lambda s: [int(x) for x in s.split(",") if x],
-                    default=[8192, 32768, 131072, 524288, 1048576])
+    ap.add_argument(
+        "--decode-lens",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[8192, 32768, 131072, 524288, 1048576],
+    )
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing new rows after this many seconds")
     ap.add_argument("--no-warm", action="store_true", help="skip the parallel compile warm-up")
     ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of the triton rows at N8192 D64")
@@ -366,8 +411,14 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    env = dict(torch=torch.__version__, cuda=torch.version.cuda, device=torch.cuda.get_device_name(),
-               triton=__import__("triton").__version__, shapes=f"B{b} H{h} bf16", started=time.strftime("%Y-%m-%d %H:%M"))
+    env = dict(
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        device=torch.cuda.get_device_name(),
+        triton=__import__("triton").__version__,
+        shapes=f"B{b} H{h} bf16",
+        started=time.strftime("%Y-%m-%d %H:%M"),
+    )
     print(json.dumps(env), flush=True)
     if "triton" in args.impls and not args.no_warm:
         t0 = time.time()
@@ -394,7 +445,9 @@ def main() -> int:
                 row.update(bench_sdpa_dot(ref, b, h, n, d, dtype))
             except Exception as exc:  # noqa: BLE001
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            row["tflops_fwdbwd"] = model_flops("rbf", b, h, n, d, True, None, True) / row.get("fwdbwd_ms", math.inf) / 1e9
+            row["tflops_fwdbwd"] = (
+                model_flops("rbf", b, h, n, d, True, None, True) / row.get("fwdbwd_ms", math.inf) / 1e9
+            )
             rows.append(row)
             _print_row(row)
         for fam in args.families:
@@ -477,18 +530,26 @@ def profile_headline(args, out_dir: Path, b, h, dtype):
 
 
 def _flex_selected(args, n, d, mask) -> bool:
-    return ((args.flex_n is None or n in args.flex_n) and (args.flex_d is None or d in args.flex_d)
-            and (args.flex_masks is None or mask in args.flex_masks))
+    return (
+        (args.flex_n is None or n in args.flex_n)
+        and (args.flex_d is None or d in args.flex_d)
+        and (args.flex_masks is None or mask in args.flex_masks)
+    )
 
 
 def _print_row(row):
     if "error" in row:
-        print(f"{row['family']:>6} {row['impl']:<12} N{row['n']:>6} D{row['d']:<4} {row['mask']:<11} {row['error']}",
-              flush=True)
+        print(
+            f"{row['family']:>6} {row['impl']:<12} N{row['n']:>6} D{row['d']:<4} {row['mask']:<11} {row['error']}",
+            flush=True,
+        )
     else:
-        print(f"{row['family']:>6} {row['impl']:<12} N{row['n']:>6} D{row['d']:<4} {row['mask']:<11} "
-              f"fwd {row['fwd_ms']:8.3f} ms  fwd+bwd {row.get('fwdbwd_ms', float('nan')):8.3f} ms  "
-              f"peak {row.get('peak_mb', float('nan')):8.0f} MB  [{row.get('backend', '')}]", flush=True)
+        print(
+            f"{row['family']:>6} {row['impl']:<12} N{row['n']:>6} D{row['d']:<4} {row['mask']:<11} "
+            f"fwd {row['fwd_ms']:8.3f} ms  fwd+bwd {row.get('fwdbwd_ms', float('nan')):8.3f} ms  "
+            f"peak {row.get('peak_mb', float('nan')):8.0f} MB  [{row.get('backend', '')}]",
+            flush=True,
+        )
 
 
 def _fmt(x, spec):
@@ -498,41 +559,70 @@ def _fmt(x, spec):
 def _write(out_dir: Path, env, rows, decode_rows, report=None):
     with open(out_dir / "results.json", "w") as f:
         json.dump(dict(env=env, train=rows, decode=decode_rows, kernels=report or []), f, indent=1)
-    keys = ["family", "impl", "n", "d", "mask", "fwd_ms", "fwdbwd_ms", "tflops_fwd", "tflops_fwdbwd", "peak_mb",
-            "backend", "error"]
+    keys = [
+        "family",
+        "impl",
+        "n",
+        "d",
+        "mask",
+        "fwd_ms",
+        "fwdbwd_ms",
+        "tflops_fwd",
+        "tflops_fwdbwd",
+        "peak_mb",
+        "backend",
+        "error",
+    ]
     with open(out_dir / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow(r)
     ref = {(r["n"], r["d"]): r for r in rows if r["impl"] == "sdpa-flash" and "fwdbwd_ms" in r}
-    lines = [f"# Attention benchmark ({env['device']}, torch {env['torch']}, triton {env['triton']}, {env['shapes']}, "
-             f"{env['started']})", "",
-             "Ratios are time / dot-product SDPA-flash causal time at the same N and D (for window rows too: SDPA has "
-             "no sliding window); memory ratio is fwd+bwd peak / SDPA-flash's.", "",
-             "| family | impl | mask | N | D | fwd ms | fwd+bwd ms | x flash (fwd+bwd) | x flash (fwd) | TFLOP/s f+b | "
-             "peak MB | x flash mem | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Attention benchmark ({env['device']}, torch {env['torch']}, triton {env['triton']}, {env['shapes']}, "
+        f"{env['started']})",
+        "",
+        "Ratios are time / dot-product SDPA-flash causal time at the same N and D (for window rows too: SDPA has "
+        "no sliding window); memory ratio is fwd+bwd peak / SDPA-flash's.",
+        "",
+        "| family | impl | mask | N | D | fwd ms | fwd+bwd ms | x flash (fwd+bwd) | x flash (fwd) | TFLOP/s f+b | "
+        "peak MB | x flash mem | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         rf = ref.get((r["n"], r["d"]))
         ratio = r["fwdbwd_ms"] / rf["fwdbwd_ms"] if rf and "fwdbwd_ms" in r else None
         ratio_f = r["fwd_ms"] / rf["fwd_ms"] if rf and "fwd_ms" in r else None
         mem = r["peak_mb"] / rf["peak_mb"] if rf and "peak_mb" in r and rf.get("peak_mb") else None
         note = r.get("error", "") or (f"served by {r['backend']}" if r.get("backend") not in (None, r["impl"]) else "")
-        lines.append(f"| {r['family']} | {r['impl']} | {r['mask']} | {r['n']} | {r['d']} | {_fmt(r.get('fwd_ms'), '.3f')} "
-                     f"| {_fmt(r.get('fwdbwd_ms'), '.3f')} | {_fmt(ratio, '.2f')} | {_fmt(ratio_f, '.2f')} | "
-                     f"{_fmt(r.get('tflops_fwdbwd'), '.0f')} | {_fmt(r.get('peak_mb'), '.0f')} | {_fmt(mem, '.2f')} | "
-                     f"{note.replace('|', '/')} |")
+        lines.append(
+            f"| {r['family']} | {r['impl']} | {r['mask']} | {r['n']} | {r['d']} | {_fmt(r.get('fwd_ms'), '.3f')} "
+            f"| {_fmt(r.get('fwdbwd_ms'), '.3f')} | {_fmt(ratio, '.2f')} | {_fmt(ratio_f, '.2f')} | "
+            f"{_fmt(r.get('tflops_fwdbwd'), '.0f')} | {_fmt(r.get('peak_mb'), '.0f')} | {_fmt(mem, '.2f')} | "
+            f"{note.replace('|', '/')} |"
+        )
     if decode_rows:
-        lines += ["", "## Decode (one query, B1 H16 D64, bf16, one layer step)", "",
-                  "| impl | cache length | eager us | CUDA-graph us | note |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Decode (one query, B1 H16 D64, bf16, one layer step)",
+            "",
+            "| impl | cache length | eager us | CUDA-graph us | note |",
+            "|---|---|---|---|---|",
+        ]
         for r in decode_rows:
-            lines.append(f"| {r['impl']} | {r['cache_len']} | {_fmt(r.get('eager_us'), '.1f')} | "
-                         f"{_fmt(r.get('graph_us'), '.1f')} | {r.get('error', r.get('graph_error', ''))} |")
+            lines.append(
+                f"| {r['impl']} | {r['cache_len']} | {_fmt(r.get('eager_us'), '.1f')} | "
+                f"{_fmt(r.get('graph_us'), '.1f')} | {r.get('error', r.get('graph_error', ''))} |"
+            )
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     if report:
-        klines = ["# Compiled fused kernels (registers, spills, shared memory, tiles)", "",
-                  "| kernel | regs | spills | shared B | warps | stages | constants |", "|---|---|---|---|---|---|---|"]
+        klines = [
+            "# Compiled fused kernels (registers, spills, shared memory, tiles)",
+            "",
+            "| kernel | regs | spills | shared B | warps | stages | constants |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in report:
             if "autotune_choices" in r:
                 for k, v in r["autotune_choices"].items():
@@ -540,8 +630,10 @@ def _write(out_dir: Path, env, rows, decode_rows, report=None):
             elif "error" in r:
                 klines.append(f"| {r['kernel']} | | | | | | {r['error']} |")
             else:
-                klines.append(f"| {r['kernel']} | {r['n_regs']} | {r['n_spills']} | {r['shared']} | {r['num_warps']} "
-                              f"| {r['num_stages']} | {r['constants'].replace('|', '/')} |")
+                klines.append(
+                    f"| {r['kernel']} | {r['n_regs']} | {r['n_spills']} | {r['shared']} | {r['num_warps']} "
+                    f"| {r['num_stages']} | {r['constants'].replace('|', '/')} |"
+                )
         (out_dir / "kernels.md").write_text("\n".join(klines) + "\n")
 
 

@@ -20,15 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-
 os.environ.setdefault("HF_RBF_TRITON_AUTOTUNE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _worker(case):
-    import torch
-
     import kernel_checks as kc
+    import torch
 
     t0 = time.time()
     res = kc.check_case(case, "cuda")
@@ -41,13 +39,16 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--small", action="store_true", help="also run the small (CPU-test) cases on the GPU")
     ap.add_argument("--out", type=str, default=None, help="folder for check_results.json")
-    ap.add_argument("--only", type=lambda s: s.split(","), default=None,
-                    help="run only the cases whose name contains one of these comma-separated substrings")
+    ap.add_argument(
+        "--only",
+        type=lambda s: s.split(","),
+        default=None,
+        help="run only the cases whose name contains one of these comma-separated substrings",
+    )
     args = ap.parse_args()
 
-    import torch
-
     import kernel_checks as kc
+    import torch
 
     if not torch.cuda.is_available():
         print("no CUDA device: run the CPU interpreter tests instead (pytest tests/test_kernels_*.py)")

@@ -21,7 +21,6 @@ import torch
 
 import hf_rbf
 
-
 FAMILIES = ("rbf", "gka", "scalar", "hybrid")
 
 # (output, gradients) relative-error bounds against float64
@@ -59,8 +58,12 @@ class Case:
 
     @property
     def name(self) -> str:
-        parts = [self.family, str(self.dtype).replace("torch.", ""), f"B{self.b}H{self.h}",
-                 f"Nq{self.nq}Nk{self.nk}D{self.d}"]
+        parts = [
+            self.family,
+            str(self.dtype).replace("torch.", ""),
+            f"B{self.b}H{self.h}",
+            f"Nq{self.nq}Nk{self.nk}D{self.d}",
+        ]
         if self.family in ("scalar", "hybrid"):
             parts.append(f"Dv{self.dv}G{self.groups or self.h}")
         parts.append("causal" if self.causal else "full")
@@ -101,9 +104,12 @@ def make_inputs(case: Case, device) -> dict:
     inputs: dict = {}
     tensors: dict = {}
     if case.family == "rbf":
-        tensors.update(q=randn(b, h, nq, d, scale=case.scale_inputs), k=randn(b, h, nk, d, scale=case.scale_inputs),
-                       v=randn(b, h, nk, dv))
-        gamma = (0.3 + 0.4 * torch.rand(h, generator=gen)) / math.sqrt(d) / case.scale_inputs ** 2
+        tensors.update(
+            q=randn(b, h, nq, d, scale=case.scale_inputs),
+            k=randn(b, h, nk, d, scale=case.scale_inputs),
+            v=randn(b, h, nk, dv),
+        )
+        gamma = (0.3 + 0.4 * torch.rand(h, generator=gen)) / math.sqrt(d) / case.scale_inputs**2
         if case.learn:
             tensors["gamma"] = gamma.to(device)
         else:
@@ -157,8 +163,9 @@ def call(case: Case, tensors: dict, args: dict, backend: str) -> torch.Tensor:
         return hf_rbf.gka_attention(kw.pop("x"), kw.pop("log_sigma"), backend=backend, **kw)
     if f == "scalar":
         return hf_rbf.scalar_attention(kw.pop("qs"), kw.pop("ks"), kw.pop("v"), kw.pop("tau"), backend=backend, **kw)
-    return hf_rbf.hybrid_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("qs"), kw.pop("ks"), kw.pop("tau"),
-                                   backend=backend, **kw)
+    return hf_rbf.hybrid_attention(
+        kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("qs"), kw.pop("ks"), kw.pop("tau"), backend=backend, **kw
+    )
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -209,8 +216,17 @@ def check_case(case: Case, device) -> Result:
         ref_tensors = {k: v.double() for k, v in tensors.items()}
         out_ref, grads_ref = _run(case, ref_tensors, args, "naive", _dout(case, device, tensors))
         out, grads = _run(case, tensors, args, "triton", _dout(case, device, tensors))
-        if hf_rbf.last_backend({"rbf": "rbf_attention", "gka": "gka_attention", "scalar": "scalar_attention",
-                                "hybrid": "hybrid_attention"}[case.family]) != "triton":
+        if (
+            hf_rbf.last_backend(
+                {
+                    "rbf": "rbf_attention",
+                    "gka": "gka_attention",
+                    "scalar": "scalar_attention",
+                    "hybrid": "hybrid_attention",
+                }[case.family]
+            )
+            != "triton"
+        ):
             raise RuntimeError("the triton backend did not serve the call")
         tol_out, tol_grad = TOLERANCES[case.dtype]
         if out.dtype != case.dtype:
@@ -222,7 +238,9 @@ def check_case(case: Case, device) -> Result:
                 res.errors[f"d{name}"] = (float("inf"), tol_grad)
                 continue
             if g.shape != tensors[name].shape:
-                raise RuntimeError(f"gradient of {name} has shape {tuple(g.shape)}, expected {tuple(tensors[name].shape)}")
+                raise RuntimeError(
+                    f"gradient of {name} has shape {tuple(g.shape)}, expected {tuple(tensors[name].shape)}"
+                )
             res.errors[f"d{name}"] = (rel_err(g, g_ref), tol_grad)
         if case.pad and case.causal and not case.prefix and case.nq == case.nk:
             # rows of batch element 1 whose allowed keys are all padding must be exactly zero

@@ -35,8 +35,11 @@ from .kernels_common import LOG2E, key_bias, triton_unavailable_reason
 from .kernels_flash_bwd import distance_backward
 from .kernels_flash_fwd import distance_decode, distance_forward
 
-
-_NS = "hf_rbf" if __name__ == "hf_rbf.attention_distance_triton" else "hf_rbf_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+_NS = (
+    "hf_rbf"
+    if __name__ == "hf_rbf.attention_distance_triton"
+    else "hf_rbf_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+)
 
 # Up to this many query rows without gradients go through the split-K decode kernel.
 DECODE_MAX_QUERIES = 16
@@ -52,18 +55,46 @@ def _contig(t):
 
 @torch.library.custom_op(f"{_NS}::distance_fwd", mutates_args=())
 def distance_fwd(
-    q: Tensor, k: Tensor, v: Tensor, qs: Optional[Tensor], ks: Optional[Tensor], beta: Optional[Tensor],
-    a: Tensor, b: Tensor, key_log_weights: Optional[Tensor], attention_mask: Optional[Tensor],
-    causal: bool, window: Optional[int], num_prefix_keys: int, normalize: bool, qnorm: bool, knorm: bool,
-    kv_same: bool, eps: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qs: Optional[Tensor],
+    ks: Optional[Tensor],
+    beta: Optional[Tensor],
+    a: Tensor,
+    b: Tensor,
+    key_log_weights: Optional[Tensor],
+    attention_mask: Optional[Tensor],
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
+    normalize: bool,
+    qnorm: bool,
+    knorm: bool,
+    kv_same: bool,
+    eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2]
     a32, b32 = a.float(), b.float()
     kb, kn = key_bias(k, b32.contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm)
     out, lse = distance_forward(
-        q, k, v, kb, qs, ks, beta, (a32 * LOG2E).contiguous(), (b32 * LOG2E).contiguous(), causal=causal,
-        window=window, num_prefix_keys=num_prefix_keys, normalize=normalize, qnorm=qnorm, kv_same=kv_same, eps=eps,
+        q,
+        k,
+        v,
+        kb,
+        qs,
+        ks,
+        beta,
+        (a32 * LOG2E).contiguous(),
+        (b32 * LOG2E).contiguous(),
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        normalize=normalize,
+        qnorm=qnorm,
+        kv_same=kv_same,
+        eps=eps,
     )
     # empty placeholders: a custom op returns tensors, and its outputs must not alias each other
     kb = torch.empty(0, device=q.device, dtype=torch.float32) if kb is None else kb
@@ -72,8 +103,26 @@ def distance_fwd(
 
 
 @distance_fwd.register_fake
-def _(q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize,
-      qnorm, knorm, kv_same, eps):
+def _(
+    q,
+    k,
+    v,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    key_log_weights,
+    attention_mask,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
+):
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2]
     out = q.new_empty(bsz, heads, nq, v.shape[3])
@@ -86,28 +135,88 @@ def _(q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, wind
 
 @torch.library.custom_op(f"{_NS}::distance_bwd", mutates_args=())
 def distance_bwd(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, qs: Optional[Tensor], ks: Optional[Tensor], beta: Optional[Tensor],
-    a: Tensor, b: Tensor, kb: Tensor, out: Tensor, lse: Tensor, causal: bool, window: Optional[int],
-    num_prefix_keys: int, normalize: bool, qnorm: bool, knorm: bool, kv_same: bool, eps: float, need_dbeta: bool,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qs: Optional[Tensor],
+    ks: Optional[Tensor],
+    beta: Optional[Tensor],
+    a: Tensor,
+    b: Tensor,
+    kb: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
+    normalize: bool,
+    qnorm: bool,
+    knorm: bool,
+    kv_same: bool,
+    eps: float,
+    need_dbeta: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     a32, b32 = a.float(), b.float()
     return distance_backward(
-        dout, q, k, v, kb if kb.numel() else None, qs, ks, beta, (a32 * LOG2E).contiguous(),
-        (b32 * LOG2E).contiguous(), out, lse, causal=causal, window=window, num_prefix_keys=num_prefix_keys,
-        normalize=normalize, qnorm=qnorm, knorm=knorm, kv_same=kv_same, eps=eps, need_dbeta=need_dbeta,
+        dout,
+        q,
+        k,
+        v,
+        kb if kb.numel() else None,
+        qs,
+        ks,
+        beta,
+        (a32 * LOG2E).contiguous(),
+        (b32 * LOG2E).contiguous(),
+        out,
+        lse,
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        normalize=normalize,
+        qnorm=qnorm,
+        knorm=knorm,
+        kv_same=kv_same,
+        eps=eps,
+        need_dbeta=need_dbeta,
     )
 
 
 @distance_bwd.register_fake
-def _(dout, q, k, v, qs, ks, beta, a, b, kb, out, lse, causal, window, num_prefix_keys, normalize, qnorm, knorm,
-      kv_same, eps, need_dbeta):
+def _(
+    dout,
+    q,
+    k,
+    v,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    kb,
+    out,
+    lse,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
+    need_dbeta,
+):
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2]
     f32 = dict(dtype=torch.float32)
     scalar = qs is not None
     return (
-        torch.empty_like(q), torch.empty_like(k), v.new_empty((0,)) if kv_same else torch.empty_like(v),
-        q.new_empty((bsz, heads, nk), **f32), q.new_empty((bsz, heads, nq), **f32),
+        torch.empty_like(q),
+        torch.empty_like(k),
+        v.new_empty((0,)) if kv_same else torch.empty_like(v),
+        q.new_empty((bsz, heads, nk), **f32),
+        q.new_empty((bsz, heads, nq), **f32),
         q.new_empty((bsz, heads, nq) if qnorm else (0,), **f32),
         q.new_empty((bsz, heads, nq) if scalar else (0,), **f32),
         q.new_empty((bsz, heads, nk) if scalar else (0,), **f32),
@@ -119,8 +228,9 @@ _FWD_ARGS = ("q", "k", "v", "qs", "ks", "beta", "a", "b", "key_log_weights", "at
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, qs, ks, beta, a, b, klw, am, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same,
-     eps) = inputs
+    (q, k, v, qs, ks, beta, a, b, klw, am, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps) = (
+        inputs
+    )
     out, lse, kb, kn = output
     ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, kn)
     ctx.flags = (causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps)
@@ -140,8 +250,27 @@ def _backward(ctx, dout, _dlse, _dkb, _dkn):
     causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps = ctx.flags
     need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
     dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta = distance_bwd(
-        dout, q, k, v, qs, ks, beta, a, b, kb, out, lse, causal, window, num_prefix_keys, normalize, qnorm, knorm,
-        kv_same, eps, bool(need["beta"]),
+        dout,
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        b,
+        kb,
+        out,
+        lse,
+        causal,
+        window,
+        num_prefix_keys,
+        normalize,
+        qnorm,
+        knorm,
+        kv_same,
+        eps,
+        bool(need["beta"]),
     )
     grads = dict(q=dq, k=dk, v=None if kv_same else dv)
     if need["a"]:
@@ -170,10 +299,24 @@ distance_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op(f"{_NS}::distance_decode", mutates_args=())
 def distance_decode_op(
-    q: Tensor, k: Tensor, v: Tensor, qs: Optional[Tensor], ks: Optional[Tensor], beta: Optional[Tensor],
-    a: Tensor, b: Tensor, key_log_weights: Optional[Tensor], attention_mask: Optional[Tensor],
-    causal: bool, window: Optional[int], num_prefix_keys: int, normalize: bool, qnorm: bool, knorm: bool,
-    kv_same: bool, eps: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qs: Optional[Tensor],
+    ks: Optional[Tensor],
+    beta: Optional[Tensor],
+    a: Tensor,
+    b: Tensor,
+    key_log_weights: Optional[Tensor],
+    attention_mask: Optional[Tensor],
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
+    normalize: bool,
+    qnorm: bool,
+    knorm: bool,
+    kv_same: bool,
+    eps: float,
 ) -> Tensor:
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2]
@@ -181,15 +324,47 @@ def distance_decode_op(
     # key norms inside the decode kernel (knorm): only the weights / padding go through the key-bias pass
     kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
     return distance_decode(
-        q, k, v, kb, qs, ks, beta, (a32 * LOG2E).contiguous(), (b32 * LOG2E).contiguous(), causal=causal,
-        window=window, num_prefix_keys=num_prefix_keys, normalize=normalize, qnorm=qnorm, knorm=knorm,
-        kv_same=kv_same, eps=eps,
+        q,
+        k,
+        v,
+        kb,
+        qs,
+        ks,
+        beta,
+        (a32 * LOG2E).contiguous(),
+        (b32 * LOG2E).contiguous(),
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        normalize=normalize,
+        qnorm=qnorm,
+        knorm=knorm,
+        kv_same=kv_same,
+        eps=eps,
     )
 
 
 @distance_decode_op.register_fake
-def _(q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize,
-      qnorm, knorm, kv_same, eps):
+def _(
+    q,
+    k,
+    v,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    key_log_weights,
+    attention_mask,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
+):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
 
 
@@ -200,14 +375,45 @@ def distance_reason(tensors, head_dims) -> str | None:
 
 
 def distance_attention(
-    q: Tensor, k: Tensor, v: Tensor, qs: Optional[Tensor], ks: Optional[Tensor], beta: Optional[Tensor],
-    a: Tensor, b: Tensor, mask: MaskArgs, *, normalize: bool, qnorm: bool, knorm: bool, kv_same: bool, eps: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qs: Optional[Tensor],
+    ks: Optional[Tensor],
+    beta: Optional[Tensor],
+    a: Tensor,
+    b: Tensor,
+    mask: MaskArgs,
+    *,
+    normalize: bool,
+    qnorm: bool,
+    knorm: bool,
+    kv_same: bool,
+    eps: float,
 ) -> Tensor:
     """Run the fused op: the split-K decode kernel for a few query rows without gradients, else the flash op."""
     q, k = _contig(q), _contig(k)
     v = k if kv_same else _contig(v)
-    args = (q, k, v, qs, ks, beta, a, b, mask.key_log_weights, mask.attention_mask, mask.causal, mask.window,
-            mask.num_prefix_keys, normalize, qnorm, knorm, kv_same, float(eps))
+    args = (
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        b,
+        mask.key_log_weights,
+        mask.attention_mask,
+        mask.causal,
+        mask.window,
+        mask.num_prefix_keys,
+        normalize,
+        qnorm,
+        knorm,
+        kv_same,
+        float(eps),
+    )
     differentiable = (q, k, v, qs, ks, beta, a, b, mask.key_log_weights)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:

@@ -24,8 +24,20 @@ def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs) -> tor
         ls = torch.full((heads,), float(log_sigma), device=x.device, dtype=torch.float32)
     c = 0.5 * torch.exp(-2.0 * ls)  # 1 / (2 sigma^2)
     return distance_attention(
-        query, x, x, None, None, None, 2.0 * c, -c, mask,
-        normalize=True, qnorm=True, knorm=True, kv_same=True, eps=eps,
+        query,
+        x,
+        x,
+        None,
+        None,
+        None,
+        2.0 * c,
+        -c,
+        mask,
+        normalize=True,
+        qnorm=True,
+        knorm=True,
+        kv_same=True,
+        eps=eps,
     )
 
 

@@ -26,8 +26,20 @@ def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torc
     else:
         beta = torch.full((1, 1, 1), 1.0 / float(tau), device=q.device, dtype=torch.float32)
     return distance_attention(
-        q, k, v, qs, ks, beta, a, torch.zeros_like(a), mask,
-        normalize=True, qnorm=False, knorm=False, kv_same=False, eps=0.0,
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        torch.zeros_like(a),
+        mask,
+        normalize=True,
+        qnorm=False,
+        knorm=False,
+        kv_same=False,
+        eps=0.0,
     )
 
 

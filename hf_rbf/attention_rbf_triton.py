@@ -24,8 +24,20 @@ def rbf_attention_triton(q, k, v, gamma, normalize: bool, mask: MaskArgs) -> tor
     """Fused RBF attention; same arguments and result as ``rbf_attention_naive``."""
     g = _per_head(gamma, q.shape[1], q.device)
     return distance_attention(
-        q, k, v, None, None, None, 2.0 * g, -g, mask,
-        normalize=normalize, qnorm=not normalize, knorm=True, kv_same=False, eps=0.0,
+        q,
+        k,
+        v,
+        None,
+        None,
+        None,
+        2.0 * g,
+        -g,
+        mask,
+        normalize=normalize,
+        qnorm=not normalize,
+        knorm=True,
+        kv_same=False,
+        eps=0.0,
     )
 
 

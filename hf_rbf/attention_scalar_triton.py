@@ -24,14 +24,24 @@ from .kernels_common import key_bias, triton_unavailable_reason
 from .kernels_scalar_bwd import scalar_backward
 from .kernels_scalar_fwd import scalar_forward
 
-
-_NS = "hf_rbf" if __name__ == "hf_rbf.attention_scalar_triton" else "hf_rbf_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+_NS = (
+    "hf_rbf"
+    if __name__ == "hf_rbf.attention_scalar_triton"
+    else "hf_rbf_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+)
 
 
 @torch.library.custom_op(f"{_NS}::scalar_fwd", mutates_args=())
 def scalar_fwd(
-    qs: Tensor, ks: Tensor, v: Tensor, beta: Tensor, key_log_weights: Optional[Tensor],
-    attention_mask: Optional[Tensor], causal: bool, window: Optional[int], num_prefix_keys: int,
+    qs: Tensor,
+    ks: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    key_log_weights: Optional[Tensor],
+    attention_mask: Optional[Tensor],
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
@@ -47,17 +57,40 @@ def _(qs, ks, v, beta, key_log_weights, attention_mask, causal, window, num_pref
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
     has_kb = key_log_weights is not None or attention_mask is not None
-    return (v.new_empty(bsz, heads, nq, v.shape[3]), v.new_empty((bsz, heads, nq), dtype=torch.float32),
-            v.new_empty((bsz, heads, nk) if has_kb else (0,), dtype=torch.float32))
+    return (
+        v.new_empty(bsz, heads, nq, v.shape[3]),
+        v.new_empty((bsz, heads, nq), dtype=torch.float32),
+        v.new_empty((bsz, heads, nk) if has_kb else (0,), dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op(f"{_NS}::scalar_bwd", mutates_args=())
 def scalar_bwd(
-    dout: Tensor, qs: Tensor, ks: Tensor, v: Tensor, beta: Tensor, kb: Tensor, lse: Tensor,
-    causal: bool, window: Optional[int], num_prefix_keys: int, need_dbeta: bool,
+    dout: Tensor,
+    qs: Tensor,
+    ks: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    kb: Tensor,
+    lse: Tensor,
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
+    need_dbeta: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return scalar_backward(dout, qs, ks, v, kb if kb.numel() else None, beta, lse, causal=causal, window=window,
-                           num_prefix_keys=num_prefix_keys, need_dbeta=need_dbeta)
+    return scalar_backward(
+        dout,
+        qs,
+        ks,
+        v,
+        kb if kb.numel() else None,
+        beta,
+        lse,
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        need_dbeta=need_dbeta,
+    )
 
 
 @scalar_bwd.register_fake
@@ -65,9 +98,13 @@ def _(dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, need_dbet
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
     f32 = dict(dtype=torch.float32)
-    return (qs.new_empty((bsz, heads, nq), **f32), qs.new_empty((bsz, heads, nk), **f32), torch.empty_like(v),
-            qs.new_empty((bsz, heads, nk) if kb.numel() else (0,), **f32),
-            qs.new_empty((bsz, heads, nq) if need_dbeta else (0,), **f32))
+    return (
+        qs.new_empty((bsz, heads, nq), **f32),
+        qs.new_empty((bsz, heads, nk), **f32),
+        torch.empty_like(v),
+        qs.new_empty((bsz, heads, nk) if kb.numel() else (0,), **f32),
+        qs.new_empty((bsz, heads, nq) if need_dbeta else (0,), **f32),
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -89,15 +126,19 @@ def _backward(ctx, dout, _dlse, _dkb):
     qs, ks, v, beta, lse, kb = ctx.saved_tensors
     causal, window, num_prefix_keys = ctx.flags
     need_qs, need_ks, need_v, need_beta, need_klw = ctx.needs_input_grad[:5]
-    dqs, dks, dv, dkb, dbeta = scalar_bwd(dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys,
-                                          bool(need_beta))
+    dqs, dks, dv, dkb, dbeta = scalar_bwd(
+        dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, bool(need_beta)
+    )
     return (
         dqs.to(qs.dtype) if need_qs else None,
         dks.to(ks.dtype) if need_ks else None,
         dv if need_v else None,
         _reduce_to(dbeta, tuple(beta.shape)).to(beta.dtype) if need_beta else None,
         _reduce_to(dkb, ctx.klw_shape).to(ctx.klw_dtype) if need_klw else None,
-        None, None, None, None,
+        None,
+        None,
+        None,
+        None,
     )
 
 
@@ -111,8 +152,9 @@ def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
     else:
         beta = torch.full((1, 1, 1), 1.0 / float(tau), device=v.device, dtype=torch.float32)
     v = v if v.stride(-1) == 1 else v.contiguous()
-    return scalar_fwd(qs, ks, v, beta, mask.key_log_weights, mask.attention_mask, mask.causal, mask.window,
-                      mask.num_prefix_keys)[0]
+    return scalar_fwd(
+        qs, ks, v, beta, mask.key_log_weights, mask.attention_mask, mask.causal, mask.window, mask.num_prefix_keys
+    )[0]
 
 
 def scalar_triton_reason(qs, ks, v, tau, mask) -> str | None:

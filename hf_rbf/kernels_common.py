@@ -30,7 +30,6 @@ import os
 
 import torch
 
-
 try:
     import triton
     import triton.language as tl
@@ -106,8 +105,10 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim
     if not HAS_TRITON:
         return "triton is not installed (pip install triton)"
     if MIXED_INTERPRETER:
-        return ("TRITON_INTERPRET changed after triton was imported (triton's own functions and these kernels were "
-                "built in different modes); set it before importing triton, or not at all")
+        return (
+            "TRITON_INTERPRET changed after triton was imported (triton's own functions and these kernels were "
+            "built in different modes); set it before importing triton, or not at all"
+        )
     if device.type == "cuda":
         if DEFINED_INTERPRETED:
             return "the kernels were defined under TRITON_INTERPRET=1 and cannot run on CUDA tensors"
@@ -213,8 +214,9 @@ if HAS_TRITON:
         return _tile_range(lo_first, lo_last, hi_first, hi_last, S, BLOCK)
 
     @triton.jit
-    def _query_range(s_first, s_last, t0, NQ, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     BLOCK: tl.constexpr):
+    def _query_range(
+        s_first, s_last, t0, NQ, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK: tl.constexpr
+    ):
         """Query-row tiles that see the sequence keys ``s_first .. s_last``; query row i sits at position t0 + i."""
         if CAUSAL:
             lo_first = s_first - t0
@@ -276,10 +278,26 @@ if HAS_TRITON:
 
     @triton.jit
     def _key_bias_kernel(
-        K, KLW, AM, COEF, KB, KN,
-        skb, skh, skn, slb, slh, sln, smb,
-        H, NK,
-        D: tl.constexpr, D_PAD: tl.constexpr, KNORM: tl.constexpr, HAS_KLW: tl.constexpr, HAS_AM: tl.constexpr,
+        K,
+        KLW,
+        AM,
+        COEF,
+        KB,
+        KN,
+        skb,
+        skh,
+        skn,
+        slb,
+        slh,
+        sln,
+        smb,
+        H,
+        NK,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        KNORM: tl.constexpr,
+        HAS_KLW: tl.constexpr,
+        HAS_AM: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         """kb_j = log2(e) * (b_h * ||k_j||^2 + log w_j), -inf for padded keys; kn_j = ||k_j||^2 (fp32)."""
@@ -292,8 +310,11 @@ if HAS_TRITON:
         kb = tl.zeros([BLOCK], dtype=tl.float32)
         if KNORM:
             offs_d = tl.arange(0, D_PAD)
-            k = tl.load(K + b * skb + h * skh + offs[:, None] * skn + offs_d[None, :],
-                        mask=ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+            k = tl.load(
+                K + b * skb + h * skh + offs[:, None] * skn + offs_d[None, :],
+                mask=ok[:, None] & (offs_d[None, :] < D),
+                other=0.0,
+            ).to(tl.float32)
             kn = tl.sum(k * k, 1)
             tl.store(KN + bh * NK + offs, kn, mask=ok)
             kb = kn * tl.load(COEF + h)
@@ -337,12 +358,27 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
     dummy = kb
     grid = (triton.cdiv(nk, block), batch * heads)
     _key_bias_kernel[grid](
-        k if knorm else dummy, klw if klw is not None else dummy, am if am is not None else dummy,
-        coef if knorm else dummy, kb, kn if knorm else dummy,
-        k.stride(0) if knorm else 0, k.stride(1) if knorm else 0, k.stride(2) if knorm else 0,
-        slb, slh, sln, am.stride(0) if am is not None else 0,
-        heads, nk,
-        D=d, D_PAD=padded_dim(d), KNORM=knorm, HAS_KLW=klw is not None, HAS_AM=am is not None, BLOCK=block,
+        k if knorm else dummy,
+        klw if klw is not None else dummy,
+        am if am is not None else dummy,
+        coef if knorm else dummy,
+        kb,
+        kn if knorm else dummy,
+        k.stride(0) if knorm else 0,
+        k.stride(1) if knorm else 0,
+        k.stride(2) if knorm else 0,
+        slb,
+        slh,
+        sln,
+        am.stride(0) if am is not None else 0,
+        heads,
+        nk,
+        D=d,
+        D_PAD=padded_dim(d),
+        KNORM=knorm,
+        HAS_KLW=klw is not None,
+        HAS_AM=am is not None,
+        BLOCK=block,
         num_warps=4,
     )
     return kb, kn
@@ -350,7 +386,6 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
 
 
 def triton_last_on_cpu(candidates: dict, device: torch.device) -> dict:

@@ -39,7 +39,6 @@ from .kernels_common import (
     shared_memory_fits,
 )
 
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -91,8 +90,9 @@ _prune_dq = _make_prune("BLOCK_M", "BLOCK_N", lambda d, dv: d)
 if HAS_TRITON:
 
     @triton.jit
-    def _bwd_preprocess_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, NQ,
-                               DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    def _bwd_preprocess_kernel(
+        OUT, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, NQ, DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr
+    ):
         pid = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
@@ -100,21 +100,51 @@ if HAS_TRITON:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         offs_dv = tl.arange(0, DV_PAD)
         ok = offs < NQ
-        o = _load_tile(O + b * sob + h * soh + offs[:, None] * son + offs_dv[None, :], ok, offs_dv, DV, DV_PAD, True)
-        do = _load_tile(DO + b * sdb + h * sdh + offs[:, None] * sdn + offs_dv[None, :], ok, offs_dv, DV, DV_PAD,
-                        True)
+        o = _load_tile(OUT + b * sob + h * soh + offs[:, None] * son + offs_dv[None, :], ok, offs_dv, DV, DV_PAD, True)
+        do = _load_tile(DO + b * sdb + h * sdh + offs[:, None] * sdn + offs_dv[None, :], ok, offs_dv, DV, DV_PAD, True)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(DELTA + bh * NQ + offs, delta, mask=ok)
 
     @triton.jit
     def _dkdv_tiles(
-        dk, dv, c_acc, dks_acc, k, v, kb, ks, s_k, is_prefix,
-        Q_ptr, DO_ptr, LSE_ptr, DELTA_ptr, QS_ptr, BETA_ptr, sqn, son, sqsn, sbn,
-        lo, hi, t0, NQ, a, WINDOW,
+        dk,
+        dv,
+        c_acc,
+        dks_acc,
+        k,
+        v,
+        kb,
+        ks,
+        s_k,
+        is_prefix,
+        Q_ptr,
+        DO_ptr,
+        LSE_ptr,
+        DELTA_ptr,
+        QS_ptr,
+        BETA_ptr,
+        sqn,
+        son,
+        sqsn,
+        sbn,
+        lo,
+        hi,
+        t0,
+        NQ,
+        a,
+        WINDOW,
         MODE: tl.constexpr,
-        D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr, SCALAR: tl.constexpr,
-        NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        SCALAR: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
     ):
         """Query tiles ``lo .. hi`` against the stationary key tile (transposed scores ``[BLOCK_N, BLOCK_M]``).
 
@@ -142,8 +172,9 @@ if HAS_TRITON:
                 dd = qs[None, :] - ks[:, None]
                 sT -= dd * dd * (beta * 1.4426950408889634)[None, :]
             if MODE == 1:
-                ok = row_ok[None, :] & (_allowed((t0 + offs_m)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW)
-                                        | is_prefix)
+                ok = row_ok[None, :] & (
+                    _allowed((t0 + offs_m)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW) | is_prefix
+                )
                 sT = tl.where(ok, sT, float("-inf"))
             pT = tl.math.exp2(sT - lse[None, :])
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
@@ -161,15 +192,70 @@ if HAS_TRITON:
 
     @triton.jit
     def _distance_bwd_dkdv_kernel(
-        Q, K, V, KB, QS, KS, BETA, A, BC, DO, LSE, DELTA, DK, DV, DKB, DKS,
-        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
-        sqsb, sqsh, sqsn, sksb, sksh, sksn, sbb, sbh, sbn,
-        sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-        H, HPG, NQ, NK, P, WINDOW, N_BUCKET,
-        D: tl.constexpr, DV_: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr, KNORM: tl.constexpr,
-        SCALAR: tl.constexpr, NORMALIZE: tl.constexpr, KV_SAME: tl.constexpr, DOT_PREC: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        Q,
+        K,
+        V,
+        KB,
+        QS,
+        KS,
+        BETA,
+        A,
+        BC,
+        DO,
+        LSE,
+        DELTA,
+        DK,
+        DV,
+        DKB,
+        DKS,
+        sqb,
+        sqh,
+        sqn,
+        skb,
+        skh,
+        skn,
+        svb,
+        svh,
+        svn,
+        sdob,
+        sdoh,
+        sdon,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        sbb,
+        sbh,
+        sbn,
+        sdkb,
+        sdkh,
+        sdkn,
+        sdvb,
+        sdvh,
+        sdvn,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        N_BUCKET,
+        D: tl.constexpr,
+        DV_: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        KNORM: tl.constexpr,
+        SCALAR: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        KV_SAME: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         bg = tl.program_id(1).to(tl.int64)
@@ -181,7 +267,9 @@ if HAS_TRITON:
         n_prefix_blocks = tl.cdiv(P, BLOCK_N)
         is_prefix = pid_n < n_prefix_blocks
         ip = tl.minimum(n_prefix_blocks - pid_n, 1)
-        ip = tl.maximum(ip, 0)  # 1 for a prefix key block, else 0 (integer select: a scalar tl.where is not 0-d in triton 3.6's interpreter)
+        ip = tl.maximum(
+            ip, 0
+        )  # 1 for a prefix key block, else 0 (integer select: a scalar tl.where is not 0-d in triton 3.6's interpreter)
         # key tiles never straddle the prefix boundary: prefix blocks first, then sequence blocks from key P
         s0 = ip * (pid_n * BLOCK_N - P) + (1 - ip) * ((pid_n - n_prefix_blocks) * BLOCK_N)
         j0 = P + s0
@@ -202,8 +290,9 @@ if HAS_TRITON:
         q_end = ip * p_end + (1 - ip) * q_end
 
         if not KV_SAME:
-            v = _load_tile(V + b * svb + g * svh + j[:, None] * svn + offs_dv[None, :], key_ok, offs_dv, DV_, DV_PAD,
-                           True)
+            v = _load_tile(
+                V + b * svb + g * svh + j[:, None] * svn + offs_dv[None, :], key_ok, offs_dv, DV_, DV_PAD, True
+            )
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
         for hh in range(0, HPG):
             h = g * HPG + hh
@@ -230,20 +319,125 @@ if HAS_TRITON:
             QS_ptr = QS + b * sqsb + h * sqsh
             BETA_ptr = BETA + b * sbb + h * sbh
             dk, dv, c_acc, dks_acc = _dkdv_tiles(
-                dk, dv, c_acc, dks_acc, k, vt, kb, ks, s_k, is_prefix,
-                Q_ptr, DO_ptr, LSE + bh * NQ, DELTA + bh * NQ, QS_ptr, BETA_ptr, sqn, sdon, sqsn, sbn,
-                q_start, q_full_lo, t0, NQ, a, WINDOW, 1,
-                D, DV_, D_PAD, DV_PAD, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, DOT_PREC)
+                dk,
+                dv,
+                c_acc,
+                dks_acc,
+                k,
+                vt,
+                kb,
+                ks,
+                s_k,
+                is_prefix,
+                Q_ptr,
+                DO_ptr,
+                LSE + bh * NQ,
+                DELTA + bh * NQ,
+                QS_ptr,
+                BETA_ptr,
+                sqn,
+                sdon,
+                sqsn,
+                sbn,
+                q_start,
+                q_full_lo,
+                t0,
+                NQ,
+                a,
+                WINDOW,
+                1,
+                D,
+                DV_,
+                D_PAD,
+                DV_PAD,
+                BLOCK_M,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                SCALAR,
+                NORMALIZE,
+                DOT_PREC,
+            )
             dk, dv, c_acc, dks_acc = _dkdv_tiles(
-                dk, dv, c_acc, dks_acc, k, vt, kb, ks, s_k, is_prefix,
-                Q_ptr, DO_ptr, LSE + bh * NQ, DELTA + bh * NQ, QS_ptr, BETA_ptr, sqn, sdon, sqsn, sbn,
-                q_full_lo, q_full_hi, t0, NQ, a, WINDOW, 0,
-                D, DV_, D_PAD, DV_PAD, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, DOT_PREC)
+                dk,
+                dv,
+                c_acc,
+                dks_acc,
+                k,
+                vt,
+                kb,
+                ks,
+                s_k,
+                is_prefix,
+                Q_ptr,
+                DO_ptr,
+                LSE + bh * NQ,
+                DELTA + bh * NQ,
+                QS_ptr,
+                BETA_ptr,
+                sqn,
+                sdon,
+                sqsn,
+                sbn,
+                q_full_lo,
+                q_full_hi,
+                t0,
+                NQ,
+                a,
+                WINDOW,
+                0,
+                D,
+                DV_,
+                D_PAD,
+                DV_PAD,
+                BLOCK_M,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                SCALAR,
+                NORMALIZE,
+                DOT_PREC,
+            )
             dk, dv, c_acc, dks_acc = _dkdv_tiles(
-                dk, dv, c_acc, dks_acc, k, vt, kb, ks, s_k, is_prefix,
-                Q_ptr, DO_ptr, LSE + bh * NQ, DELTA + bh * NQ, QS_ptr, BETA_ptr, sqn, sdon, sqsn, sbn,
-                q_full_hi, q_end, t0, NQ, a, WINDOW, 1,
-                D, DV_, D_PAD, DV_PAD, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, DOT_PREC)
+                dk,
+                dv,
+                c_acc,
+                dks_acc,
+                k,
+                vt,
+                kb,
+                ks,
+                s_k,
+                is_prefix,
+                Q_ptr,
+                DO_ptr,
+                LSE + bh * NQ,
+                DELTA + bh * NQ,
+                QS_ptr,
+                BETA_ptr,
+                sqn,
+                sdon,
+                sqsn,
+                sbn,
+                q_full_hi,
+                q_end,
+                t0,
+                NQ,
+                a,
+                WINDOW,
+                1,
+                D,
+                DV_,
+                D_PAD,
+                DV_PAD,
+                BLOCK_M,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                SCALAR,
+                NORMALIZE,
+                DOT_PREC,
+            )
             # natural-log units: the kernels' scores carry log2(e); dS and the values do not
             dk = dk * (a * 0.6931471805599453)
             if KNORM:
@@ -252,24 +446,61 @@ if HAS_TRITON:
                 dk += dv  # x is key and value: one gradient
                 dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
             dk_mask = key_ok[:, None] & (offs_d[None, :] < D)
-            tl.store(DK + b * sdkb + h * sdkh + j[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                     mask=dk_mask)
+            tl.store(
+                DK + b * sdkb + h * sdkh + j[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=dk_mask
+            )
             tl.store(DKB + bh * NK + j, c_acc, mask=key_ok)
             if SCALAR:
                 tl.store(DKS + bh * NK + j, 2.0 * dks_acc, mask=key_ok)
         if not KV_SAME:
-            tl.store(DV + b * sdvb + g * sdvh + j[:, None] * sdvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
-                     mask=key_ok[:, None] & (offs_dv[None, :] < DV_))
+            tl.store(
+                DV + b * sdvb + g * sdvh + j[:, None] * sdvn + offs_dv[None, :],
+                dv.to(DV.dtype.element_ty),
+                mask=key_ok[:, None] & (offs_dv[None, :] < DV_),
+            )
 
     @triton.jit
     def _dq_tiles(
-        dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r,
-        K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-        lo, hi, key_base, bound, a, WINDOW,
+        dq,
+        dacc,
+        a1,
+        b1,
+        a2,
+        b2,
+        q,
+        do,
+        lse,
+        delta,
+        qs_r,
+        beta_r,
+        t_r,
+        K_ptr,
+        V_ptr,
+        KB_ptr,
+        KS_ptr,
+        skn,
+        svn,
+        sksn,
+        lo,
+        hi,
+        key_base,
+        bound,
+        a,
+        WINDOW,
         MODE: tl.constexpr,
-        D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr, SCALAR: tl.constexpr,
-        NORMALIZE: tl.constexpr, KV_SAME: tl.constexpr, NEED_DBETA: tl.constexpr, DOT_PREC: tl.constexpr,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        SCALAR: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        KV_SAME: tl.constexpr,
+        NEED_DBETA: tl.constexpr,
+        DOT_PREC: tl.constexpr,
     ):
         """Key tiles for the dQ program; MODE as in the forward's ``_fwd_tiles``."""
         offs_d = tl.arange(0, D_PAD)
@@ -318,16 +549,71 @@ if HAS_TRITON:
 
     @triton.jit
     def _distance_bwd_dq_kernel(
-        Q, K, V, KB, QS, KS, BETA, A, BC, DO, LSE, DELTA, DQ, QR, RSQ, DQS, DBETA,
-        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
-        sqsb, sqsh, sqsn, sksb, sksh, sksn, sbb, sbh, sbn,
-        sdqb, sdqh, sdqn,
-        H, HPG, NQ, NK, P, WINDOW, LOG2_EPS, N_BUCKET,
-        D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr, QNORM: tl.constexpr,
-        SCALAR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_EPS: tl.constexpr, KV_SAME: tl.constexpr,
-        NEED_DBETA: tl.constexpr, DOT_PREC: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        Q,
+        K,
+        V,
+        KB,
+        QS,
+        KS,
+        BETA,
+        A,
+        BC,
+        DO,
+        LSE,
+        DELTA,
+        DQ,
+        QR,
+        RSQ,
+        DQS,
+        DBETA,
+        sqb,
+        sqh,
+        sqn,
+        skb,
+        skh,
+        skn,
+        svb,
+        svh,
+        svn,
+        sdob,
+        sdoh,
+        sdon,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        sbb,
+        sbh,
+        sbn,
+        sdqb,
+        sdqh,
+        sdqn,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        LOG2_EPS,
+        N_BUCKET,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        QNORM: tl.constexpr,
+        SCALAR: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        HAS_EPS: tl.constexpr,
+        KV_SAME: tl.constexpr,
+        NEED_DBETA: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
@@ -341,8 +627,9 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
         q = _load_tile(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], row_ok, offs_d, D, D_PAD, True)
-        do = _load_tile(DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_dv[None, :], row_ok, offs_dv, DV,
-                        DV_PAD, True)
+        do = _load_tile(
+            DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_dv[None, :], row_ok, offs_dv, DV, DV_PAD, True
+        )
         lse = tl.load(LSE + bh * NQ + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + bh * NQ + offs_m, mask=row_ok, other=0.0)
         a = tl.load(A + h)
@@ -365,24 +652,176 @@ if HAS_TRITON:
         KS_ptr = KS + b * sksb + h * sksh
 
         dq, dacc, a1, b1, a2, b2 = _dq_tiles(
-            dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            0, P, 0, P, a, WINDOW, 2,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, NEED_DBETA, DOT_PREC)
+            dq,
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            q,
+            do,
+            lse,
+            delta,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            0,
+            P,
+            0,
+            P,
+            a,
+            WINDOW,
+            2,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            NEED_DBETA,
+            DOT_PREC,
+        )
         t_first = t0 + pid_m * BLOCK_M
         t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
         start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
         dq, dacc, a1, b1, a2, b2 = _dq_tiles(
-            dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            start, full_lo, P, S, a, WINDOW, 1,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, NEED_DBETA, DOT_PREC)
+            dq,
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            q,
+            do,
+            lse,
+            delta,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            start,
+            full_lo,
+            P,
+            S,
+            a,
+            WINDOW,
+            1,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            NEED_DBETA,
+            DOT_PREC,
+        )
         dq, dacc, a1, b1, a2, b2 = _dq_tiles(
-            dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            full_lo, full_hi, P, S, a, WINDOW, 0,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, NEED_DBETA, DOT_PREC)
+            dq,
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            q,
+            do,
+            lse,
+            delta,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            full_lo,
+            full_hi,
+            P,
+            S,
+            a,
+            WINDOW,
+            0,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            NEED_DBETA,
+            DOT_PREC,
+        )
         dq, dacc, a1, b1, a2, b2 = _dq_tiles(
-            dq, dacc, a1, b1, a2, b2, q, do, lse, delta, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            full_hi, end, P, S, a, WINDOW, 1,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, NEED_DBETA, DOT_PREC)
+            dq,
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            q,
+            do,
+            lse,
+            delta,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            full_hi,
+            end,
+            P,
+            S,
+            a,
+            WINDOW,
+            1,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            NEED_DBETA,
+            DOT_PREC,
+        )
 
         qf = q.to(tl.float32)
         # sum_ij dS_ij q_i.k_j per row: the gradient of the dot coefficient
@@ -400,8 +839,11 @@ if HAS_TRITON:
                 rs = delta
             dq += (2.0 * 0.6931471805599453 * tl.load(BC + h)) * rs[:, None] * qf
             tl.store(RSQ + bh * NQ + offs_m, rs * qn, mask=row_ok)
-        tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_d[None, :] < D))
+        tl.store(
+            DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :],
+            dq.to(DQ.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_d[None, :] < D),
+        )
         if SCALAR:
             tl.store(DQS + bh * NQ + offs_m, -2.0 * beta_r * (a1 - dacc * b1), mask=row_ok)
             if NEED_DBETA:
@@ -431,14 +873,49 @@ def bwd_delta(out, dout):
         return delta
     block = 16 if not autotune_enabled() and dout.device.type == "cpu" else 64
     _bwd_preprocess_kernel[(triton.cdiv(nq, block), bsz * heads)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        heads, nq, DV=dv, DV_PAD=padded_dim(dv), BLOCK=block, num_warps=4,
+        out,
+        dout,
+        delta,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        dout.stride(0),
+        dout.stride(1),
+        dout.stride(2),
+        heads,
+        nq,
+        DV=dv,
+        DV_PAD=padded_dim(dv),
+        BLOCK=block,
+        num_warps=4,
     )
     return delta
 
 
-def distance_backward(dout, q, k, v, kb, qs, ks, beta, a_log2, b_log2, out, lse, *, causal, window, num_prefix_keys,
-                      normalize, qnorm, knorm, kv_same, eps, need_dbeta):
+def distance_backward(
+    dout,
+    q,
+    k,
+    v,
+    kb,
+    qs,
+    ks,
+    beta,
+    a_log2,
+    b_log2,
+    out,
+    lse,
+    *,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
+    need_dbeta,
+):
     """Gradients of :func:`kernels_flash_fwd.distance_forward`.
 
     Returns ``dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta``: ``dq``/``dk``/``dv`` in the inputs' dtypes (with
@@ -452,6 +929,7 @@ def distance_backward(dout, q, k, v, kb, qs, ks, beta, a_log2, b_log2, out, lse,
     groups, dv_dim = v.shape[1], v.shape[3]
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
+
     def empty():  # outputs of a custom op must not alias each other: one fresh empty tensor each
         return torch.empty(0, **f32)
 
@@ -468,37 +946,123 @@ def distance_backward(dout, q, k, v, kb, qs, ks, beta, a_log2, b_log2, out, lse,
     dks = torch.empty(bsz, heads, nk, **f32) if scalar else empty()
     dbeta = torch.empty(bsz, heads, nq, **f32) if scalar and need_dbeta else empty()
     if nq == 0 or nk == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), dkb.zero_(), qr.zero_(), rsq.zero_(), dqs.zero_(), dks.zero_(), \
-            dbeta.zero_()
+        return (
+            dq.zero_(),
+            dk.zero_(),
+            dv.zero_(),
+            dkb.zero_(),
+            qr.zero_(),
+            rsq.zero_(),
+            dqs.zero_(),
+            dks.zero_(),
+            dbeta.zero_(),
+        )
     dummy = a_log2
     if scalar:
         sqs, sks, sbeta = _strides3(qs, bsz, heads, nq), _strides3(ks, bsz, heads, nk), _strides3(beta, bsz, heads, nq)
     else:
         sqs = sks = sbeta = (0, 0, 0)
-    ins = (q, k, v, kb if kb is not None else dummy, qs if scalar else dummy, ks if scalar else dummy,
-           beta if scalar else dummy, a_log2, b_log2, dout, lse, delta)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2)) + sqs + sks + sbeta
-    common = dict(D_PAD=padded_dim(d), DV_PAD=padded_dim(dv_dim), CAUSAL=causal, HAS_WINDOW=window is not None,
-                  HAS_KB=kb is not None, SCALAR=scalar, NORMALIZE=normalize, KV_SAME=kv_same,
-                  DOT_PREC=dot_precision(q.dtype))
+    ins = (
+        q,
+        k,
+        v,
+        kb if kb is not None else dummy,
+        qs if scalar else dummy,
+        ks if scalar else dummy,
+        beta if scalar else dummy,
+        a_log2,
+        b_log2,
+        dout,
+        lse,
+        delta,
+    )
+    strides = (
+        (
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            dout.stride(0),
+            dout.stride(1),
+            dout.stride(2),
+        )
+        + sqs
+        + sks
+        + sbeta
+    )
+    common = dict(
+        D_PAD=padded_dim(d),
+        DV_PAD=padded_dim(dv_dim),
+        CAUSAL=causal,
+        HAS_WINDOW=window is not None,
+        HAS_KB=kb is not None,
+        SCALAR=scalar,
+        NORMALIZE=normalize,
+        KV_SAME=kv_same,
+        DOT_PREC=dot_precision(q.dtype),
+    )
     hpg = heads // groups
     nb = n_bucket(max(nq, nk))
     grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
     _distance_bwd_dq[grid_q](
-        *ins, dq, qr, rsq if qnorm else dummy, dqs if scalar else dummy, dbeta if dbeta.numel() else dummy, *strides,
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        heads, hpg, nq, nk, num_prefix_keys, window or 0, math.log2(eps) if eps > 0 else 0.0, nb,
-        D=d, DV=dv_dim, QNORM=qnorm, HAS_EPS=normalize and eps > 0, NEED_DBETA=bool(dbeta.numel()), **common,
+        *ins,
+        dq,
+        qr,
+        rsq if qnorm else dummy,
+        dqs if scalar else dummy,
+        dbeta if dbeta.numel() else dummy,
+        *strides,
+        dq.stride(0),
+        dq.stride(1),
+        dq.stride(2),
+        heads,
+        hpg,
+        nq,
+        nk,
+        num_prefix_keys,
+        window or 0,
+        math.log2(eps) if eps > 0 else 0.0,
+        nb,
+        D=d,
+        DV=dv_dim,
+        QNORM=qnorm,
+        HAS_EPS=normalize and eps > 0,
+        NEED_DBETA=bool(dbeta.numel()),
+        **common,
     )
     grid_kv = lambda meta: (  # noqa: E731
         triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
-        bsz * groups)
+        bsz * groups,
+    )
     dvt = dv if not kv_same else dk
     _distance_bwd_dkdv[grid_kv](
-        *ins, dk, dvt, dkb, dks if scalar else dummy, *strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), dvt.stride(0), dvt.stride(1), dvt.stride(2),
-        heads, hpg, nq, nk, num_prefix_keys, window or 0, nb,
-        D=d, DV_=dv_dim, KNORM=knorm, **common,
+        *ins,
+        dk,
+        dvt,
+        dkb,
+        dks if scalar else dummy,
+        *strides,
+        dk.stride(0),
+        dk.stride(1),
+        dk.stride(2),
+        dvt.stride(0),
+        dvt.stride(1),
+        dvt.stride(2),
+        heads,
+        hpg,
+        nq,
+        nk,
+        num_prefix_keys,
+        window or 0,
+        nb,
+        D=d,
+        DV_=dv_dim,
+        KNORM=knorm,
+        **common,
     )
     return dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta

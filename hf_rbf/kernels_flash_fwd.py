@@ -41,7 +41,6 @@ from .kernels_common import (
     shared_memory_fits,
 )
 
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -92,13 +91,41 @@ if HAS_TRITON:
 
     @triton.jit
     def _fwd_tiles(
-        acc, l_i, m_i, q, qs_r, beta_r, t_r,
-        K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-        lo, hi, key_base, bound, a, kn_coef, WINDOW,
+        acc,
+        l_i,
+        m_i,
+        q,
+        qs_r,
+        beta_r,
+        t_r,
+        K_ptr,
+        V_ptr,
+        KB_ptr,
+        KS_ptr,
+        skn,
+        svn,
+        sksn,
+        lo,
+        hi,
+        key_base,
+        bound,
+        a,
+        kn_coef,
+        WINDOW,
         MODE: tl.constexpr,
-        D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr, SCALAR: tl.constexpr,
-        NORMALIZE: tl.constexpr, KV_SAME: tl.constexpr, KNORM_INLINE: tl.constexpr, DOT_PREC: tl.constexpr,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        SCALAR: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        KV_SAME: tl.constexpr,
+        KNORM_INLINE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
     ):
         """Key tiles ``lo .. hi`` (indices ``key_base + n``, valid below ``bound``).
 
@@ -149,15 +176,65 @@ if HAS_TRITON:
 
     @triton.jit
     def _distance_fwd_kernel(
-        Q, K, V, KB, QS, KS, BETA, A, BC, OUT, LSE, LPART, EROW,
-        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-        sqsb, sqsh, sqsn, sksb, sksh, sksn, sbb, sbh, sbn,
-        H, HPG, NQ, NK, P, WINDOW, LOG2_EPS, N_BUCKET,
-        D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr, QNORM: tl.constexpr,
-        SCALAR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_EPS: tl.constexpr, KV_SAME: tl.constexpr,
-        SPLIT: tl.constexpr, KNORM_INLINE: tl.constexpr, DOT_PREC: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        Q,
+        K,
+        V,
+        KB,
+        QS,
+        KS,
+        BETA,
+        A,
+        BC,
+        OUT,
+        LSE,
+        LPART,
+        EROW,
+        sqb,
+        sqh,
+        sqn,
+        skb,
+        skh,
+        skn,
+        svb,
+        svh,
+        svn,
+        sob,
+        soh,
+        son,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        sbb,
+        sbh,
+        sbn,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        LOG2_EPS,
+        N_BUCKET,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        QNORM: tl.constexpr,
+        SCALAR: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        HAS_EPS: tl.constexpr,
+        KV_SAME: tl.constexpr,
+        SPLIT: tl.constexpr,
+        KNORM_INLINE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -203,9 +280,42 @@ if HAS_TRITON:
         if SPLIT:
             prefix_hi = P - P * tl.minimum(tl.program_id(2), 1)
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            0, prefix_hi, 0, P, a, kn_coef, WINDOW, 2,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC)
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            0,
+            prefix_hi,
+            0,
+            P,
+            a,
+            kn_coef,
+            WINDOW,
+            2,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
 
         t_first = t0 + pid_m * BLOCK_M
         t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
@@ -219,17 +329,116 @@ if HAS_TRITON:
             full_lo = tl.minimum(tl.maximum(full_lo, start), end)
             full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            start, full_lo, P, S, a, kn_coef, WINDOW, 1,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC)
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            start,
+            full_lo,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            1,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            full_lo, full_hi, P, S, a, kn_coef, WINDOW, 0,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC)
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            full_lo,
+            full_hi,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            0,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, K_ptr, V_ptr, KB_ptr, KS_ptr, skn, svn, sksn,
-            full_hi, end, P, S, a, kn_coef, WINDOW, 1,
-            D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC)
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            full_hi,
+            end,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            1,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
 
         if HAS_EPS:
             e = LOG2_EPS - r  # log2 of the eps term, relative to the scores without r
@@ -258,8 +467,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_combine_kernel(
-        ACC, MP, LP, EROW, OUT, sob, soh, son, H, NQ, NSPLIT,
-        DV: tl.constexpr, DV_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
+        ACC,
+        MP,
+        LP,
+        EROW,
+        OUT,
+        sob,
+        soh,
+        son,
+        H,
+        NQ,
+        NSPLIT,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        SPLIT_PAD: tl.constexpr,
+        NORMALIZE: tl.constexpr,
         HAS_EPS: tl.constexpr,
     ):
         """Merge the split-K partial results of one query row: the same finalisation as the forward kernel."""
@@ -271,11 +493,12 @@ if HAS_TRITON:
         offs_dv = tl.arange(0, DV_PAD)
         s_ok = offs_s < NSPLIT
         part = (bh * NSPLIT + offs_s) * NQ + row
-        acc = tl.load(ACC + part[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < DV),
-                      other=0.0)
+        acc = tl.load(
+            ACC + part[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < DV), other=0.0
+        )
         if NORMALIZE:
             m = tl.load(MP + part, mask=s_ok, other=float("-inf"))
-            l = tl.load(LP + part, mask=s_ok, other=0.0)
+            l_part = tl.load(LP + part, mask=s_ok, other=0.0)
             if HAS_EPS:
                 e = tl.load(EROW + bh * NQ + row)
             else:
@@ -283,7 +506,7 @@ if HAS_TRITON:
             big = tl.maximum(tl.max(m, 0), e)
             big = tl.where(big == float("-inf"), 0.0, big)
             w = tl.math.exp2(m - big)
-            den = tl.sum(l * w, 0) + tl.math.exp2(e - big)
+            den = tl.sum(l_part * w, 0) + tl.math.exp2(e - big)
             out = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
         else:
             out = tl.sum(acc, 0)
@@ -313,25 +536,63 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_k
         sbeta = _strides3(beta, bsz, heads, nq)
     else:
         sqs = sks = sbeta = (0, 0, 0)
-    tensors = (q, k, v, kb if kb is not None else dummy, qs if qs is not None else dummy,
-               ks if ks is not None else dummy, beta if beta is not None else dummy, a_log2, b_log2)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
-    scalars = (heads, heads // groups, nq, nk, num_prefix_keys, window or 0,
-               math.log2(eps) if eps > 0 else 0.0, n_bucket(max(nq, nk)))
+    tensors = (
+        q,
+        k,
+        v,
+        kb if kb is not None else dummy,
+        qs if qs is not None else dummy,
+        ks if ks is not None else dummy,
+        beta if beta is not None else dummy,
+        a_log2,
+        b_log2,
+    )
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+    )
+    scalars = (
+        heads,
+        heads // groups,
+        nq,
+        nk,
+        num_prefix_keys,
+        window or 0,
+        math.log2(eps) if eps > 0 else 0.0,
+        n_bucket(max(nq, nk)),
+    )
     return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta, scalars
 
 
 def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False):
     return dict(
-        D=d, DV=dv, D_PAD=padded_dim(d), DV_PAD=padded_dim(dv), CAUSAL=causal, HAS_WINDOW=window is not None,
-        HAS_KB=kb is not None, QNORM=qnorm, SCALAR=qs is not None, NORMALIZE=normalize,
-        HAS_EPS=normalize and eps > 0, KV_SAME=kv_same, KNORM_INLINE=knorm_inline, DOT_PREC=dot_precision(q.dtype),
+        D=d,
+        DV=dv,
+        D_PAD=padded_dim(d),
+        DV_PAD=padded_dim(dv),
+        CAUSAL=causal,
+        HAS_WINDOW=window is not None,
+        HAS_KB=kb is not None,
+        QNORM=qnorm,
+        SCALAR=qs is not None,
+        NORMALIZE=normalize,
+        HAS_EPS=normalize and eps > 0,
+        KV_SAME=kv_same,
+        KNORM_INLINE=knorm_inline,
+        DOT_PREC=dot_precision(q.dtype),
     )
 
 
-def distance_forward(q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm,
-                     kv_same, eps):
+def distance_forward(
+    q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps
+):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
 
     ``q [B,H,Nq,D]``, ``k [B,H,Nk,D]``, ``v [B,G,Nk,Dv]`` (last dim contiguous; ``k is v`` with ``kv_same``);
@@ -340,15 +601,27 @@ def distance_forward(q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, windo
     ``log2(e)``.
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
-        q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps)
+        q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps
+    )
     out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(bsz, heads, nq, device=q.device, dtype=torch.float32)
     if nq == 0:
         return out, lse
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
     _distance_fwd[grid](
-        *tensors, out, lse, lse, lse, *strides, out.stride(0), out.stride(1), out.stride(2), *sstrides, *scalars,
-        SPLIT=False, **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False),
+        *tensors,
+        out,
+        lse,
+        lse,
+        lse,
+        *strides,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        *sstrides,
+        *scalars,
+        SPLIT=False,
+        **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False),
     )
     return out, lse
 
@@ -368,15 +641,17 @@ def decode_splits(bsz: int, heads: int, nq: int, span: int, device) -> int:
     return int(max(1, min(want, ceil_div(max(span, 1), min_chunk), 128)))
 
 
-def distance_decode(q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm,
-                    knorm, kv_same, eps):
+def distance_decode(
+    q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
+):
     """Forward for a few query rows (a decode step) with the key range split over programs; output only.
 
     ``kb`` here holds only key log-weights and padding (or is None): with ``knorm`` the key norms are computed from
     the key tiles inside the kernel.
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
-        q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps)
+        q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps
+    )
     out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
     if nq == 0:
         return out
@@ -389,11 +664,37 @@ def distance_decode(q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, n_split)  # noqa: E731
     flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=knorm)
     _distance_decode[grid](
-        *tensors, acc, mp, lp, erow, *strides, 0, 0, 0, *sstrides, *scalars, SPLIT=True, **flags,
+        *tensors,
+        acc,
+        mp,
+        lp,
+        erow,
+        *strides,
+        0,
+        0,
+        0,
+        *sstrides,
+        *scalars,
+        SPLIT=True,
+        **flags,
     )
     _decode_combine_kernel[(nq, bsz * heads)](
-        acc, mp, lp, erow, out, out.stride(0), out.stride(1), out.stride(2), heads, nq, n_split,
-        DV=dv, DV_PAD=padded_dim(dv), SPLIT_PAD=max(2, next_pow2(n_split)), NORMALIZE=normalize,
-        HAS_EPS=flags["HAS_EPS"], num_warps=4,
+        acc,
+        mp,
+        lp,
+        erow,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        heads,
+        nq,
+        n_split,
+        DV=dv,
+        DV_PAD=padded_dim(dv),
+        SPLIT_PAD=max(2, next_pow2(n_split)),
+        NORMALIZE=normalize,
+        HAS_EPS=flags["HAS_EPS"],
+        num_warps=4,
     )
     return out

@@ -28,7 +28,6 @@ import torch
 from .kernels_common import HAS_TRITON, autotune, dot_precision, make_configs, n_bucket, padded_dim
 from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, strides3
 
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -55,8 +54,11 @@ SCALAR_DQ_CONFIGS = [
     ({"ROWS": 128, "BLOCK_N": 64, "HP": 4}, 4, 3),
     ({"ROWS": 64, "BLOCK_N": 64, "HP": 2}, 4, 3),
 ]
-_INTERPRET_DKV = [({"BLOCK_N": 16, "ROWS": 16, "HP": 1}, 1, 1), ({"BLOCK_N": 16, "ROWS": 32, "HP": 2}, 1, 1),
-                  ({"BLOCK_N": 16, "ROWS": 64, "HP": 4}, 1, 1)]
+_INTERPRET_DKV = [
+    ({"BLOCK_N": 16, "ROWS": 16, "HP": 1}, 1, 1),
+    ({"BLOCK_N": 16, "ROWS": 32, "HP": 2}, 1, 1),
+    ({"BLOCK_N": 16, "ROWS": 64, "HP": 4}, 1, 1),
+]
 
 
 def _prune_dkv(configs, nargs, **kwargs):
@@ -91,11 +93,39 @@ if HAS_TRITON:
 
     @triton.jit
     def _scalar_dkv_tiles(
-        dv, dks, dkb, v, ksT, kbT, s_k, is_prefix,
-        QS_ptr, BETA_ptr, DO_ptr, LSE_ptr, DELTA_ptr, sqsh, sqsn, sbh, sbn, sdoh, sdon, NQ,
-        lo, hi, t0, WINDOW,
-        MODE: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HP: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr,
+        dv,
+        dks,
+        dkb,
+        v,
+        ksT,
+        kbT,
+        s_k,
+        is_prefix,
+        QS_ptr,
+        BETA_ptr,
+        DO_ptr,
+        LSE_ptr,
+        DELTA_ptr,
+        sqsh,
+        sqsn,
+        sbh,
+        sbn,
+        sdoh,
+        sdon,
+        NQ,
+        lo,
+        hi,
+        t0,
+        WINDOW,
+        MODE: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        HP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         ROWS: tl.constexpr = HP * BLOCK_M
@@ -109,15 +139,22 @@ if HAS_TRITON:
             beta = tl.load(BETA_ptr + hh * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
             lse = tl.load(LSE_ptr + hh * NQ + i, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA_ptr + hh * NQ + i, mask=row_ok, other=0.0)
-            do = _load_tile(DO_ptr + hh[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :], row_ok, offs_dv, DV,
-                            DV_PAD, MODE != 0)
+            do = _load_tile(
+                DO_ptr + hh[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :],
+                row_ok,
+                offs_dv,
+                DV,
+                DV_PAD,
+                MODE != 0,
+            )
             dd = qs[None, :] - ksT
             sT = -(dd * dd) * (beta * 1.4426950408889634)[None, :]
             if HAS_KB:
                 sT += kbT
             if MODE == 1:
-                ok = row_ok[None, :] & (_allowed((t0 + i)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW)
-                                        | is_prefix)
+                ok = row_ok[None, :] & (
+                    _allowed((t0 + i)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW) | is_prefix
+                )
                 sT = tl.where(ok, sT, float("-inf"))
             pT = tl.math.exp2(sT - lse[None, :])
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
@@ -130,12 +167,52 @@ if HAS_TRITON:
 
     @triton.jit
     def _scalar_bwd_dkv_kernel(
-        QS, KS, V, KB, BETA, DO, LSE, DELTA, DV, DKS, DKB,
-        sqsb, sqsh, sqsn, sksb, sksh, sksn, svb, svh, svn, sbb, sbh, sbn, sdob, sdoh, sdon, sdvb, sdvh, sdvn,
-        H, HPG, NQ, NK, P, WINDOW, N_BUCKET, HP_REQ,
-        DV_: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_KB: tl.constexpr, DOT_PREC: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HP: tl.constexpr,
+        QS,
+        KS,
+        V,
+        KB,
+        BETA,
+        DO,
+        LSE,
+        DELTA,
+        DV,
+        DKS,
+        DKB,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        svb,
+        svh,
+        svn,
+        sbb,
+        sbh,
+        sbn,
+        sdob,
+        sdoh,
+        sdon,
+        sdvb,
+        sdvh,
+        sdvn,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        N_BUCKET,
+        HP_REQ,
+        DV_: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HP: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
         pid_n = tl.program_id(0)
@@ -148,7 +225,9 @@ if HAS_TRITON:
         n_prefix_blocks = tl.cdiv(P, BLOCK_N)
         is_prefix = pid_n < n_prefix_blocks
         ip = tl.minimum(n_prefix_blocks - pid_n, 1)
-        ip = tl.maximum(ip, 0)  # 1 for a prefix key block, else 0 (integer select: a scalar tl.where is not 0-d in triton 3.6's interpreter)
+        ip = tl.maximum(
+            ip, 0
+        )  # 1 for a prefix key block, else 0 (integer select: a scalar tl.where is not 0-d in triton 3.6's interpreter)
         s0 = ip * (pid_n * BLOCK_N - P) + (1 - ip) * ((pid_n - n_prefix_blocks) * BLOCK_N)
         offs_n = tl.arange(0, BLOCK_N)
         j = P + s0 + offs_n
@@ -169,12 +248,14 @@ if HAS_TRITON:
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
         for hc in range(0, HPG, HP):
             h0 = g * HPG + hc
-            ks = tl.load(KS + b * sksb + (h0 + offs_h)[:, None] * sksh + j[None, :] * sksn, mask=key_ok[None, :],
-                         other=0.0).to(tl.float32)
+            ks = tl.load(
+                KS + b * sksb + (h0 + offs_h)[:, None] * sksh + j[None, :] * sksn, mask=key_ok[None, :], other=0.0
+            ).to(tl.float32)
             ksT = _stacked_t(ks, HP, BLOCK_M, BLOCK_N)
             if HAS_KB:
-                kb = tl.load(KB + (b * H + h0 + offs_h)[:, None] * NK + j[None, :], mask=key_ok[None, :],
-                             other=float("-inf"))
+                kb = tl.load(
+                    KB + (b * H + h0 + offs_h)[:, None] * NK + j[None, :], mask=key_ok[None, :], other=float("-inf")
+                )
                 kbT = _stacked_t(kb, HP, BLOCK_M, BLOCK_N)
             else:
                 kbT = ksT
@@ -186,32 +267,158 @@ if HAS_TRITON:
             LSE_ptr = LSE + (b * H + h0) * NQ
             DELTA_ptr = DELTA + (b * H + h0) * NQ
             dv, dks, dkb = _scalar_dkv_tiles(
-                dv, dks, dkb, v, ksT, kbT, s_k, is_prefix, QS_ptr, BETA_ptr, DO_ptr, LSE_ptr, DELTA_ptr,
-                sqsh, sqsn, sbh, sbn, sdoh, sdon, NQ, q_start, q_full_lo, t0, WINDOW,
-                1, DV_, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC)
+                dv,
+                dks,
+                dkb,
+                v,
+                ksT,
+                kbT,
+                s_k,
+                is_prefix,
+                QS_ptr,
+                BETA_ptr,
+                DO_ptr,
+                LSE_ptr,
+                DELTA_ptr,
+                sqsh,
+                sqsn,
+                sbh,
+                sbn,
+                sdoh,
+                sdon,
+                NQ,
+                q_start,
+                q_full_lo,
+                t0,
+                WINDOW,
+                1,
+                DV_,
+                DV_PAD,
+                HP,
+                BLOCK_M,
+                BLOCK_N,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                DOT_PREC,
+            )
             dv, dks, dkb = _scalar_dkv_tiles(
-                dv, dks, dkb, v, ksT, kbT, s_k, is_prefix, QS_ptr, BETA_ptr, DO_ptr, LSE_ptr, DELTA_ptr,
-                sqsh, sqsn, sbh, sbn, sdoh, sdon, NQ, q_full_lo, q_full_hi, t0, WINDOW,
-                0, DV_, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC)
+                dv,
+                dks,
+                dkb,
+                v,
+                ksT,
+                kbT,
+                s_k,
+                is_prefix,
+                QS_ptr,
+                BETA_ptr,
+                DO_ptr,
+                LSE_ptr,
+                DELTA_ptr,
+                sqsh,
+                sqsn,
+                sbh,
+                sbn,
+                sdoh,
+                sdon,
+                NQ,
+                q_full_lo,
+                q_full_hi,
+                t0,
+                WINDOW,
+                0,
+                DV_,
+                DV_PAD,
+                HP,
+                BLOCK_M,
+                BLOCK_N,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                DOT_PREC,
+            )
             dv, dks, dkb = _scalar_dkv_tiles(
-                dv, dks, dkb, v, ksT, kbT, s_k, is_prefix, QS_ptr, BETA_ptr, DO_ptr, LSE_ptr, DELTA_ptr,
-                sqsh, sqsn, sbh, sbn, sdoh, sdon, NQ, q_full_hi, q_end, t0, WINDOW,
-                1, DV_, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC)
+                dv,
+                dks,
+                dkb,
+                v,
+                ksT,
+                kbT,
+                s_k,
+                is_prefix,
+                QS_ptr,
+                BETA_ptr,
+                DO_ptr,
+                LSE_ptr,
+                DELTA_ptr,
+                sqsh,
+                sqsn,
+                sbh,
+                sbn,
+                sdoh,
+                sdon,
+                NQ,
+                q_full_hi,
+                q_end,
+                t0,
+                WINDOW,
+                1,
+                DV_,
+                DV_PAD,
+                HP,
+                BLOCK_M,
+                BLOCK_N,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                DOT_PREC,
+            )
             out_ptrs = (b * H + h0 + offs_h)[None, :] * NK + j[:, None]
             tl.store(DKS + out_ptrs, 2.0 * dks, mask=key_ok[:, None])
             if HAS_KB:
                 tl.store(DKB + out_ptrs, dkb, mask=key_ok[:, None])
-        tl.store(DV + b * sdvb + g * sdvh + j[:, None] * sdvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
-                 mask=key_ok[:, None] & (offs_dv[None, :] < DV_))
+        tl.store(
+            DV + b * sdvb + g * sdvh + j[:, None] * sdvn + offs_dv[None, :],
+            dv.to(DV.dtype.element_ty),
+            mask=key_ok[:, None] & (offs_dv[None, :] < DV_),
+        )
 
     @triton.jit
     def _scalar_dq_tiles(
-        dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r,
-        KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-        lo, hi, key_base, bound, WINDOW,
-        MODE: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HP: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr,
-        NEED_DBETA: tl.constexpr, DOT_PREC: tl.constexpr,
+        dacc,
+        a1,
+        b1,
+        a2,
+        b2,
+        qs_r,
+        beta_r,
+        lse,
+        do,
+        t_r,
+        KS_ptr,
+        V_ptr,
+        KB_ptr,
+        sksh,
+        sksn,
+        svn,
+        NK,
+        lo,
+        hi,
+        key_base,
+        bound,
+        WINDOW,
+        MODE: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        HP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        NEED_DBETA: tl.constexpr,
+        DOT_PREC: tl.constexpr,
     ):
         offs_h = tl.arange(0, HP)
         offs_dv = tl.arange(0, DV_PAD)
@@ -245,12 +452,49 @@ if HAS_TRITON:
 
     @triton.jit
     def _scalar_bwd_dq_kernel(
-        QS, KS, V, KB, BETA, DO, LSE, DELTA, DQS, DBETA,
-        sqsb, sqsh, sqsn, sksb, sksh, sksn, svb, svh, svn, sbb, sbh, sbn, sdob, sdoh, sdon,
-        H, HPG, NQ, NK, P, WINDOW, N_BUCKET, HP_REQ,
-        DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_KB: tl.constexpr, NEED_DBETA: tl.constexpr, DOT_PREC: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HP: tl.constexpr,
+        QS,
+        KS,
+        V,
+        KB,
+        BETA,
+        DO,
+        LSE,
+        DELTA,
+        DQS,
+        DBETA,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        svb,
+        svh,
+        svn,
+        sbb,
+        sbh,
+        sbn,
+        sdob,
+        sdoh,
+        sdon,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        N_BUCKET,
+        HP_REQ,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        NEED_DBETA: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HP: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
         pid_m = tl.program_id(0)
@@ -269,8 +513,14 @@ if HAS_TRITON:
         qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
         beta_r = tl.load(BETA + b * sbb + h_r * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
         lse = tl.load(LSE + (b * H + h_r) * NQ + i, mask=row_ok, other=float("inf"))
-        do = _load_tile(DO + b * sdob + h_r[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :], row_ok, offs_dv,
-                        DV, DV_PAD, True)
+        do = _load_tile(
+            DO + b * sdob + h_r[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :],
+            row_ok,
+            offs_dv,
+            DV,
+            DV_PAD,
+            True,
+        )
         t_r = t0 + i
         dacc = tl.zeros([ROWS], dtype=tl.float32)
         a1 = tl.zeros([ROWS], dtype=tl.float32)
@@ -281,23 +531,148 @@ if HAS_TRITON:
         V_ptr = V + b * svb + g * svh
         KB_ptr = KB + (b * H + h0) * NK
         dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
-            dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-            0, P, 0, P, WINDOW, 2, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, NEED_DBETA, DOT_PREC)
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            qs_r,
+            beta_r,
+            lse,
+            do,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            0,
+            P,
+            0,
+            P,
+            WINDOW,
+            2,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            NEED_DBETA,
+            DOT_PREC,
+        )
         t_first = t0 + pid_m * BLOCK_M
         t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
         start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
         dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
-            dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-            start, full_lo, P, S, WINDOW, 1, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, NEED_DBETA,
-            DOT_PREC)
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            qs_r,
+            beta_r,
+            lse,
+            do,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            start,
+            full_lo,
+            P,
+            S,
+            WINDOW,
+            1,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            NEED_DBETA,
+            DOT_PREC,
+        )
         dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
-            dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-            full_lo, full_hi, P, S, WINDOW, 0, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB,
-            NEED_DBETA, DOT_PREC)
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            qs_r,
+            beta_r,
+            lse,
+            do,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            full_lo,
+            full_hi,
+            P,
+            S,
+            WINDOW,
+            0,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            NEED_DBETA,
+            DOT_PREC,
+        )
         dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
-            dacc, a1, b1, a2, b2, qs_r, beta_r, lse, do, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-            full_hi, end, P, S, WINDOW, 1, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, NEED_DBETA,
-            DOT_PREC)
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            qs_r,
+            beta_r,
+            lse,
+            do,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            full_hi,
+            end,
+            P,
+            S,
+            WINDOW,
+            1,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            NEED_DBETA,
+            DOT_PREC,
+        )
         # sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j with the exact delta_i = sum_j W_ij dP_ij
         tl.store(DQS + (b * H + h_r) * NQ + i, -2.0 * beta_r * (a1 - dacc * b1), mask=row_ok)
         if NEED_DBETA:
@@ -332,22 +707,66 @@ def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefi
     if nq == 0 or nk == 0:
         return dqs.zero_(), dks.zero_(), dv.zero_(), dkb.zero_(), dbeta.zero_()
     delta = torch.empty(bsz, heads, nq, **f32)  # written by the dqs kernel (exact delta), read by the dV kernel
-    common = dict(DV_PAD=padded_dim(dv_dim), CAUSAL=causal, HAS_WINDOW=window is not None,
-                  HAS_KB=kb is not None, DOT_PREC=dot_precision(v.dtype))
+    common = dict(
+        DV_PAD=padded_dim(dv_dim),
+        CAUSAL=causal,
+        HAS_WINDOW=window is not None,
+        HAS_KB=kb is not None,
+        DOT_PREC=dot_precision(v.dtype),
+    )
     sizes = (heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)), requested_heads_per_program())
-    s_in = (*strides3(qs, bsz, heads, nq), *strides3(ks, bsz, heads, nk), v.stride(0), v.stride(1), v.stride(2),
-            *strides3(beta, bsz, heads, nq), dout.stride(0), dout.stride(1), dout.stride(2))
+    s_in = (
+        *strides3(qs, bsz, heads, nq),
+        *strides3(ks, bsz, heads, nk),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        *strides3(beta, bsz, heads, nq),
+        dout.stride(0),
+        dout.stride(1),
+        dout.stride(2),
+    )
     kbt = kb if kb is not None else lse
     grid_q = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
     _scalar_bwd_dq[grid_q](
-        qs, ks, v, kbt, beta, dout, lse, delta, dqs, dbeta if need_dbeta else dqs,
-        *s_in, *sizes, DV=dv_dim, NEED_DBETA=need_dbeta, **common,
+        qs,
+        ks,
+        v,
+        kbt,
+        beta,
+        dout,
+        lse,
+        delta,
+        dqs,
+        dbeta if need_dbeta else dqs,
+        *s_in,
+        *sizes,
+        DV=dv_dim,
+        NEED_DBETA=need_dbeta,
+        **common,
     )
     grid_kv = lambda meta: (  # noqa: E731
         triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
-        bsz * groups)
+        bsz * groups,
+    )
     _scalar_bwd_dkv[grid_kv](
-        qs, ks, v, kbt, beta, dout, lse, delta, dv, dks, dkb if kb is not None else dks,
-        *s_in, dv.stride(0), dv.stride(1), dv.stride(2), *sizes, DV_=dv_dim, **common,
+        qs,
+        ks,
+        v,
+        kbt,
+        beta,
+        dout,
+        lse,
+        delta,
+        dv,
+        dks,
+        dkb if kb is not None else dks,
+        *s_in,
+        dv.stride(0),
+        dv.stride(1),
+        dv.stride(2),
+        *sizes,
+        DV_=dv_dim,
+        **common,
     )
     return dqs, dks, dv, dkb, dbeta

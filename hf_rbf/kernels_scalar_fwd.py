@@ -10,7 +10,8 @@ Grouped values: ``HP`` heads of one value group may share a program.  Their quer
 of a tile are loaded as ``[HP, BLOCK_N]`` and broadcast to the stacked rows with a reshape (no gather).  ``HP`` is
 autotuned like a tile size (1, 2 or 4, dividing the group size): the first H200 run, with HP fixed at 4, was four
 times slower than the flash forward, which points at the reshape's layout conversions; ``HP = 1`` is a plain
-two-dimensional tile whose values come from L2 for the group's other heads.  Masks, prefix and the online softmax follow ``kernels_flash_fwd.py``.
+two-dimensional tile whose values come from L2 for the group's other heads.  Masks, prefix and the online softmax
+follow ``kernels_flash_fwd.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from .kernels_common import (
     padded_dim,
     shared_memory_fits,
 )
-
 
 if HAS_TRITON:
     import triton
@@ -51,8 +51,11 @@ SCALAR_FWD_CONFIGS = [
     ({"ROWS": 64, "BLOCK_N": 64, "HP": 2}, 4, 3),
 ]
 # the interpreter runs the first fitting entry (HP = 1), or the one HF_RBF_SCALAR_HEADS_PER_PROGRAM asks for
-INTERPRET_CONFIGS = [({"ROWS": 16, "BLOCK_N": 16, "HP": 1}, 1, 1), ({"ROWS": 32, "BLOCK_N": 16, "HP": 2}, 1, 1),
-                     ({"ROWS": 64, "BLOCK_N": 16, "HP": 4}, 1, 1)]
+INTERPRET_CONFIGS = [
+    ({"ROWS": 16, "BLOCK_N": 16, "HP": 1}, 1, 1),
+    ({"ROWS": 32, "BLOCK_N": 16, "HP": 2}, 1, 1),
+    ({"ROWS": 64, "BLOCK_N": 16, "HP": 4}, 1, 1),
+]
 
 
 def requested_heads_per_program() -> int:
@@ -103,11 +106,33 @@ if HAS_TRITON:
 
     @triton.jit
     def _scalar_fwd_tiles(
-        acc, l_i, m_i, qs_r, beta_r, t_r,
-        KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-        lo, hi, key_base, bound, WINDOW,
-        MODE: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HP: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KB: tl.constexpr,
+        acc,
+        l_i,
+        m_i,
+        qs_r,
+        beta_r,
+        t_r,
+        KS_ptr,
+        V_ptr,
+        KB_ptr,
+        sksh,
+        sksn,
+        svn,
+        NK,
+        lo,
+        hi,
+        key_base,
+        bound,
+        WINDOW,
+        MODE: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        HP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         offs_h = tl.arange(0, HP)
@@ -140,12 +165,45 @@ if HAS_TRITON:
 
     @triton.jit
     def _scalar_fwd_kernel(
-        QS, KS, V, KB, BETA, OUT, LSE,
-        sqsb, sqsh, sqsn, sksb, sksh, sksn, svb, svh, svn, sob, soh, son, sbb, sbh, sbn,
-        H, HPG, NQ, NK, P, WINDOW, N_BUCKET, HP_REQ,
-        DV: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_KB: tl.constexpr, DOT_PREC: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HP: tl.constexpr,
+        QS,
+        KS,
+        V,
+        KB,
+        BETA,
+        OUT,
+        LSE,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        svb,
+        svh,
+        svn,
+        sob,
+        soh,
+        son,
+        sbb,
+        sbh,
+        sbn,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        N_BUCKET,
+        HP_REQ,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HP: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
         pid_m = tl.program_id(0)
@@ -172,27 +230,138 @@ if HAS_TRITON:
         KB_ptr = KB + (b * H + h0) * NK
 
         acc, l_i, m_i = _scalar_fwd_tiles(
-            acc, l_i, m_i, qs_r, beta_r, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-            0, P, 0, P, WINDOW, 2, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC)
+            acc,
+            l_i,
+            m_i,
+            qs_r,
+            beta_r,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            0,
+            P,
+            0,
+            P,
+            WINDOW,
+            2,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            DOT_PREC,
+        )
         t_first = t0 + pid_m * BLOCK_M
         t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
         start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
         acc, l_i, m_i = _scalar_fwd_tiles(
-            acc, l_i, m_i, qs_r, beta_r, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-            start, full_lo, P, S, WINDOW, 1, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC)
+            acc,
+            l_i,
+            m_i,
+            qs_r,
+            beta_r,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            start,
+            full_lo,
+            P,
+            S,
+            WINDOW,
+            1,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            DOT_PREC,
+        )
         acc, l_i, m_i = _scalar_fwd_tiles(
-            acc, l_i, m_i, qs_r, beta_r, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-            full_lo, full_hi, P, S, WINDOW, 0, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC)
+            acc,
+            l_i,
+            m_i,
+            qs_r,
+            beta_r,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            full_lo,
+            full_hi,
+            P,
+            S,
+            WINDOW,
+            0,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            DOT_PREC,
+        )
         acc, l_i, m_i = _scalar_fwd_tiles(
-            acc, l_i, m_i, qs_r, beta_r, t_r, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn, NK,
-            full_hi, end, P, S, WINDOW, 1, DV, DV_PAD, HP, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC)
+            acc,
+            l_i,
+            m_i,
+            qs_r,
+            beta_r,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            full_hi,
+            end,
+            P,
+            S,
+            WINDOW,
+            1,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            DOT_PREC,
+        )
 
         m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
         lse = tl.where(l_i > 0, m_use + tl.math.log2(l_i), float("inf"))
         out = acc * tl.math.exp2(m_i - lse)[:, None]
         offs_dv = tl.arange(0, DV_PAD)
-        tl.store(OUT + b * sob + h_r[:, None] * soh + i[:, None] * son + offs_dv[None, :], out.to(OUT.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(
+            OUT + b * sob + h_r[:, None] * soh + i[:, None] * son + offs_dv[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        )
         tl.store(LSE + (b * H + h_r) * NQ + i, lse, mask=row_ok)
 
     SCALAR_KEY = ["DV_PAD", "HPG", "HP_REQ", "N_BUCKET", "CAUSAL", "HAS_WINDOW"]
@@ -221,11 +390,35 @@ def scalar_forward(qs, ks, v, kb, beta, *, causal, window, num_prefix_keys):
         return out, lse
     grid = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
     _scalar_fwd[grid](
-        qs, ks, v, kb if kb is not None else lse, beta, out, lse,
-        *strides3(qs, bsz, heads, nq), *strides3(ks, bsz, heads, nk), v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), *strides3(beta, bsz, heads, nq),
-        heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)), requested_heads_per_program(),
-        DV=dv, DV_PAD=padded_dim(dv), CAUSAL=causal, HAS_WINDOW=window is not None, HAS_KB=kb is not None,
+        qs,
+        ks,
+        v,
+        kb if kb is not None else lse,
+        beta,
+        out,
+        lse,
+        *strides3(qs, bsz, heads, nq),
+        *strides3(ks, bsz, heads, nk),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        *strides3(beta, bsz, heads, nq),
+        heads,
+        hpg,
+        nq,
+        nk,
+        num_prefix_keys,
+        window or 0,
+        n_bucket(max(nq, nk)),
+        requested_heads_per_program(),
+        DV=dv,
+        DV_PAD=padded_dim(dv),
+        CAUSAL=causal,
+        HAS_WINDOW=window is not None,
+        HAS_KB=kb is not None,
         DOT_PREC=dot_precision(v.dtype),
     )
     return out, lse

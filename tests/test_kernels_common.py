@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
@@ -22,7 +21,6 @@ import kernel_checks as kc  # noqa: E402
 import hf_rbf  # noqa: E402
 from hf_rbf import kernels_common, kernels_flash_fwd  # noqa: E402
 
-
 ON_GPU = torch.cuda.is_available() and not kernels_common.DEFINED_INTERPRETED
 IN_PROCESS = ON_GPU or kernels_common.DEFINED_INTERPRETED
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -32,18 +30,27 @@ OPS = {"rbf": "rbf_attention", "gka": "gka_attention", "scalar": "scalar_attenti
 
 @pytest.fixture(autouse=True)
 def _kernels_runnable(request):
-    if not IN_PROCESS and request.function.__name__ not in ("test_in_interpreter_subprocess",
-                                                            "test_package_works_without_triton"):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process; test_in_interpreter_subprocess "
-                    "runs these checks")
+    if not IN_PROCESS and request.function.__name__ not in (
+        "test_in_interpreter_subprocess",
+        "test_package_works_without_triton",
+    ):
+        pytest.skip(
+            "triton was imported without TRITON_INTERPRET=1 in this process; test_in_interpreter_subprocess "
+            "runs these checks"
+        )
 
 
 def test_in_interpreter_subprocess():
     if IN_PROCESS:
         pytest.skip("the kernels run in this process")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 

@@ -1,4 +1,5 @@
-"""Fused Triton kernels of RBF attention against the float64 naive reference: the output and every gradient.
+"""Fused Triton kernels of RBF attention:
+the output and every gradient against the float64 naive reference.
 
 On a machine without CUDA the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``) at small shapes:
 odd lengths, head dims 8..64, float32 / bfloat16 / float16, causal and bidirectional, windows, prefix keys, padding
@@ -15,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 if not torch.cuda.is_available():
     # must happen before triton is imported: the kernels are decorated as interpreted functions at import time
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,8 +23,8 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import kernel_checks as kc  # noqa: E402
-from hf_rbf import kernels_common  # noqa: E402
 
+from hf_rbf import kernels_common  # noqa: E402
 
 FAMILY = "rbf"
 ON_GPU = torch.cuda.is_available() and not kernels_common.DEFINED_INTERPRETED
@@ -37,16 +37,23 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 @pytest.fixture(autouse=True)
 def _kernels_runnable(request):
     if not IN_PROCESS and request.function.__name__ != "test_in_interpreter_subprocess":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process; test_in_interpreter_subprocess "
-                    "runs these checks")
+        pytest.skip(
+            "triton was imported without TRITON_INTERPRET=1 in this process; test_in_interpreter_subprocess "
+            "runs these checks"
+        )
 
 
 def test_in_interpreter_subprocess():
     if IN_PROCESS:
         pytest.skip("the kernels run in this process")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 

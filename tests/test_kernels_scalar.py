@@ -1,4 +1,5 @@
-"""Fused Triton kernels of scalar (sort) attention against the float64 naive reference: the output and every gradient.
+"""Fused Triton kernels of scalar (sort) attention:
+the output and every gradient against the float64 naive reference.
 
 On a machine without CUDA the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``) at small shapes:
 odd lengths, head dims 8..64, float32 / bfloat16 / float16, causal and bidirectional, windows, prefix keys, padding
@@ -15,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 if not torch.cuda.is_available():
     # must happen before triton is imported: the kernels are decorated as interpreted functions at import time
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,8 +23,8 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import kernel_checks as kc  # noqa: E402
-from hf_rbf import kernels_common  # noqa: E402
 
+from hf_rbf import kernels_common  # noqa: E402
 
 FAMILY = "scalar"
 ON_GPU = torch.cuda.is_available() and not kernels_common.DEFINED_INTERPRETED
@@ -37,16 +37,23 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 @pytest.fixture(autouse=True)
 def _kernels_runnable(request):
     if not IN_PROCESS and request.function.__name__ != "test_in_interpreter_subprocess":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process; test_in_interpreter_subprocess "
-                    "runs these checks")
+        pytest.skip(
+            "triton was imported without TRITON_INTERPRET=1 in this process; test_in_interpreter_subprocess "
+            "runs these checks"
+        )
 
 
 def test_in_interpreter_subprocess():
     if IN_PROCESS:
         pytest.skip("the kernels run in this process")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
@@ -74,5 +81,9 @@ def test_stacked_heads_of_a_value_group(heads_per_program, monkeypatch):
     case = kc.Case("scalar", h=4, groups=1, tau="token", klw="bh", window=7, prefix=2, pad=3, seed=21)
     res = kc.check_case(case, DEVICE)
     assert res.ok, f"{case.name}: {res.summary()} {res.errors}"
-    for tuner in (kernels_scalar_fwd._scalar_fwd, kernels_scalar_bwd._scalar_bwd_dkv, kernels_scalar_bwd._scalar_bwd_dq):
+    for tuner in (
+        kernels_scalar_fwd._scalar_fwd,
+        kernels_scalar_bwd._scalar_bwd_dkv,
+        kernels_scalar_bwd._scalar_bwd_dq,
+    ):
         assert tuner.best_config.kwargs["HP"] == heads_per_program
