@@ -11,6 +11,7 @@ import torch
 
 from .attention_gka_flex import gka_attention_flex, gka_flex_reason
 from .attention_gka_sdpa import gka_attention_sdpa, gka_sdpa_reason
+from .attention_gka_triton import gka_attention_triton, gka_triton_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -24,6 +25,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_head_param,
 )
+from .kernels_common import triton_last_on_cpu
 
 
 OP = "gka_attention"
@@ -55,12 +57,13 @@ def gka_attention_naive(
 
 def _candidates(query, x, log_sigma, eps, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    # "triton" (CUDA + triton installed) goes first here once the fused kernels exist.
-    return {
+    candidates = {
+        "triton": (gka_attention_triton, gka_triton_reason(query, x, log_sigma, eps, mask)),
         "sdpa": (gka_attention_sdpa, gka_sdpa_reason(mask)),
         "flex": (gka_attention_flex, flex_auto_reason(x.device, backend) or gka_flex_reason(query, x, log_sigma, mask)),
         "naive": (gka_attention_naive, None),
     }
+    return triton_last_on_cpu(candidates, x.device)
 
 
 def gka_attention(

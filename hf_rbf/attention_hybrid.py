@@ -11,9 +11,10 @@ import math
 
 import torch
 
-from .attention_scalar import check_grouped_values, scalar_scores
 from .attention_hybrid_flex import hybrid_attention_flex, hybrid_flex_reason
 from .attention_hybrid_sdpa import hybrid_attention_sdpa, hybrid_sdpa_reason
+from .attention_hybrid_triton import hybrid_attention_triton, hybrid_triton_reason
+from .attention_scalar import check_grouped_values, scalar_scores
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -29,6 +30,7 @@ from .attention_utils import (
     per_head_param,
     per_query_param,
 )
+from .kernels_common import triton_last_on_cpu
 
 
 OP = "hybrid_attention"
@@ -48,13 +50,14 @@ def hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch
 
 def _candidates(q, k, v, qs, ks, tau, scale, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    # "triton" (CUDA + triton installed) goes first here once the fused kernels exist.
     flex_reason = flex_auto_reason(q.device, backend) or hybrid_flex_reason(q, k, v, qs, ks, tau, scale, mask)
-    return {
+    candidates = {
+        "triton": (hybrid_attention_triton, hybrid_triton_reason(q, k, v, qs, ks, tau, scale, mask)),
         "sdpa": (hybrid_attention_sdpa, hybrid_sdpa_reason(mask)),
         "flex": (hybrid_attention_flex, flex_reason),
         "naive": (hybrid_attention_naive, None),
     }
+    return triton_last_on_cpu(candidates, q.device)
 
 
 def hybrid_attention(

@@ -14,6 +14,7 @@ import torch
 
 from .attention_rbf_flex import rbf_attention_flex, rbf_flex_reason
 from .attention_rbf_sdpa import rbf_attention_sdpa, rbf_sdpa_reason
+from .attention_rbf_triton import rbf_attention_triton, rbf_triton_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -27,6 +28,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_head_param,
 )
+from .kernels_common import triton_last_on_cpu
 
 
 OP = "rbf_attention"
@@ -59,12 +61,13 @@ def rbf_attention_naive(
 
 def _candidates(q, k, v, gamma, normalize, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    # "triton" (CUDA + triton installed) goes first here once the fused kernels exist.
-    return {
+    candidates = {
+        "triton": (rbf_attention_triton, rbf_triton_reason(q, k, v, gamma, normalize, mask)),
         "sdpa": (rbf_attention_sdpa, rbf_sdpa_reason(q, normalize, mask)),
         "flex": (rbf_attention_flex, flex_auto_reason(q.device, backend) or rbf_flex_reason(q, k, v, gamma, mask)),
         "naive": (rbf_attention_naive, None),
     }
+    return triton_last_on_cpu(candidates, q.device)
 
 
 def rbf_attention(

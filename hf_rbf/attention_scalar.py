@@ -9,6 +9,7 @@ import torch
 
 from .attention_scalar_flex import scalar_attention_flex, scalar_flex_reason
 from .attention_scalar_sdpa import scalar_attention_sdpa, scalar_sdpa_reason
+from .attention_scalar_triton import scalar_attention_triton, scalar_triton_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
@@ -23,6 +24,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_query_param,
 )
+from .kernels_common import triton_last_on_cpu
 
 
 OP = "scalar_attention"
@@ -48,8 +50,8 @@ def scalar_attention_naive(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
 
 def _candidates(qs, ks, v, tau, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
-    # "triton" (CUDA + triton installed) goes first here once the fused kernels exist.
-    return {
+    candidates = {
+        "triton": (scalar_attention_triton, scalar_triton_reason(qs, ks, v, tau, mask)),
         "sdpa": (scalar_attention_sdpa, scalar_sdpa_reason(mask)),
         "flex": (
             scalar_attention_flex,
@@ -57,6 +59,12 @@ def _candidates(qs, ks, v, tau, mask, backend):
         ),
         "naive": (scalar_attention_naive, None),
     }
+    if mask.window is None:
+        # Measured on an H200 (benchmarks/results/README.md): without a window the padding trick into SDPA-flash runs
+        # the scalar score about 3x faster than our rank-1 Triton kernel (2.7 ms vs 7.9 ms fwd+bwd at B2 H16 N8192
+        # G4), whose score tile spills registers; with a window SDPA needs a dense mask and Triton wins by ~10x.
+        candidates = {name: candidates[name] for name in ("sdpa", "triton", "flex", "naive")}
+    return triton_last_on_cpu(candidates, v.device)
 
 
 def check_grouped_values(op: str, v: torch.Tensor, batch: int, heads: int, nk: int) -> None:

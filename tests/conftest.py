@@ -22,6 +22,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+# Without CUDA the Triton kernels can only run in Triton's CPU interpreter, and the flag is read when triton is first
+# imported (``import hf_rbf`` imports it): set it before any test module imports hf_rbf, so the kernel tests run in
+# this process instead of re-running themselves in a subprocess.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 # The model tests compare float32 results to 1e-5 and time themselves in a few minutes on 2 cores.
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -1,0 +1,421 @@
+"""The fused distance-attention kernels (RBF, GKA, hybrid) as ``torch.library`` custom ops with autograd.
+
+All three families are one score (natural-log units)
+
+    S_ij = a_h q_i.k_j + b_h (||q_i||^2 [qnorm] + ||k_j||^2 [knorm]) - beta_i (qs_i - ks_j)^2 [scalar] + log w_j
+
+with ``a``/``b`` per-head tensors: RBF ``a = 2 gamma, b = -gamma`` (the softmax drops ``||q||^2``), GKA
+``a = 1/sigma^2, b = -1/(2 sigma^2)`` with ``x`` as query, key and value, hybrid ``a = scale, b = 0`` plus the scalar
+term with ``beta = 1/tau``.  The family wrappers (``attention_<family>_triton.py``) build ``a``, ``b`` and ``beta``
+from their parameters with ordinary differentiable torch ops, so autograd chains the op's gradients for ``a``, ``b``
+and ``beta`` into ``gamma``, ``log_sigma``, ``scale`` and ``tau``.
+
+Ops (registered under a namespace unique to this module's import name, so that a checkpoint's remote-code copy can
+be imported next to the installed package):
+
+* ``distance_fwd``: the flash forward; returns ``(out, lse, kb, kn)`` (``kb``/``kn``: the key bias and key norms,
+  kept for the backward).
+* ``distance_bwd``: its gradients (see ``kernels_flash_bwd.distance_backward``).
+* ``distance_decode``: the split-K forward for a few query rows (a decode step), no autograd; used by
+  :func:`distance_attention` when at most ``DECODE_MAX_QUERIES`` rows are asked for and no gradient is needed.
+
+Each has a fake (meta) implementation, so ``torch.compile`` traces through them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .attention_utils import MaskArgs
+from .kernels_common import LOG2E, key_bias, triton_unavailable_reason
+from .kernels_flash_bwd import distance_backward
+from .kernels_flash_fwd import distance_decode, distance_forward
+
+_NS = (
+    "hf_rbf"
+    if __name__ == "hf_rbf.attention_distance_triton"
+    else "hf_rbf_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+)
+
+# Up to this many query rows without gradients go through the split-K decode kernel.
+DECODE_MAX_QUERIES = 16
+
+
+def _has_kb(knorm: bool, key_log_weights, attention_mask) -> bool:
+    return knorm or key_log_weights is not None or attention_mask is not None
+
+
+def _contig(t):
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op(f"{_NS}::distance_fwd", mutates_args=())
+def distance_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qs: Optional[Tensor],
+    ks: Optional[Tensor],
+    beta: Optional[Tensor],
+    a: Tensor,
+    b: Tensor,
+    key_log_weights: Optional[Tensor],
+    attention_mask: Optional[Tensor],
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
+    normalize: bool,
+    qnorm: bool,
+    knorm: bool,
+    kv_same: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    bsz, heads, nq, _ = q.shape
+    nk = k.shape[2]
+    a32, b32 = a.float(), b.float()
+    kb, kn = key_bias(k, b32.contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm)
+    out, lse = distance_forward(
+        q,
+        k,
+        v,
+        kb,
+        qs,
+        ks,
+        beta,
+        (a32 * LOG2E).contiguous(),
+        (b32 * LOG2E).contiguous(),
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        normalize=normalize,
+        qnorm=qnorm,
+        kv_same=kv_same,
+        eps=eps,
+    )
+    # empty placeholders: a custom op returns tensors, and its outputs must not alias each other
+    kb = torch.empty(0, device=q.device, dtype=torch.float32) if kb is None else kb
+    kn = torch.empty(0, device=q.device, dtype=torch.float32) if kn is None else kn
+    return out, lse, kb, kn
+
+
+@distance_fwd.register_fake
+def _(
+    q,
+    k,
+    v,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    key_log_weights,
+    attention_mask,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
+):
+    bsz, heads, nq, _ = q.shape
+    nk = k.shape[2]
+    out = q.new_empty(bsz, heads, nq, v.shape[3])
+    lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
+    kb_shape = (bsz, heads, nk) if _has_kb(knorm, key_log_weights, attention_mask) else (0,)
+    kb = q.new_empty(kb_shape, dtype=torch.float32)
+    kn = q.new_empty((bsz, heads, nk) if knorm else (0,), dtype=torch.float32)
+    return out, lse, kb, kn
+
+
+@torch.library.custom_op(f"{_NS}::distance_bwd", mutates_args=())
+def distance_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qs: Optional[Tensor],
+    ks: Optional[Tensor],
+    beta: Optional[Tensor],
+    a: Tensor,
+    b: Tensor,
+    kb: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
+    normalize: bool,
+    qnorm: bool,
+    knorm: bool,
+    kv_same: bool,
+    eps: float,
+    need_dbeta: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    a32, b32 = a.float(), b.float()
+    return distance_backward(
+        dout,
+        q,
+        k,
+        v,
+        kb if kb.numel() else None,
+        qs,
+        ks,
+        beta,
+        (a32 * LOG2E).contiguous(),
+        (b32 * LOG2E).contiguous(),
+        out,
+        lse,
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        normalize=normalize,
+        qnorm=qnorm,
+        knorm=knorm,
+        kv_same=kv_same,
+        eps=eps,
+        need_dbeta=need_dbeta,
+    )
+
+
+@distance_bwd.register_fake
+def _(
+    dout,
+    q,
+    k,
+    v,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    kb,
+    out,
+    lse,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
+    need_dbeta,
+):
+    bsz, heads, nq, _ = q.shape
+    nk = k.shape[2]
+    f32 = dict(dtype=torch.float32)
+    scalar = qs is not None
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        v.new_empty((0,)) if kv_same else torch.empty_like(v),
+        q.new_empty((bsz, heads, nk), **f32),
+        q.new_empty((bsz, heads, nq), **f32),
+        q.new_empty((bsz, heads, nq) if qnorm else (0,), **f32),
+        q.new_empty((bsz, heads, nq) if scalar else (0,), **f32),
+        q.new_empty((bsz, heads, nk) if scalar else (0,), **f32),
+        q.new_empty((bsz, heads, nq) if scalar and need_dbeta else (0,), **f32),
+    )
+
+
+_FWD_ARGS = ("q", "k", "v", "qs", "ks", "beta", "a", "b", "key_log_weights", "attention_mask")
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, qs, ks, beta, a, b, klw, am, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps) = (
+        inputs
+    )
+    out, lse, kb, kn = output
+    ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, kn)
+    ctx.flags = (causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps)
+    ctx.klw_shape = None if klw is None else tuple(klw.shape)
+    ctx.klw_dtype = None if klw is None else klw.dtype
+    ctx.mark_non_differentiable(lse, kb, kn)
+
+
+def _reduce_to(grad: Tensor, shape) -> Tensor:
+    """Sum a ``[B, H, N]`` gradient over the dims that the input broadcast (size 1 in ``shape``)."""
+    dims = [i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1]
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def _backward(ctx, dout, _dlse, _dkb, _dkn):
+    q, k, v, qs, ks, beta, a, b, out, lse, kb, kn = ctx.saved_tensors
+    causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps = ctx.flags
+    need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
+    dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta = distance_bwd(
+        dout,
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        b,
+        kb,
+        out,
+        lse,
+        causal,
+        window,
+        num_prefix_keys,
+        normalize,
+        qnorm,
+        knorm,
+        kv_same,
+        eps,
+        bool(need["beta"]),
+    )
+    grads = dict(q=dq, k=dk, v=None if kv_same else dv)
+    if need["a"]:
+        grads["a"] = qr.sum(dim=(0, 2)).to(a.dtype)
+    if need["b"]:
+        db = torch.zeros_like(a, dtype=torch.float32)
+        if qnorm:
+            db = db + rsq.sum(dim=(0, 2))
+        if knorm:
+            db = db + (dkb * kn).sum(dim=(0, 2))
+        grads["b"] = db.to(b.dtype)
+    if need["key_log_weights"]:
+        grads["key_log_weights"] = _reduce_to(dkb, ctx.klw_shape).to(ctx.klw_dtype)
+    if qs is not None:
+        if need["qs"]:
+            grads["qs"] = dqs.to(qs.dtype)
+        if need["ks"]:
+            grads["ks"] = dks.to(ks.dtype)
+        if need["beta"]:
+            grads["beta"] = _reduce_to(dbeta, tuple(beta.shape)).to(beta.dtype)
+    return tuple(grads.get(name) for name in _FWD_ARGS) + (None,) * 8
+
+
+distance_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op(f"{_NS}::distance_decode", mutates_args=())
+def distance_decode_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qs: Optional[Tensor],
+    ks: Optional[Tensor],
+    beta: Optional[Tensor],
+    a: Tensor,
+    b: Tensor,
+    key_log_weights: Optional[Tensor],
+    attention_mask: Optional[Tensor],
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
+    normalize: bool,
+    qnorm: bool,
+    knorm: bool,
+    kv_same: bool,
+    eps: float,
+) -> Tensor:
+    bsz, heads, nq, _ = q.shape
+    nk = k.shape[2]
+    a32, b32 = a.float(), b.float()
+    # key norms inside the decode kernel (knorm): only the weights / padding go through the key-bias pass
+    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
+    return distance_decode(
+        q,
+        k,
+        v,
+        kb,
+        qs,
+        ks,
+        beta,
+        (a32 * LOG2E).contiguous(),
+        (b32 * LOG2E).contiguous(),
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        normalize=normalize,
+        qnorm=qnorm,
+        knorm=knorm,
+        kv_same=kv_same,
+        eps=eps,
+    )
+
+
+@distance_decode_op.register_fake
+def _(
+    q,
+    k,
+    v,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    key_log_weights,
+    attention_mask,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
+):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+
+
+def distance_reason(tensors, head_dims) -> str | None:
+    """Why the fused kernels cannot serve these inputs (None when they can)."""
+    first = tensors[0]
+    return triton_unavailable_reason(first.device, first.dtype, head_dims)
+
+
+def distance_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qs: Optional[Tensor],
+    ks: Optional[Tensor],
+    beta: Optional[Tensor],
+    a: Tensor,
+    b: Tensor,
+    mask: MaskArgs,
+    *,
+    normalize: bool,
+    qnorm: bool,
+    knorm: bool,
+    kv_same: bool,
+    eps: float,
+) -> Tensor:
+    """Run the fused op: the split-K decode kernel for a few query rows without gradients, else the flash op."""
+    q, k = _contig(q), _contig(k)
+    v = k if kv_same else _contig(v)
+    args = (
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        b,
+        mask.key_log_weights,
+        mask.attention_mask,
+        mask.causal,
+        mask.window,
+        mask.num_prefix_keys,
+        normalize,
+        qnorm,
+        knorm,
+        kv_same,
+        float(eps),
+    )
+    differentiable = (q, k, v, qs, ks, beta, a, b, mask.key_log_weights)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
+        return distance_decode_op(*args)
+    return distance_fwd(*args)[0]

@@ -1,0 +1,162 @@
+"""Scalar (sort) attention on the fused Triton kernels (``backend="triton"``), as a ``torch.library`` custom op.
+
+``S_ij = -(qs_i - ks_j)^2 / tau_i + log w_j`` with grouped values ``[B, G, Nk, Dv]``: see ``kernels_scalar_fwd.py``
+(heads of a value group share a program, so each value tile is read once per group) and ``kernels_scalar_bwd.py``.
+``tau`` enters as ``beta = 1 / tau`` (a differentiable torch op in the wrapper), so a per-head or per-token learnable
+``tau`` gets its gradient through the op's ``beta`` gradient.
+
+Decode note: a dense exact decode step runs through the same forward (a few query rows, every cached key).  The
+sorted-window decode (binary search in a key-sorted cache, the scalar-sort paper's O(log n + k) step) belongs to
+the sorted-cache data structure (``cache_<name>.py``); its kernel plugs in next to ``scalar_fwd`` here and
+is registered in ``benchmarks/bench_attention.py``'s ``DECODE_IMPLS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .attention_utils import MaskArgs
+from .kernels_common import key_bias, triton_unavailable_reason
+from .kernels_scalar_bwd import scalar_backward
+from .kernels_scalar_fwd import scalar_forward
+
+_NS = (
+    "hf_rbf"
+    if __name__ == "hf_rbf.attention_scalar_triton"
+    else "hf_rbf_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+)
+
+
+@torch.library.custom_op(f"{_NS}::scalar_fwd", mutates_args=())
+def scalar_fwd(
+    qs: Tensor,
+    ks: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    key_log_weights: Optional[Tensor],
+    attention_mask: Optional[Tensor],
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    bsz, heads, nq = qs.shape
+    nk = ks.shape[2]
+    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
+    out, lse = scalar_forward(qs, ks, v, kb, beta, causal=causal, window=window, num_prefix_keys=num_prefix_keys)
+    if kb is None:
+        kb = torch.empty(0, device=v.device, dtype=torch.float32)
+    return out, lse, kb
+
+
+@scalar_fwd.register_fake
+def _(qs, ks, v, beta, key_log_weights, attention_mask, causal, window, num_prefix_keys):
+    bsz, heads, nq = qs.shape
+    nk = ks.shape[2]
+    has_kb = key_log_weights is not None or attention_mask is not None
+    return (
+        v.new_empty(bsz, heads, nq, v.shape[3]),
+        v.new_empty((bsz, heads, nq), dtype=torch.float32),
+        v.new_empty((bsz, heads, nk) if has_kb else (0,), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op(f"{_NS}::scalar_bwd", mutates_args=())
+def scalar_bwd(
+    dout: Tensor,
+    qs: Tensor,
+    ks: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    kb: Tensor,
+    lse: Tensor,
+    causal: bool,
+    window: Optional[int],
+    num_prefix_keys: int,
+    need_dbeta: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return scalar_backward(
+        dout,
+        qs,
+        ks,
+        v,
+        kb if kb.numel() else None,
+        beta,
+        lse,
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        need_dbeta=need_dbeta,
+    )
+
+
+@scalar_bwd.register_fake
+def _(dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, need_dbeta):
+    bsz, heads, nq = qs.shape
+    nk = ks.shape[2]
+    f32 = dict(dtype=torch.float32)
+    return (
+        qs.new_empty((bsz, heads, nq), **f32),
+        qs.new_empty((bsz, heads, nk), **f32),
+        torch.empty_like(v),
+        qs.new_empty((bsz, heads, nk) if kb.numel() else (0,), **f32),
+        qs.new_empty((bsz, heads, nq) if need_dbeta else (0,), **f32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    qs, ks, v, beta, klw, am, causal, window, num_prefix_keys = inputs
+    out, lse, kb = output
+    ctx.save_for_backward(qs, ks, v, beta, lse, kb)  # the backward needs no output (exact delta in-kernel)
+    ctx.flags = (causal, window, num_prefix_keys)
+    ctx.klw_shape = None if klw is None else tuple(klw.shape)
+    ctx.klw_dtype = None if klw is None else klw.dtype
+    ctx.mark_non_differentiable(lse, kb)
+
+
+def _reduce_to(grad: Tensor, shape) -> Tensor:
+    dims = [i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1]
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def _backward(ctx, dout, _dlse, _dkb):
+    qs, ks, v, beta, lse, kb = ctx.saved_tensors
+    causal, window, num_prefix_keys = ctx.flags
+    need_qs, need_ks, need_v, need_beta, need_klw = ctx.needs_input_grad[:5]
+    dqs, dks, dv, dkb, dbeta = scalar_bwd(
+        dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, bool(need_beta)
+    )
+    return (
+        dqs.to(qs.dtype) if need_qs else None,
+        dks.to(ks.dtype) if need_ks else None,
+        dv if need_v else None,
+        _reduce_to(dbeta, tuple(beta.shape)).to(beta.dtype) if need_beta else None,
+        _reduce_to(dkb, ctx.klw_shape).to(ctx.klw_dtype) if need_klw else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+scalar_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
+    """Fused scalar attention; same arguments and result as ``scalar_attention_naive``."""
+    if isinstance(tau, torch.Tensor):
+        beta = 1.0 / tau.float()
+    else:
+        beta = torch.full((1, 1, 1), 1.0 / float(tau), device=v.device, dtype=torch.float32)
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    return scalar_fwd(
+        qs, ks, v, beta, mask.key_log_weights, mask.attention_mask, mask.causal, mask.window, mask.num_prefix_keys
+    )[0]
+
+
+def scalar_triton_reason(qs, ks, v, tau, mask) -> str | None:
+    """None when ``scalar_attention_triton`` can serve the call, else why not."""
+    return triton_unavailable_reason(v.device, v.dtype, (("value dim Dv", v.shape[-1]),))

@@ -1,0 +1,401 @@
+"""Pieces shared by the fused Triton kernels: the triton import guard, mask arithmetic and autotune helpers.
+
+Every family reduces to one online-softmax loop over key tiles whose score is (log2 units, ``log2(e)`` folded in)
+
+    s_ij = a_h * (q_i . k_j) + kb_j - beta_i * (qs_i - ks_j)^2        (dot part, key bias, scalar part)
+
+``kb_j`` (the *key bias*) is a per-key fp32 vector written once by :func:`key_bias` (``_key_bias_kernel``): it holds
+``-c_h * ||k_j||^2`` (RBF and GKA), ``log w_j`` (``key_log_weights``) and ``-inf`` for padded keys.  The reference
+RBF kernel recomputes ``||k||^2`` from every key tile, i.e. ``Nq / BLOCK_M`` times per key, and the RBF blog's
+postscript names that reduction (registers, an O(N^2)-times-repeated subtraction) as the cost of the distance form.
+Folding it into one fp32 vector of 4 bytes per key (1/32 of a bf16 key at D=64) turns it into the same
+``fma(qk, a, kb_j)`` that a dot-product kernel spends on its scale, and merges the key-log-weights and padding terms
+into that single load.  Per-query constants (the query norm of GKA / softmax-free RBF) never enter the inner loop:
+they are folded into the row statistics (see ``kernels_flash_fwd.py``).
+
+Masks are index arithmetic: for a block of queries the allowed sequence keys form an interval per row, so key tiles
+split into a fully allowed middle range (no mask at all) and at most two partly masked edge ranges (the diagonal and
+the window's far edge); tiles outside are never visited, which makes windowed attention cost O(N * W).  The first
+``P`` keys (register tokens, sinks) are a prefix visible to every query and get their own short loop, so causal tile
+skipping is kept for the sequence part.
+
+Triton is optional: without it this module still imports (``HAS_TRITON = False``) and defines no kernels, so a
+checkpoint's remote-code copy works on machines without triton.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # the package works without triton; the "triton" backend then reports why it cannot serve
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MIN_HEAD_DIM = 1
+MIN_DOT_DIM = 16  # the smallest tl.dot operand size: smaller head dims are zero-padded to it
+MAX_HEAD_DIM = 256
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _interpreter_state() -> tuple[bool, bool]:
+    """(our kernels are interpreted functions, triton's own library functions are too).
+
+    ``@triton.jit`` reads TRITON_INTERPRET when it decorates (triton 3.9) or once at import (3.6), so the variable
+    alone can disagree with what was built; and when it is set after triton was imported, triton's own ``@jit``
+    library functions (``tl.cdiv``) stay compiled while ours become interpreted, a mix that cannot run at all.
+    """
+    if not HAS_TRITON:
+        return False, False
+
+    def _probe():
+        pass
+
+    ours = type(triton.jit(_probe)).__name__ == "InterpretedFunction"
+    library = type(tl.cdiv).__name__ == "InterpretedFunction"
+    return ours, library
+
+
+_OURS_INTERPRETED, _LIBRARY_INTERPRETED = _interpreter_state()
+# Whether the kernels in this process run in Triton's CPU interpreter (decided when triton decorated them).
+DEFINED_INTERPRETED = _OURS_INTERPRETED and _LIBRARY_INTERPRETED
+MIXED_INTERPRETER = _OURS_INTERPRETED != _LIBRARY_INTERPRETED
+
+
+def autotune_enabled() -> bool:
+    """Autotuning is on by default on the GPU; ``HF_RBF_TRITON_AUTOTUNE=0`` keeps each kernel's first fitting config.
+
+    The GPU check script turns it off: it compiles dozens of shape/mask variants and correctness does not depend on
+    the tile choice.  The interpreter always uses one small config (tiles of 16 exercise every mask edge case).
+    """
+    return not DEFINED_INTERPRETED and os.environ.get("HF_RBF_TRITON_AUTOTUNE", "1") != "0"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def padded_dim(d: int) -> int:
+    """Head dims are padded (with masked loads) to the next power of two, at least 16 (the smallest tl.dot size)."""
+    return max(MIN_DOT_DIM, next_pow2(d))
+
+
+def n_bucket(n: int) -> int:
+    """The sequence-length bucket used as autotune key (the best tiles change with N only by orders of magnitude)."""
+    return max(16, next_pow2(n))
+
+
+def triton_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dims=()) -> str | None:
+    """None when the fused kernels can serve tensors on ``device`` of ``dtype``; otherwise why not."""
+    if not HAS_TRITON:
+        return "triton is not installed (pip install triton)"
+    if MIXED_INTERPRETER:
+        return (
+            "TRITON_INTERPRET changed after triton was imported (triton's own functions and these kernels were "
+            "built in different modes); set it before importing triton, or not at all"
+        )
+    if device.type == "cuda":
+        if DEFINED_INTERPRETED:
+            return "the kernels were defined under TRITON_INTERPRET=1 and cannot run on CUDA tensors"
+    elif device.type == "cpu":
+        if not DEFINED_INTERPRETED:
+            return "the inputs are on the CPU and TRITON_INTERPRET=1 was not set before triton was imported"
+    else:
+        return f"the inputs are on {device.type}; the triton kernels run on CUDA (or the CPU under TRITON_INTERPRET=1)"
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {dtype} is not supported by the triton kernels (float16, bfloat16 or float32)"
+    for name, d in head_dims:
+        if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            return f"{name} = {d} is outside the triton kernels' range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+    return None
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot precision for float32 inputs: tf32 only where torch itself allows tf32 matmuls."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def make_configs(entries, interpret_entries):
+    """``triton.Config`` list from ``(kwargs, num_warps, num_stages)`` tuples; the interpreter gets small configs
+    (one entry, or a list of them)."""
+    if DEFINED_INTERPRETED:
+        entries = interpret_entries if isinstance(interpret_entries, list) else [interpret_entries]
+    return [triton.Config(dict(kw), num_warps=w, num_stages=s) for kw, w, s in entries]
+
+
+def shared_memory_fits(block_rows: int, block_cols: int, d_pad: int, dv_pad: int, stages: int, elsize: int) -> bool:
+    """Shared-memory estimate against Hopper's 227 KB: the stationary tiles, one buffer per pipeline stage of the
+    streamed tiles, and a quarter more for layout-conversion scratch (calibrated on head dim 256, where an estimate
+    without it let a 263 KB kernel through)."""
+    stationary = block_rows * (d_pad + dv_pad) * elsize
+    streamed = max(1, stages) * block_cols * (d_pad + dv_pad) * elsize
+    return 1.25 * (stationary + streamed) <= 227 * 1024
+
+
+def autotune(configs, key, prune):
+    """``triton.autotune`` with our pruning; ``cache_results`` (persist choices on disk) where this triton has it."""
+    kwargs = {"configs": configs, "key": key, "prune_configs_by": {"early_config_prune": prune}}
+    params = inspect.signature(triton.autotune).parameters
+    if "cache_results" in params and not DEFINED_INTERPRETED:  # triton 3.6 would ask the (absent) GPU driver
+        kwargs["cache_results"] = True
+    # short timing runs per config (the default 25 + 100 ms per config adds up over dozens of keys)
+    if "do_bench" in params:
+        kwargs["do_bench"] = _quick_bench
+    else:
+        kwargs.update(warmup=5, rep=25)
+    return triton.autotune(**kwargs)
+
+
+def _quick_bench(fn, quantiles=None, **kwargs):
+    if DEFINED_INTERPRETED:
+        # triton 3.6 times even a single remaining config; the interpreter has no device to time on
+        return [1.0] * len(quantiles) if quantiles else 1.0
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tile_range(lo_first, lo_last, hi_first, hi_last, n, BLOCK: tl.constexpr):
+        """Tiles of ``BLOCK`` over ``[0, n)`` for a block of rows whose allowed index sets are ``[lo(r), hi(r)]``.
+
+        ``lo``/``hi`` are nondecreasing over the rows of the block, so ``lo_first``/``hi_first`` belong to its first row
+        and ``lo_last``/``hi_last`` to its last.  Returns tile starts ``start <= full_lo <= full_hi <= end`` (multiples
+        of BLOCK): tiles in ``[full_lo, full_hi)`` are allowed for every row and need no mask, the edge ranges
+        ``[start, full_lo)`` and ``[full_hi, end)`` need the position mask, and nothing outside is visited.
+        """
+        lo_f = tl.minimum(tl.maximum(lo_first, 0), n)
+        lo_l = tl.minimum(tl.maximum(lo_last, 0), n)
+        hi_f = tl.minimum(tl.maximum(hi_first, -1), n - 1)
+        hi_l = tl.minimum(tl.maximum(hi_last, -1), n - 1)
+        start = (lo_f // BLOCK) * BLOCK
+        end = tl.maximum(((hi_l + BLOCK) // BLOCK) * BLOCK, start)
+        full_lo = ((lo_l + BLOCK - 1) // BLOCK) * BLOCK
+        full_hi = ((hi_f + 1) // BLOCK) * BLOCK
+        full_lo = tl.minimum(tl.maximum(full_lo, start), end)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+        return start, full_lo, full_hi, end
+
+    @triton.jit
+    def _key_range(t_first, t_last, S, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK: tl.constexpr):
+        """Sequence-key tiles for queries at positions ``t_first .. t_last`` (see :func:`_tile_range`)."""
+        if HAS_WINDOW:
+            lo_first = t_first - WINDOW + 1
+            lo_last = t_last - WINDOW + 1
+        else:
+            lo_first = t_first * 0
+            lo_last = t_first * 0
+        if CAUSAL:
+            hi_first = t_first
+            hi_last = t_last
+        elif HAS_WINDOW:
+            hi_first = t_first + WINDOW - 1
+            hi_last = t_last + WINDOW - 1
+        else:
+            hi_first = t_first * 0 + S - 1
+            hi_last = t_first * 0 + S - 1
+        return _tile_range(lo_first, lo_last, hi_first, hi_last, S, BLOCK)
+
+    @triton.jit
+    def _query_range(
+        s_first, s_last, t0, NQ, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """Query-row tiles that see the sequence keys ``s_first .. s_last``; query row i sits at position t0 + i."""
+        if CAUSAL:
+            lo_first = s_first - t0
+            lo_last = s_last - t0
+        elif HAS_WINDOW:
+            lo_first = s_first - WINDOW + 1 - t0
+            lo_last = s_last - WINDOW + 1 - t0
+        else:
+            lo_first = s_first * 0
+            lo_last = s_first * 0
+        if HAS_WINDOW:
+            hi_first = s_first + WINDOW - 1 - t0
+            hi_last = s_last + WINDOW - 1 - t0
+        else:
+            hi_first = s_first * 0 + NQ - 1
+            hi_last = s_first * 0 + NQ - 1
+        return _tile_range(lo_first, lo_last, hi_first, hi_last, NQ, BLOCK)
+
+    @triton.jit
+    def _allowed(t, s, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        """Position mask for query positions ``t`` and sequence-key positions ``s`` (broadcastable tensors)."""
+        if CAUSAL:
+            ok = s <= t
+            if HAS_WINDOW:
+                ok = ok & (t - s < WINDOW)
+        elif HAS_WINDOW:
+            ok = (t - s < WINDOW) & (s - t < WINDOW)
+        else:
+            ok = (s + t) == (t + s)  # every position: all True in the broadcast shape
+        return ok
+
+    # Triton's CPU interpreter (3.9) computes tl.dot on bfloat16 operands wrongly; there the operands (already
+    # rounded to the input dtype, as on the GPU) are multiplied in fp32 instead.
+    _DOT_UPCAST = tl.constexpr(DEFINED_INTERPRETED)
+
+    @triton.jit
+    def _dot(a, b, acc, DOT_PREC: tl.constexpr):
+        """``tl.dot(a, b, acc)``: tensor-core product with fp32 accumulation (``acc`` may be None)."""
+        if _DOT_UPCAST:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        return out
+
+    @triton.jit
+    def _load_tile(ptrs, rows_ok, cols, NCOLS: tl.constexpr, NCOLS_PAD: tl.constexpr, ROW_MASK: tl.constexpr):
+        """Load a ``[rows, NCOLS_PAD]`` tile, masking the padded head-dim columns and (optionally) the rows."""
+        if ROW_MASK:
+            if NCOLS == NCOLS_PAD:
+                x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+            else:
+                x = tl.load(ptrs, mask=rows_ok[:, None] & (cols[None, :] < NCOLS), other=0.0)
+        else:
+            if NCOLS == NCOLS_PAD:
+                x = tl.load(ptrs)
+            else:
+                x = tl.load(ptrs, mask=cols[None, :] < NCOLS, other=0.0)
+        return x
+
+    @triton.jit
+    def _key_bias_kernel(
+        K,
+        KLW,
+        AM,
+        COEF,
+        KB,
+        KN,
+        skb,
+        skh,
+        skn,
+        slb,
+        slh,
+        sln,
+        smb,
+        H,
+        NK,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        KNORM: tl.constexpr,
+        HAS_KLW: tl.constexpr,
+        HAS_AM: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """kb_j = log2(e) * (b_h * ||k_j||^2 + log w_j), -inf for padded keys; kn_j = ||k_j||^2 (fp32)."""
+        pid = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < NK
+        kb = tl.zeros([BLOCK], dtype=tl.float32)
+        if KNORM:
+            offs_d = tl.arange(0, D_PAD)
+            k = tl.load(
+                K + b * skb + h * skh + offs[:, None] * skn + offs_d[None, :],
+                mask=ok[:, None] & (offs_d[None, :] < D),
+                other=0.0,
+            ).to(tl.float32)
+            kn = tl.sum(k * k, 1)
+            tl.store(KN + bh * NK + offs, kn, mask=ok)
+            kb = kn * tl.load(COEF + h)
+        if HAS_KLW:
+            kb += tl.load(KLW + b * slb + h * slh + offs * sln, mask=ok, other=0.0).to(tl.float32)
+        kb = kb * 1.4426950408889634
+        if HAS_AM:
+            real = tl.load(AM + b * smb + offs, mask=ok, other=0)
+            kb = tl.where(real != 0, kb, float("-inf"))
+        tl.store(KB + bh * NK + offs, kb, mask=ok)
+
+
+def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batch: int, knorm: bool):
+    """The per-key bias (log2 units, fp32 ``[B, H, Nk]``) and the key norms (``[B, H, Nk]`` or an empty tensor).
+
+    ``k``: keys ``[B, H, Nk, D]`` (read only when ``knorm``); ``coef``: fp32 ``[H]``, the ``b_h`` of ``b_h ||k||^2``
+    (natural-log units, negative for a distance);
+    ``key_log_weights``: ``[B|1, H|1, Nk]`` or None; ``attention_mask``: bool ``[B, Nk]`` or None.
+    Returns ``(None, None)`` when there is nothing to add (no norm, no weights, no padding); ``kn`` is an empty
+    tensor unless ``knorm``.
+    """
+    if not knorm and key_log_weights is None and attention_mask is None:
+        return None, None
+    device = (k if knorm else key_log_weights if key_log_weights is not None else attention_mask).device
+    kn = torch.empty(0, device=device, dtype=torch.float32)
+    kb = torch.empty(batch, heads, nk, device=device, dtype=torch.float32)
+    if knorm:
+        kn = torch.empty(batch, heads, nk, device=device, dtype=torch.float32)
+    d = k.shape[-1] if knorm else 16
+    klw = key_log_weights
+    if klw is not None:
+        slb = 0 if klw.shape[0] == 1 else klw.stride(0)
+        slh = 0 if klw.shape[1] == 1 else klw.stride(1)
+        sln = klw.stride(2)
+    else:
+        slb = slh = sln = 0
+    am = attention_mask
+    if am is not None:
+        am = am.to(torch.int8)
+    block = 16 if DEFINED_INTERPRETED else 128
+    dummy = kb
+    grid = (triton.cdiv(nk, block), batch * heads)
+    _key_bias_kernel[grid](
+        k if knorm else dummy,
+        klw if klw is not None else dummy,
+        am if am is not None else dummy,
+        coef if knorm else dummy,
+        kb,
+        kn if knorm else dummy,
+        k.stride(0) if knorm else 0,
+        k.stride(1) if knorm else 0,
+        k.stride(2) if knorm else 0,
+        slb,
+        slh,
+        sln,
+        am.stride(0) if am is not None else 0,
+        heads,
+        nk,
+        D=d,
+        D_PAD=padded_dim(d),
+        KNORM=knorm,
+        HAS_KLW=klw is not None,
+        HAS_AM=am is not None,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return kb, kn
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def triton_last_on_cpu(candidates: dict, device: torch.device) -> dict:
+    """Backend order for a family's ``_candidates``: "triton" first on CUDA; on the CPU it goes last.
+
+    On the CPU the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``, for tests), which is far slower
+    than the naive reference, so "auto" must never pick it there; an explicit ``backend="triton"`` still can.
+    """
+    if device.type == "cuda" or "triton" not in candidates:
+        return candidates
+    ordered = {name: entry for name, entry in candidates.items() if name != "triton"}
+    ordered["triton"] = candidates["triton"]
+    return ordered

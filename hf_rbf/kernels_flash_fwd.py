@@ -1,0 +1,700 @@
+"""Flash-style forward kernel shared by RBF, GKA and hybrid attention, and its split-K decode variant.
+
+One program owns ``BLOCK_M`` query rows of one (batch, head) and streams key/value tiles through an online softmax
+(memory linear in N).  The score, in log2 units, is
+
+    s_ij = a_h * (q_i . k_j) + kb_j - beta_i * (qs_i - ks_j)^2  [+ r_i, folded into the row statistics]
+
+with ``a_h`` the dot coefficient times ``log2(e)`` (``2 gamma`` for RBF, ``1 / sigma^2`` for GKA, ``scale`` for the
+hybrid), ``kb_j`` the per-key bias of ``kernels_common.key_bias`` (key norm, key log-weights, padding) and the
+scalar term only for the hybrid.  ``r_i = b_h ||q_i||^2`` (GKA, softmax-free RBF) never enters the inner loop:
+
+* softmax with ``eps`` (GKA): ``W_ij = 2^(s_ij + r_i) / (sum_j 2^(s_ij + r_i) + eps)
+  = 2^s_ij / (sum_j 2^s_ij + eps 2^(-r_i))``, so ``r_i`` only moves the ``eps`` term of the denominator;
+* softmax-free RBF: ``2^(s_ij + r_i) = 2^(s_ij - m_i)`` with the fixed row "maximum" ``m_i = -r_i`` (the score is
+  a negative distance, so no running maximum is needed and there is no row sum);
+* plain softmax: ``r_i`` is shift-invariant and dropped.
+
+Each row stores ``lse_i`` with ``W_ij = 2^(s_ij - lse_i)`` (``+inf`` for a row with no allowed key, giving zeros
+and no NaN), which is all the backward needs.  With ``SPLIT`` the key range of each row block is cut into chunks over
+a third grid axis (flash-decoding); each chunk writes its unnormalised ``(m, l, acc)`` and ``_decode_combine_kernel``
+merges them: that is the exact single-query decode path, which keeps the GPU busy with few query rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .kernels_common import (
+    DEFINED_INTERPRETED,
+    HAS_TRITON,
+    autotune,
+    autotune_enabled,
+    ceil_div,
+    dot_precision,
+    make_configs,
+    n_bucket,
+    next_pow2,
+    padded_dim,
+    shared_memory_fits,
+)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .kernels_common import _allowed, _dot, _key_range, _load_tile
+
+
+# (tile sizes, num_warps, num_stages).  BLOCK_N = 64 with 4 warps is the Triton tutorial's Hopper choice at head dim
+# 64; 128-wide key tiles and 8 warps pay at head dim 128 where one wgmma per tile amortises more; 64x32 tiles keep
+# the fp32 accumulator of head dim 256 in registers.  Pruned by `_prune_fwd` (shared memory, registers, autotune off).
+FWD_CONFIGS = [
+    ({"BLOCK_M": 128, "BLOCK_N": 64}, 4, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 64}, 8, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 128}, 8, 3),
+    ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3),
+    ({"BLOCK_M": 64, "BLOCK_N": 32}, 4, 2),
+]
+# Decode: a handful of query rows, so the smallest tl.dot row count (16) and wide key tiles; split-K supplies the
+# parallelism.
+DECODE_CONFIGS = [
+    ({"BLOCK_M": 16, "BLOCK_N": 128}, 4, 3),
+    ({"BLOCK_M": 16, "BLOCK_N": 64}, 4, 3),
+    ({"BLOCK_M": 16, "BLOCK_N": 32}, 4, 2),
+]
+_INTERPRET_CONFIG = ({"BLOCK_M": 16, "BLOCK_N": 16}, 1, 1)
+
+
+def _fits(cfg, nargs, rows_key="BLOCK_M", cols_key="BLOCK_N") -> bool:
+    d_pad, dv_pad = nargs["D_PAD"], nargs["DV_PAD"]
+    el = nargs["Q"].element_size()
+    rows, cols = cfg.kwargs[rows_key], cfg.kwargs[cols_key]
+    if not shared_memory_fits(rows, cols, d_pad, dv_pad, cfg.num_stages, el):
+        return False
+    # fp32 accumulator + the stationary query tile per thread; past ~160 registers the compiler spills.
+    regs = (rows * dv_pad * 4 + rows * d_pad * el) / (4 * 32 * cfg.num_warps)
+    return regs <= 160
+
+
+def _prune_fwd(configs, nargs, **kwargs):
+    nargs = {**nargs, **kwargs}  # triton 3.6 passes the constexpr arguments separately
+    fitting = [c for c in configs if _fits(c, nargs)] or configs[-1:]
+    if nargs["NQ"] <= 64:
+        fitting = [c for c in fitting if c.kwargs["BLOCK_M"] <= 64] or fitting
+    return fitting if autotune_enabled() else fitting[:1]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fwd_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        qs_r,
+        beta_r,
+        t_r,
+        K_ptr,
+        V_ptr,
+        KB_ptr,
+        KS_ptr,
+        skn,
+        svn,
+        sksn,
+        lo,
+        hi,
+        key_base,
+        bound,
+        a,
+        kn_coef,
+        WINDOW,
+        MODE: tl.constexpr,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        SCALAR: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        KV_SAME: tl.constexpr,
+        KNORM_INLINE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        """Key tiles ``lo .. hi`` (indices ``key_base + n``, valid below ``bound``).
+
+        MODE 0: fully allowed tiles, no mask; 1: sequence edge tiles (position mask and ``n < bound``); 2: prefix
+        tiles (only ``n < bound``).
+        """
+        offs_d = tl.arange(0, D_PAD)
+        offs_dv = tl.arange(0, DV_PAD)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            j = key_base + offs_n
+            col_ok = offs_n < bound
+            k = _load_tile(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
+            s = _dot(q, tl.trans(k), None, DOT_PREC) * a
+            if HAS_KB:
+                s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
+            if KNORM_INLINE:
+                # decode: the key norms come from the tile already loaded (memory-bound, so this is free, while a
+                # separate key-norm pass would read the whole cache a second time)
+                kf = k.to(tl.float32)
+                s += (tl.sum(kf * kf, 1) * kn_coef)[None, :]
+            if SCALAR:
+                ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
+                dd = qs_r[:, None] - ks[None, :]
+                s -= dd * dd * beta_r[:, None]
+            if MODE == 1:
+                ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW) & col_ok[None, :]
+                s = tl.where(ok, s, float("-inf"))
+            elif MODE == 2:
+                s = tl.where(col_ok[None, :], s, float("-inf"))
+            if NORMALIZE:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # A row that has seen no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - m_use[:, None])
+                alpha = tl.math.exp2(m_i - m_use)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            else:
+                p = tl.math.exp2(s - m_i[:, None])
+            if KV_SAME:
+                v = k
+            else:
+                v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _distance_fwd_kernel(
+        Q,
+        K,
+        V,
+        KB,
+        QS,
+        KS,
+        BETA,
+        A,
+        BC,
+        OUT,
+        LSE,
+        LPART,
+        EROW,
+        sqb,
+        sqh,
+        sqn,
+        skb,
+        skh,
+        skn,
+        svb,
+        svh,
+        svn,
+        sob,
+        soh,
+        son,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        sbb,
+        sbh,
+        sbn,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        LOG2_EPS,
+        N_BUCKET,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        D_PAD: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        QNORM: tl.constexpr,
+        SCALAR: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        HAS_EPS: tl.constexpr,
+        KV_SAME: tl.constexpr,
+        SPLIT: tl.constexpr,
+        KNORM_INLINE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)  # 64-bit offsets: a 1M-token cache overflows int32 strides
+        h = (bh % H).to(tl.int64)
+        g = h // HPG
+        S = NK - P  # sequence keys
+        t0 = S - NQ  # position of query row 0 (bottom-right alignment)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < NQ
+        offs_d = tl.arange(0, D_PAD)
+        offs_dv = tl.arange(0, DV_PAD)
+        q = _load_tile(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], row_ok, offs_d, D, D_PAD, True)
+        a = tl.load(A + h)
+        if SCALAR:
+            qs_r = tl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
+            beta_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
+            beta_r = beta_r * 1.4426950408889634
+        else:
+            qs_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+            beta_r = tl.zeros([BLOCK_M], dtype=tl.float32)
+        kn_coef = tl.load(BC + h)  # b_h * log2(e): the key-norm coefficient (used here only with KNORM_INLINE)
+        if QNORM:
+            qf = q.to(tl.float32)
+            r = tl.sum(qf * qf, 1) * kn_coef
+        else:
+            r = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORMALIZE:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        else:
+            m_i = -r
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+        t_r = t0 + offs_m
+
+        K_ptr = K + b * skb + h * skh
+        V_ptr = V + b * svb + g * svh
+        KB_ptr = KB + bh * NK
+        KS_ptr = KS + b * sksb + h * sksh
+
+        # the prefix (register tokens / sinks): visible to every query; split 0 owns it in decode
+        prefix_hi = P
+        if SPLIT:
+            prefix_hi = P - P * tl.minimum(tl.program_id(2), 1)
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            0,
+            prefix_hi,
+            0,
+            P,
+            a,
+            kn_coef,
+            WINDOW,
+            2,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
+
+        t_first = t0 + pid_m * BLOCK_M
+        t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
+        start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
+        if SPLIT:
+            n_split = tl.num_programs(2)
+            chunk = tl.cdiv(tl.cdiv(end - start, n_split), BLOCK_N) * BLOCK_N
+            c0 = start + tl.program_id(2) * chunk
+            start = tl.minimum(c0, end)
+            end = tl.minimum(c0 + chunk, end)
+            full_lo = tl.minimum(tl.maximum(full_lo, start), end)
+            full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            start,
+            full_lo,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            1,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            full_lo,
+            full_hi,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            0,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_ptr,
+            V_ptr,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            full_hi,
+            end,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            1,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
+
+        if HAS_EPS:
+            e = LOG2_EPS - r  # log2 of the eps term, relative to the scores without r
+        else:
+            e = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        if SPLIT:
+            # partial results: OUT = acc [BH, n_split, NQ, DV], LSE = m, LPART = l, EROW = e
+            part = (bh * tl.num_programs(2) + tl.program_id(2)) * NQ + offs_m
+            tl.store(OUT + part[:, None] * DV + offs_dv[None, :], acc, mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+            tl.store(LSE + part, m_i, mask=row_ok)
+            tl.store(LPART + part, l_i, mask=row_ok)
+            tl.store(EROW + bh * NQ + offs_m, e, mask=row_ok)  # every split writes the same value
+        else:
+            if NORMALIZE:
+                big = tl.maximum(m_i, e)
+                big = tl.where(big == float("-inf"), 0.0, big)
+                den = l_i * tl.math.exp2(m_i - big) + tl.math.exp2(e - big)
+                lse = tl.where(den > 0, big + tl.math.log2(den), float("inf"))
+                out = acc * tl.math.exp2(m_i - lse)[:, None]
+            else:
+                lse = m_i
+                out = acc
+            o_ptrs = OUT + b * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :]
+            tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+            tl.store(LSE + bh * NQ + offs_m, lse, mask=row_ok)
+
+    @triton.jit
+    def _decode_combine_kernel(
+        ACC,
+        MP,
+        LP,
+        EROW,
+        OUT,
+        sob,
+        soh,
+        son,
+        H,
+        NQ,
+        NSPLIT,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        SPLIT_PAD: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        HAS_EPS: tl.constexpr,
+    ):
+        """Merge the split-K partial results of one query row: the same finalisation as the forward kernel."""
+        row = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        offs_s = tl.arange(0, SPLIT_PAD)
+        offs_dv = tl.arange(0, DV_PAD)
+        s_ok = offs_s < NSPLIT
+        part = (bh * NSPLIT + offs_s) * NQ + row
+        acc = tl.load(
+            ACC + part[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < DV), other=0.0
+        )
+        if NORMALIZE:
+            m = tl.load(MP + part, mask=s_ok, other=float("-inf"))
+            l_part = tl.load(LP + part, mask=s_ok, other=0.0)
+            if HAS_EPS:
+                e = tl.load(EROW + bh * NQ + row)
+            else:
+                e = float("-inf")
+            big = tl.maximum(tl.max(m, 0), e)
+            big = tl.where(big == float("-inf"), 0.0, big)
+            w = tl.math.exp2(m - big)
+            den = tl.sum(l_part * w, 0) + tl.math.exp2(e - big)
+            out = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+        else:
+            out = tl.sum(acc, 0)
+        tl.store(OUT + b * sob + h * soh + row * son + offs_dv, out.to(OUT.dtype.element_ty), mask=offs_dv < DV)
+
+    _FWD_KEY = ["D_PAD", "DV_PAD", "N_BUCKET", "CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME"]
+    _distance_fwd = autotune(make_configs(FWD_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(_distance_fwd_kernel)
+    _distance_decode = autotune(make_configs(DECODE_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(
+        _distance_fwd_kernel
+    )
+
+
+def _strides3(t, b, h, n):
+    """Strides of a ``[B|1, H|1, N|1]`` tensor viewed as ``[B, H, N]`` (0 on broadcast dims)."""
+    e = t.expand(b, h, n)
+    return e.stride(0), e.stride(1), e.stride(2)
+
+
+def _launch_args(q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps):
+    bsz, heads, nq, d = q.shape
+    nk = k.shape[2]
+    groups, dv = v.shape[1], v.shape[3]
+    dummy = a_log2
+    if qs is not None:
+        sqs = _strides3(qs, bsz, heads, nq)
+        sks = _strides3(ks, bsz, heads, nk)
+        sbeta = _strides3(beta, bsz, heads, nq)
+    else:
+        sqs = sks = sbeta = (0, 0, 0)
+    tensors = (
+        q,
+        k,
+        v,
+        kb if kb is not None else dummy,
+        qs if qs is not None else dummy,
+        ks if ks is not None else dummy,
+        beta if beta is not None else dummy,
+        a_log2,
+        b_log2,
+    )
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+    )
+    scalars = (
+        heads,
+        heads // groups,
+        nq,
+        nk,
+        num_prefix_keys,
+        window or 0,
+        math.log2(eps) if eps > 0 else 0.0,
+        n_bucket(max(nq, nk)),
+    )
+    return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta, scalars
+
+
+def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False):
+    return dict(
+        D=d,
+        DV=dv,
+        D_PAD=padded_dim(d),
+        DV_PAD=padded_dim(dv),
+        CAUSAL=causal,
+        HAS_WINDOW=window is not None,
+        HAS_KB=kb is not None,
+        QNORM=qnorm,
+        SCALAR=qs is not None,
+        NORMALIZE=normalize,
+        HAS_EPS=normalize and eps > 0,
+        KV_SAME=kv_same,
+        KNORM_INLINE=knorm_inline,
+        DOT_PREC=dot_precision(q.dtype),
+    )
+
+
+def distance_forward(
+    q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps
+):
+    """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
+
+    ``q [B,H,Nq,D]``, ``k [B,H,Nk,D]``, ``v [B,G,Nk,Dv]`` (last dim contiguous; ``k is v`` with ``kv_same``);
+    ``kb``: key bias from ``key_bias`` or None; ``qs [B,H,Nq]``, ``ks [B,H,Nk]``, ``beta [B|1,H|1,Nq|1]`` (the
+    scalar term, ``1/tau``) or None; ``a_log2``/``b_log2``: fp32 ``[H]`` dot and query-norm coefficients times
+    ``log2(e)``.
+    """
+    bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
+        q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps
+    )
+    out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(bsz, heads, nq, device=q.device, dtype=torch.float32)
+    if nq == 0:
+        return out, lse
+    grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
+    _distance_fwd[grid](
+        *tensors,
+        out,
+        lse,
+        lse,
+        lse,
+        *strides,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        *sstrides,
+        *scalars,
+        SPLIT=False,
+        **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False),
+    )
+    return out, lse
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 16  # the CPU interpreter: a nominal count under which the small test shapes split their key range
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(bsz: int, heads: int, nq: int, span: int, device) -> int:
+    """Split-K count: about two waves of programs over the SMs, each chunk at least 256 keys (32 in the
+    interpreter, so that small test shapes exercise the merge)."""
+    rows_blocks = ceil_div(nq, 16)
+    want = ceil_div(2 * _num_sms(device), bsz * heads * rows_blocks)
+    min_chunk = 32 if DEFINED_INTERPRETED else 256
+    return int(max(1, min(want, ceil_div(max(span, 1), min_chunk), 128)))
+
+
+def distance_decode(
+    q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
+):
+    """Forward for a few query rows (a decode step) with the key range split over programs; output only.
+
+    ``kb`` here holds only key log-weights and padding (or is None): with ``knorm`` the key norms are computed from
+    the key tiles inside the kernel.
+    """
+    bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
+        q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps
+    )
+    out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
+    if nq == 0:
+        return out
+    span = nk - num_prefix_keys if window is None else min(nk - num_prefix_keys, window + nq)
+    n_split = decode_splits(bsz, heads, nq, span, q.device)
+    acc = torch.empty(bsz * heads, n_split, nq, dv, device=q.device, dtype=torch.float32)
+    mp = torch.empty(bsz * heads, n_split, nq, device=q.device, dtype=torch.float32)
+    lp = torch.empty_like(mp)
+    erow = torch.empty(bsz * heads, nq, device=q.device, dtype=torch.float32)
+    grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, n_split)  # noqa: E731
+    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=knorm)
+    _distance_decode[grid](
+        *tensors,
+        acc,
+        mp,
+        lp,
+        erow,
+        *strides,
+        0,
+        0,
+        0,
+        *sstrides,
+        *scalars,
+        SPLIT=True,
+        **flags,
+    )
+    _decode_combine_kernel[(nq, bsz * heads)](
+        acc,
+        mp,
+        lp,
+        erow,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        heads,
+        nq,
+        n_split,
+        DV=dv,
+        DV_PAD=padded_dim(dv),
+        SPLIT_PAD=max(2, next_pow2(n_split)),
+        NORMALIZE=normalize,
+        HAS_EPS=flags["HAS_EPS"],
+        num_warps=4,
+    )
+    return out

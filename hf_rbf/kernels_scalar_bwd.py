@@ -1,0 +1,772 @@
+"""Backward kernels of scalar (sort) attention (FlashAttention-2 layout, no atomics).
+
+``dS_ij = W_ij (dO_i . v_j - delta_i)`` with ``W_ij = 2^(s_ij - lse_i)``.  The score is rank-1, so the query and key
+gradients are row and column sums, not matrix products:
+
+    dqs_i = -2 beta_i sum_j dS_ij (qs_i - ks_j),   dks_j = 2 sum_i dS_ij beta_i (qs_i - ks_j),
+    dbeta_i = -sum_j dS_ij (qs_i - ks_j)^2,        dkb_j = sum_i dS_ij  (key log-weights).
+
+Two launches:
+
+* ``_scalar_bwd_dq_kernel`` (first): one program per stacked query block; its only matrix product is
+  ``dP = dO V^T``.  It computes ``delta_i = sum_j W_ij dP_ij`` *exactly* in fp32 alongside the row sums
+  (``sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j``) instead of FlashAttention's
+  ``dO_i . O_i`` on the rounded output: in bf16 that rounding costs the temperature gradient, a sum of cancelling
+  terms, several per cent, while here it costs two extra row sums.  It writes ``dqs``, ``dbeta`` and ``delta``.
+* ``_scalar_bwd_dkv_kernel``: one program per key block and value group, the group's V tile stationary; the heads
+  of the group are visited ``HP`` at a time with their query rows stacked (as in the forward), so ``dV = sum over
+  heads and queries of W^T dO`` is one accumulator with no atomics; per-head ``dks``/``dkb`` come from a reshape of
+  the transposed ``[BLOCK_N, HP * BLOCK_M]`` tile.  It reads the exact ``delta``.
+
+No preprocessing kernel and no saved output are needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels_common import HAS_TRITON, autotune, dot_precision, make_configs, n_bucket, padded_dim
+from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, strides3
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
+    from .kernels_scalar_fwd import SCALAR_KEY, _stacked
+
+
+# dV: BLOCK_N stationary keys x ROWS streamed query rows (HP heads x BLOCK_M queries, HP tuned as in the forward).
+SCALAR_DKV_CONFIGS = [
+    ({"BLOCK_N": 64, "ROWS": 64, "HP": 1}, 4, 3),
+    ({"BLOCK_N": 128, "ROWS": 64, "HP": 1}, 8, 3),
+    ({"BLOCK_N": 128, "ROWS": 32, "HP": 1}, 4, 3),
+    ({"BLOCK_N": 64, "ROWS": 32, "HP": 1}, 4, 2),
+    ({"BLOCK_N": 64, "ROWS": 128, "HP": 4}, 8, 3),
+    ({"BLOCK_N": 64, "ROWS": 64, "HP": 2}, 4, 3),
+]
+# dqs: ROWS stationary query rows x BLOCK_N streamed keys.
+SCALAR_DQ_CONFIGS = [
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 1}, 4, 3),
+    ({"ROWS": 128, "BLOCK_N": 128, "HP": 1}, 8, 3),
+    ({"ROWS": 64, "BLOCK_N": 64, "HP": 1}, 4, 3),
+    ({"ROWS": 64, "BLOCK_N": 32, "HP": 1}, 4, 2),
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 4}, 4, 3),
+    ({"ROWS": 64, "BLOCK_N": 64, "HP": 2}, 4, 3),
+]
+_INTERPRET_DKV = [
+    ({"BLOCK_N": 16, "ROWS": 16, "HP": 1}, 1, 1),
+    ({"BLOCK_N": 16, "ROWS": 32, "HP": 2}, 1, 1),
+    ({"BLOCK_N": 16, "ROWS": 64, "HP": 4}, 1, 1),
+]
+
+
+def _prune_dkv(configs, nargs, **kwargs):
+    return prune_scalar(configs, {**nargs, **kwargs}, "BLOCK_N", "BLOCK_N")
+
+
+def _prune_dq(configs, nargs, **kwargs):
+    return prune_scalar(configs, {**nargs, **kwargs}, "ROWS", "ROWS")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _stacked_t(x, HP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``[HP, BLOCK_N]`` per-head key values -> columns ``HP * BLOCK_M`` of a ``[BLOCK_N, .]`` tile (column r
+        reads head r // BLOCK_M); with one head the ``[BLOCK_N, 1]`` column simply broadcasts."""
+        xt = tl.trans(x)
+        if HP == 1:
+            out = xt
+        else:
+            out = tl.reshape(tl.broadcast_to(xt[:, :, None], (BLOCK_N, HP, BLOCK_M)), (BLOCK_N, HP * BLOCK_M))
+        return out
+
+    @triton.jit
+    def _per_head_colsum(xT, HP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``[BLOCK_N, HP * BLOCK_M]`` -> ``[BLOCK_N, HP]``: sum over each head's query rows."""
+        if HP == 1:
+            out = tl.sum(xT, 1)[:, None]
+        else:
+            out = tl.sum(tl.reshape(xT, (BLOCK_N, HP, BLOCK_M)), 2)
+        return out
+
+    @triton.jit
+    def _scalar_dkv_tiles(
+        dv,
+        dks,
+        dkb,
+        v,
+        ksT,
+        kbT,
+        s_k,
+        is_prefix,
+        QS_ptr,
+        BETA_ptr,
+        DO_ptr,
+        LSE_ptr,
+        DELTA_ptr,
+        sqsh,
+        sqsn,
+        sbh,
+        sbn,
+        sdoh,
+        sdon,
+        NQ,
+        lo,
+        hi,
+        t0,
+        WINDOW,
+        MODE: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        HP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        ROWS: tl.constexpr = HP * BLOCK_M
+        offs_r = tl.arange(0, ROWS)
+        hh = offs_r // BLOCK_M
+        offs_dv = tl.arange(0, DV_PAD)
+        for start_m in range(lo, hi, BLOCK_M):
+            i = start_m + offs_r % BLOCK_M
+            row_ok = i < NQ
+            qs = tl.load(QS_ptr + hh * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
+            beta = tl.load(BETA_ptr + hh * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
+            lse = tl.load(LSE_ptr + hh * NQ + i, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA_ptr + hh * NQ + i, mask=row_ok, other=0.0)
+            do = _load_tile(
+                DO_ptr + hh[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :],
+                row_ok,
+                offs_dv,
+                DV,
+                DV_PAD,
+                MODE != 0,
+            )
+            dd = qs[None, :] - ksT
+            sT = -(dd * dd) * (beta * 1.4426950408889634)[None, :]
+            if HAS_KB:
+                sT += kbT
+            if MODE == 1:
+                ok = row_ok[None, :] & (
+                    _allowed((t0 + i)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW) | is_prefix
+                )
+                sT = tl.where(ok, sT, float("-inf"))
+            pT = tl.math.exp2(sT - lse[None, :])
+            dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
+            dpT = _dot(v, tl.trans(do), None, DOT_PREC)
+            dsT = pT * (dpT - delta[None, :])
+            dks += _per_head_colsum(dsT * dd * beta[None, :], HP, BLOCK_M, BLOCK_N)
+            if HAS_KB:
+                dkb += _per_head_colsum(dsT, HP, BLOCK_M, BLOCK_N)
+        return dv, dks, dkb
+
+    @triton.jit
+    def _scalar_bwd_dkv_kernel(
+        QS,
+        KS,
+        V,
+        KB,
+        BETA,
+        DO,
+        LSE,
+        DELTA,
+        DV,
+        DKS,
+        DKB,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        svb,
+        svh,
+        svn,
+        sbb,
+        sbh,
+        sbn,
+        sdob,
+        sdoh,
+        sdon,
+        sdvb,
+        sdvh,
+        sdvn,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        N_BUCKET,
+        HP_REQ,
+        DV_: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HP: tl.constexpr,
+    ):
+        BLOCK_M: tl.constexpr = ROWS // HP
+        pid_n = tl.program_id(0)
+        bg = tl.program_id(1).to(tl.int64)
+        G = H // HPG
+        b = bg // G
+        g = bg % G
+        S = NK - P
+        t0 = S - NQ
+        n_prefix_blocks = tl.cdiv(P, BLOCK_N)
+        is_prefix = pid_n < n_prefix_blocks
+        ip = tl.minimum(n_prefix_blocks - pid_n, 1)
+        ip = tl.maximum(
+            ip, 0
+        )  # 1 for a prefix key block, else 0 (integer select: a scalar tl.where is not 0-d in triton 3.6's interpreter)
+        s0 = ip * (pid_n * BLOCK_N - P) + (1 - ip) * ((pid_n - n_prefix_blocks) * BLOCK_N)
+        offs_n = tl.arange(0, BLOCK_N)
+        j = P + s0 + offs_n
+        s_k = s0 + offs_n
+        key_ok = j < ip * P + (1 - ip) * NK
+        offs_dv = tl.arange(0, DV_PAD)
+        offs_h = tl.arange(0, HP)
+
+        s_last = tl.minimum(s0 + BLOCK_N, S) - 1
+        q_start, q_full_lo, q_full_hi, q_end = _query_range(s0, s_last, t0, NQ, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M)
+        p_start, p_full_lo, p_full_hi, p_end = _tile_range(0, 0, NQ - 1, NQ - 1, NQ, BLOCK_M)
+        q_start = ip * p_start + (1 - ip) * q_start
+        q_full_lo = ip * p_full_lo + (1 - ip) * q_full_lo
+        q_full_hi = ip * p_full_hi + (1 - ip) * q_full_hi
+        q_end = ip * p_end + (1 - ip) * q_end
+
+        v = _load_tile(V + b * svb + g * svh + j[:, None] * svn + offs_dv[None, :], key_ok, offs_dv, DV_, DV_PAD, True)
+        dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
+        for hc in range(0, HPG, HP):
+            h0 = g * HPG + hc
+            ks = tl.load(
+                KS + b * sksb + (h0 + offs_h)[:, None] * sksh + j[None, :] * sksn, mask=key_ok[None, :], other=0.0
+            ).to(tl.float32)
+            ksT = _stacked_t(ks, HP, BLOCK_M, BLOCK_N)
+            if HAS_KB:
+                kb = tl.load(
+                    KB + (b * H + h0 + offs_h)[:, None] * NK + j[None, :], mask=key_ok[None, :], other=float("-inf")
+                )
+                kbT = _stacked_t(kb, HP, BLOCK_M, BLOCK_N)
+            else:
+                kbT = ksT
+            dks = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
+            dkb = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
+            QS_ptr = QS + b * sqsb + h0 * sqsh
+            BETA_ptr = BETA + b * sbb + h0 * sbh
+            DO_ptr = DO + b * sdob + h0 * sdoh
+            LSE_ptr = LSE + (b * H + h0) * NQ
+            DELTA_ptr = DELTA + (b * H + h0) * NQ
+            dv, dks, dkb = _scalar_dkv_tiles(
+                dv,
+                dks,
+                dkb,
+                v,
+                ksT,
+                kbT,
+                s_k,
+                is_prefix,
+                QS_ptr,
+                BETA_ptr,
+                DO_ptr,
+                LSE_ptr,
+                DELTA_ptr,
+                sqsh,
+                sqsn,
+                sbh,
+                sbn,
+                sdoh,
+                sdon,
+                NQ,
+                q_start,
+                q_full_lo,
+                t0,
+                WINDOW,
+                1,
+                DV_,
+                DV_PAD,
+                HP,
+                BLOCK_M,
+                BLOCK_N,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                DOT_PREC,
+            )
+            dv, dks, dkb = _scalar_dkv_tiles(
+                dv,
+                dks,
+                dkb,
+                v,
+                ksT,
+                kbT,
+                s_k,
+                is_prefix,
+                QS_ptr,
+                BETA_ptr,
+                DO_ptr,
+                LSE_ptr,
+                DELTA_ptr,
+                sqsh,
+                sqsn,
+                sbh,
+                sbn,
+                sdoh,
+                sdon,
+                NQ,
+                q_full_lo,
+                q_full_hi,
+                t0,
+                WINDOW,
+                0,
+                DV_,
+                DV_PAD,
+                HP,
+                BLOCK_M,
+                BLOCK_N,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                DOT_PREC,
+            )
+            dv, dks, dkb = _scalar_dkv_tiles(
+                dv,
+                dks,
+                dkb,
+                v,
+                ksT,
+                kbT,
+                s_k,
+                is_prefix,
+                QS_ptr,
+                BETA_ptr,
+                DO_ptr,
+                LSE_ptr,
+                DELTA_ptr,
+                sqsh,
+                sqsn,
+                sbh,
+                sbn,
+                sdoh,
+                sdon,
+                NQ,
+                q_full_hi,
+                q_end,
+                t0,
+                WINDOW,
+                1,
+                DV_,
+                DV_PAD,
+                HP,
+                BLOCK_M,
+                BLOCK_N,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                DOT_PREC,
+            )
+            out_ptrs = (b * H + h0 + offs_h)[None, :] * NK + j[:, None]
+            tl.store(DKS + out_ptrs, 2.0 * dks, mask=key_ok[:, None])
+            if HAS_KB:
+                tl.store(DKB + out_ptrs, dkb, mask=key_ok[:, None])
+        tl.store(
+            DV + b * sdvb + g * sdvh + j[:, None] * sdvn + offs_dv[None, :],
+            dv.to(DV.dtype.element_ty),
+            mask=key_ok[:, None] & (offs_dv[None, :] < DV_),
+        )
+
+    @triton.jit
+    def _scalar_dq_tiles(
+        dacc,
+        a1,
+        b1,
+        a2,
+        b2,
+        qs_r,
+        beta_r,
+        lse,
+        do,
+        t_r,
+        KS_ptr,
+        V_ptr,
+        KB_ptr,
+        sksh,
+        sksn,
+        svn,
+        NK,
+        lo,
+        hi,
+        key_base,
+        bound,
+        WINDOW,
+        MODE: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        HP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        NEED_DBETA: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        offs_h = tl.arange(0, HP)
+        offs_dv = tl.arange(0, DV_PAD)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            j = key_base + offs_n
+            col_ok = offs_n < bound
+            ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn, mask=col_ok[None, :], other=0.0)
+            dd = qs_r[:, None] - _stacked(ks.to(tl.float32), HP, BLOCK_M, BLOCK_N)
+            s = -(dd * dd) * (beta_r * 1.4426950408889634)[:, None]
+            if HAS_KB:
+                kb = tl.load(KB_ptr + offs_h[:, None] * NK + j[None, :], mask=col_ok[None, :], other=float("-inf"))
+                s += _stacked(kb, HP, BLOCK_M, BLOCK_N)
+            if MODE == 1:
+                ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW) & col_ok[None, :]
+                s = tl.where(ok, s, float("-inf"))
+            elif MODE == 2:
+                s = tl.where(col_ok[None, :], s, float("-inf"))
+            p = tl.math.exp2(s - lse[:, None])
+            v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
+            dp = _dot(do, tl.trans(v), None, DOT_PREC)
+            pd = p * dp
+            dacc += tl.sum(pd, 1)
+            a1 += tl.sum(pd * dd, 1)
+            b1 += tl.sum(p * dd, 1)
+            if NEED_DBETA:
+                dd2 = dd * dd
+                a2 += tl.sum(pd * dd2, 1)
+                b2 += tl.sum(p * dd2, 1)
+        return dacc, a1, b1, a2, b2
+
+    @triton.jit
+    def _scalar_bwd_dq_kernel(
+        QS,
+        KS,
+        V,
+        KB,
+        BETA,
+        DO,
+        LSE,
+        DELTA,
+        DQS,
+        DBETA,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        svb,
+        svh,
+        svn,
+        sbb,
+        sbh,
+        sbn,
+        sdob,
+        sdoh,
+        sdon,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        N_BUCKET,
+        HP_REQ,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        NEED_DBETA: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HP: tl.constexpr,
+    ):
+        BLOCK_M: tl.constexpr = ROWS // HP
+        pid_m = tl.program_id(0)
+        pid_c = tl.program_id(1).to(tl.int64)
+        n_chunks = H // HP
+        b = pid_c // n_chunks
+        h0 = (pid_c % n_chunks) * HP
+        g = h0 // HPG
+        S = NK - P
+        t0 = S - NQ
+        offs_r = tl.arange(0, ROWS)
+        i = pid_m * BLOCK_M + offs_r % BLOCK_M
+        h_r = h0 + offs_r // BLOCK_M
+        row_ok = i < NQ
+        offs_dv = tl.arange(0, DV_PAD)
+        qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
+        beta_r = tl.load(BETA + b * sbb + h_r * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
+        lse = tl.load(LSE + (b * H + h_r) * NQ + i, mask=row_ok, other=float("inf"))
+        do = _load_tile(
+            DO + b * sdob + h_r[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :],
+            row_ok,
+            offs_dv,
+            DV,
+            DV_PAD,
+            True,
+        )
+        t_r = t0 + i
+        dacc = tl.zeros([ROWS], dtype=tl.float32)
+        a1 = tl.zeros([ROWS], dtype=tl.float32)
+        b1 = tl.zeros([ROWS], dtype=tl.float32)
+        a2 = tl.zeros([ROWS], dtype=tl.float32)
+        b2 = tl.zeros([ROWS], dtype=tl.float32)
+        KS_ptr = KS + b * sksb + h0 * sksh
+        V_ptr = V + b * svb + g * svh
+        KB_ptr = KB + (b * H + h0) * NK
+        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            qs_r,
+            beta_r,
+            lse,
+            do,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            0,
+            P,
+            0,
+            P,
+            WINDOW,
+            2,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            NEED_DBETA,
+            DOT_PREC,
+        )
+        t_first = t0 + pid_m * BLOCK_M
+        t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
+        start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
+        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            qs_r,
+            beta_r,
+            lse,
+            do,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            start,
+            full_lo,
+            P,
+            S,
+            WINDOW,
+            1,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            NEED_DBETA,
+            DOT_PREC,
+        )
+        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            qs_r,
+            beta_r,
+            lse,
+            do,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            full_lo,
+            full_hi,
+            P,
+            S,
+            WINDOW,
+            0,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            NEED_DBETA,
+            DOT_PREC,
+        )
+        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
+            dacc,
+            a1,
+            b1,
+            a2,
+            b2,
+            qs_r,
+            beta_r,
+            lse,
+            do,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            full_hi,
+            end,
+            P,
+            S,
+            WINDOW,
+            1,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            NEED_DBETA,
+            DOT_PREC,
+        )
+        # sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j with the exact delta_i = sum_j W_ij dP_ij
+        tl.store(DQS + (b * H + h_r) * NQ + i, -2.0 * beta_r * (a1 - dacc * b1), mask=row_ok)
+        if NEED_DBETA:
+            tl.store(DBETA + (b * H + h_r) * NQ + i, dacc * b2 - a2, mask=row_ok)
+        tl.store(DELTA + (b * H + h_r) * NQ + i, dacc, mask=row_ok)
+
+    _scalar_bwd_dkv = autotune(make_configs(SCALAR_DKV_CONFIGS, _INTERPRET_DKV), SCALAR_KEY, _prune_dkv)(
+        _scalar_bwd_dkv_kernel
+    )
+    _scalar_bwd_dq = autotune(make_configs(SCALAR_DQ_CONFIGS, INTERPRET_CONFIGS), SCALAR_KEY, _prune_dq)(
+        _scalar_bwd_dq_kernel
+    )
+
+
+def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefix_keys, need_dbeta):
+    """Gradients of :func:`kernels_scalar_fwd.scalar_forward`.
+
+    Returns ``dqs [B,H,Nq]``, ``dks [B,H,Nk]`` (fp32), ``dv [B,G,Nk,Dv]`` (v's dtype), ``dkb [B,H,Nk]`` (fp32,
+    ``sum_i dS_ij``; empty without key bias) and ``dbeta [B,H,Nq]`` (fp32; empty unless ``need_dbeta``).
+    """
+    bsz, heads, nq = qs.shape
+    nk = ks.shape[2]
+    groups, dv_dim = v.shape[1], v.shape[3]
+    hpg = heads // groups
+    f32 = dict(device=v.device, dtype=torch.float32)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dqs = torch.empty(bsz, heads, nq, **f32)
+    dks = torch.empty(bsz, heads, nk, **f32)
+    dv = torch.empty_like(v)
+    dkb = torch.empty(bsz, heads, nk, **f32) if kb is not None else torch.empty(0, **f32)
+    dbeta = torch.empty(bsz, heads, nq, **f32) if need_dbeta else torch.empty(0, **f32)
+    if nq == 0 or nk == 0:
+        return dqs.zero_(), dks.zero_(), dv.zero_(), dkb.zero_(), dbeta.zero_()
+    delta = torch.empty(bsz, heads, nq, **f32)  # written by the dqs kernel (exact delta), read by the dV kernel
+    common = dict(
+        DV_PAD=padded_dim(dv_dim),
+        CAUSAL=causal,
+        HAS_WINDOW=window is not None,
+        HAS_KB=kb is not None,
+        DOT_PREC=dot_precision(v.dtype),
+    )
+    sizes = (heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)), requested_heads_per_program())
+    s_in = (
+        *strides3(qs, bsz, heads, nq),
+        *strides3(ks, bsz, heads, nk),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        *strides3(beta, bsz, heads, nq),
+        dout.stride(0),
+        dout.stride(1),
+        dout.stride(2),
+    )
+    kbt = kb if kb is not None else lse
+    grid_q = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
+    _scalar_bwd_dq[grid_q](
+        qs,
+        ks,
+        v,
+        kbt,
+        beta,
+        dout,
+        lse,
+        delta,
+        dqs,
+        dbeta if need_dbeta else dqs,
+        *s_in,
+        *sizes,
+        DV=dv_dim,
+        NEED_DBETA=need_dbeta,
+        **common,
+    )
+    grid_kv = lambda meta: (  # noqa: E731
+        triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
+        bsz * groups,
+    )
+    _scalar_bwd_dkv[grid_kv](
+        qs,
+        ks,
+        v,
+        kbt,
+        beta,
+        dout,
+        lse,
+        delta,
+        dv,
+        dks,
+        dkb if kb is not None else dks,
+        *s_in,
+        dv.stride(0),
+        dv.stride(1),
+        dv.stride(2),
+        *sizes,
+        DV_=dv_dim,
+        **common,
+    )
+    return dqs, dks, dv, dkb, dbeta

@@ -1,0 +1,424 @@
+"""Forward kernel of scalar (sort) attention: a rank-1 Gaussian score and grouped values.
+
+``s_ij = -beta_i (qs_i - ks_j)^2 + kb_j`` (log2 units, ``beta = log2(e) / tau``): the score needs no tensor-core
+product at all, only three fp32 operations per pair (the exact difference, not the expanded ``qs ks`` product, which
+would cancel badly for large scalar keys).  The only matrix product is ``P @ V``.
+
+Grouped values: ``HP`` heads of one value group may share a program.  Their query rows are then stacked,
+``ROWS = HP * BLOCK_M`` rows ordered (head, query), so each value tile is loaded once and multiplied by a
+``[ROWS, BLOCK_N]`` weight tile: the heads of a group read V once instead of ``HP`` times.  The per-head scalar keys
+of a tile are loaded as ``[HP, BLOCK_N]`` and broadcast to the stacked rows with a reshape (no gather).  ``HP`` is
+autotuned like a tile size (1, 2 or 4, dividing the group size): the first H200 run, with HP fixed at 4, was four
+times slower than the flash forward, which points at the reshape's layout conversions; ``HP = 1`` is a plain
+two-dimensional tile whose values come from L2 for the group's other heads.  Masks, prefix and the online softmax
+follow ``kernels_flash_fwd.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .kernels_common import (
+    HAS_TRITON,
+    autotune,
+    autotune_enabled,
+    dot_precision,
+    make_configs,
+    n_bucket,
+    padded_dim,
+    shared_memory_fits,
+)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .kernels_common import _allowed, _dot, _key_range, _load_tile
+
+
+# ROWS = query rows per program = HP heads x BLOCK_M queries.  HP (heads of one value group stacked in a program)
+# is tuned like a tile size: HP = 1 keeps every tile two-dimensional (each head re-reads the group's values from L2),
+# HP > 1 reads each value tile once per group at the price of broadcasting the per-head keys to the stacked rows.
+SCALAR_FWD_CONFIGS = [
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 1}, 4, 3),
+    ({"ROWS": 128, "BLOCK_N": 128, "HP": 1}, 8, 3),
+    ({"ROWS": 64, "BLOCK_N": 64, "HP": 1}, 4, 3),
+    ({"ROWS": 64, "BLOCK_N": 32, "HP": 1}, 4, 2),
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 4}, 4, 3),
+    ({"ROWS": 256, "BLOCK_N": 64, "HP": 4}, 8, 3),
+    ({"ROWS": 64, "BLOCK_N": 64, "HP": 2}, 4, 3),
+]
+# the interpreter runs the first fitting entry (HP = 1), or the one HF_RBF_SCALAR_HEADS_PER_PROGRAM asks for
+INTERPRET_CONFIGS = [
+    ({"ROWS": 16, "BLOCK_N": 16, "HP": 1}, 1, 1),
+    ({"ROWS": 32, "BLOCK_N": 16, "HP": 2}, 1, 1),
+    ({"ROWS": 64, "BLOCK_N": 16, "HP": 4}, 1, 1),
+]
+
+
+def requested_heads_per_program() -> int:
+    """``HF_RBF_SCALAR_HEADS_PER_PROGRAM`` (tests and experiments): force HP; 0 lets the autotuner choose."""
+    return int(os.environ.get("HF_RBF_SCALAR_HEADS_PER_PROGRAM", "0"))
+
+
+def prune_scalar(configs, nargs, stationary_rows_key, acc_rows_key):
+    """Configs whose HP divides the group size (and matches HP_REQ), with at least 16 query rows per head, the fp32
+    accumulator in registers and the tiles in shared memory."""
+    hpg, dv_pad, hp_req = nargs["HPG"], nargs["DV_PAD"], nargs["HP_REQ"]
+    el = nargs["V"].element_size()
+    out = []
+    for c in configs:
+        hp, rows = c.kwargs["HP"], c.kwargs["ROWS"]
+        if hpg % hp or (hp_req and hp != hp_req) or rows < 16 * hp:
+            continue
+        if c.kwargs[acc_rows_key] * dv_pad * 4 / (32 * c.num_warps * 4) > 128:
+            continue
+        stationary = c.kwargs[stationary_rows_key]
+        streamed = c.kwargs["BLOCK_N"] if stationary_rows_key == "ROWS" else rows
+        if not shared_memory_fits(stationary, streamed, 0, dv_pad, c.num_stages, el):
+            continue
+        out.append(c)
+    if not out:
+        hp = hp_req if hp_req and hpg % hp_req == 0 else 1
+        out = [triton.Config({"ROWS": 16 * hp, "BLOCK_N": 32, "HP": hp}, num_warps=4, num_stages=2)]
+    return out if autotune_enabled() else out[:1]
+
+
+def _prune(configs, nargs, **kwargs):
+    return prune_scalar(configs, {**nargs, **kwargs}, "ROWS", "ROWS")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _stacked(x, HP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``[HP, BLOCK_N]`` per-head key values -> rows ``HP * BLOCK_M`` (row r reads head r // BLOCK_M).
+
+        With one head per program the ``[1, BLOCK_N]`` tile simply broadcasts (no reshape, no layout change).
+        """
+        if HP == 1:
+            out = x
+        else:
+            out = tl.reshape(tl.broadcast_to(x[:, None, :], (HP, BLOCK_M, BLOCK_N)), (HP * BLOCK_M, BLOCK_N))
+        return out
+
+    @triton.jit
+    def _scalar_fwd_tiles(
+        acc,
+        l_i,
+        m_i,
+        qs_r,
+        beta_r,
+        t_r,
+        KS_ptr,
+        V_ptr,
+        KB_ptr,
+        sksh,
+        sksn,
+        svn,
+        NK,
+        lo,
+        hi,
+        key_base,
+        bound,
+        WINDOW,
+        MODE: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        HP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        offs_h = tl.arange(0, HP)
+        offs_dv = tl.arange(0, DV_PAD)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            j = key_base + offs_n
+            col_ok = offs_n < bound
+            ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn, mask=col_ok[None, :], other=0.0)
+            dd = qs_r[:, None] - _stacked(ks.to(tl.float32), HP, BLOCK_M, BLOCK_N)
+            s = -(dd * dd) * beta_r[:, None]
+            if HAS_KB:
+                kb = tl.load(KB_ptr + offs_h[:, None] * NK + j[None, :], mask=col_ok[None, :], other=float("-inf"))
+                s += _stacked(kb, HP, BLOCK_M, BLOCK_N)
+            if MODE == 1:
+                ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW) & col_ok[None, :]
+                s = tl.where(ok, s, float("-inf"))
+            elif MODE == 2:
+                s = tl.where(col_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+            v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _scalar_fwd_kernel(
+        QS,
+        KS,
+        V,
+        KB,
+        BETA,
+        OUT,
+        LSE,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        svb,
+        svh,
+        svn,
+        sob,
+        soh,
+        son,
+        sbb,
+        sbh,
+        sbn,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        N_BUCKET,
+        HP_REQ,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HP: tl.constexpr,
+    ):
+        BLOCK_M: tl.constexpr = ROWS // HP
+        pid_m = tl.program_id(0)
+        pid_c = tl.program_id(1).to(tl.int64)
+        n_chunks = H // HP
+        b = pid_c // n_chunks
+        h0 = (pid_c % n_chunks) * HP
+        g = h0 // HPG
+        S = NK - P
+        t0 = S - NQ
+        offs_r = tl.arange(0, ROWS)
+        i = pid_m * BLOCK_M + offs_r % BLOCK_M
+        h_r = h0 + offs_r // BLOCK_M
+        row_ok = i < NQ
+        qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
+        beta_r = tl.load(BETA + b * sbb + h_r * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
+        beta_r = beta_r * 1.4426950408889634
+        t_r = t0 + i
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, DV_PAD], dtype=tl.float32)
+        KS_ptr = KS + b * sksb + h0 * sksh
+        V_ptr = V + b * svb + g * svh
+        KB_ptr = KB + (b * H + h0) * NK
+
+        acc, l_i, m_i = _scalar_fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            qs_r,
+            beta_r,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            0,
+            P,
+            0,
+            P,
+            WINDOW,
+            2,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            DOT_PREC,
+        )
+        t_first = t0 + pid_m * BLOCK_M
+        t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
+        start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
+        acc, l_i, m_i = _scalar_fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            qs_r,
+            beta_r,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            start,
+            full_lo,
+            P,
+            S,
+            WINDOW,
+            1,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            DOT_PREC,
+        )
+        acc, l_i, m_i = _scalar_fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            qs_r,
+            beta_r,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            full_lo,
+            full_hi,
+            P,
+            S,
+            WINDOW,
+            0,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            DOT_PREC,
+        )
+        acc, l_i, m_i = _scalar_fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            qs_r,
+            beta_r,
+            t_r,
+            KS_ptr,
+            V_ptr,
+            KB_ptr,
+            sksh,
+            sksn,
+            svn,
+            NK,
+            full_hi,
+            end,
+            P,
+            S,
+            WINDOW,
+            1,
+            DV,
+            DV_PAD,
+            HP,
+            BLOCK_M,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            DOT_PREC,
+        )
+
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        lse = tl.where(l_i > 0, m_use + tl.math.log2(l_i), float("inf"))
+        out = acc * tl.math.exp2(m_i - lse)[:, None]
+        offs_dv = tl.arange(0, DV_PAD)
+        tl.store(
+            OUT + b * sob + h_r[:, None] * soh + i[:, None] * son + offs_dv[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        )
+        tl.store(LSE + (b * H + h_r) * NQ + i, lse, mask=row_ok)
+
+    SCALAR_KEY = ["DV_PAD", "HPG", "HP_REQ", "N_BUCKET", "CAUSAL", "HAS_WINDOW"]
+    _scalar_fwd = autotune(make_configs(SCALAR_FWD_CONFIGS, INTERPRET_CONFIGS), SCALAR_KEY, _prune)(_scalar_fwd_kernel)
+
+
+def strides3(t, b, h, n):
+    """Strides of a ``[B|1, H|1, N|1]`` tensor viewed as ``[B, H, N]`` (0 on broadcast dims)."""
+    e = t.expand(b, h, n)
+    return e.stride(0), e.stride(1), e.stride(2)
+
+
+def scalar_forward(qs, ks, v, kb, beta, *, causal, window, num_prefix_keys):
+    """Launch the scalar forward.  ``qs [B,H,Nq]``, ``ks [B,H,Nk]``, ``v [B,G,Nk,Dv]`` (last dim contiguous),
+    ``kb``: key bias ``[B,H,Nk]`` fp32 or None, ``beta [B|1,H|1,Nq|1]`` (``1/tau``).
+
+    Returns ``(out [B,H,Nq,Dv] in v's dtype, lse [B,H,Nq] fp32)``.
+    """
+    bsz, heads, nq = qs.shape
+    nk = ks.shape[2]
+    groups, dv = v.shape[1], v.shape[3]
+    hpg = heads // groups
+    out = torch.empty(bsz, heads, nq, dv, device=v.device, dtype=v.dtype)
+    lse = torch.empty(bsz, heads, nq, device=v.device, dtype=torch.float32)
+    if nq == 0:
+        return out, lse
+    grid = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
+    _scalar_fwd[grid](
+        qs,
+        ks,
+        v,
+        kb if kb is not None else lse,
+        beta,
+        out,
+        lse,
+        *strides3(qs, bsz, heads, nq),
+        *strides3(ks, bsz, heads, nk),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        *strides3(beta, bsz, heads, nq),
+        heads,
+        hpg,
+        nq,
+        nk,
+        num_prefix_keys,
+        window or 0,
+        n_bucket(max(nq, nk)),
+        requested_heads_per_program(),
+        DV=dv,
+        DV_PAD=padded_dim(dv),
+        CAUSAL=causal,
+        HAS_WINDOW=window is not None,
+        HAS_KB=kb is not None,
+        DOT_PREC=dot_precision(v.dtype),
+    )
+    return out, lse

@@ -1,0 +1,148 @@
+"""Plumbing of the fused Triton kernels: backend choice and reasons, torch.compile through the custom ops, the
+package without triton, and the split-K decode path being exercised.  Numerics are in ``test_kernels_<family>.py``.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import kernel_checks as kc  # noqa: E402
+
+import hf_rbf  # noqa: E402
+from hf_rbf import kernels_common, kernels_flash_fwd  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and not kernels_common.DEFINED_INTERPRETED
+IN_PROCESS = ON_GPU or kernels_common.DEFINED_INTERPRETED
+DEVICE = "cuda" if ON_GPU else "cpu"
+REPO = Path(__file__).resolve().parents[1]
+OPS = {"rbf": "rbf_attention", "gka": "gka_attention", "scalar": "scalar_attention", "hybrid": "hybrid_attention"}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_runnable(request):
+    if not IN_PROCESS and request.function.__name__ not in (
+        "test_in_interpreter_subprocess",
+        "test_package_works_without_triton",
+    ):
+        pytest.skip(
+            "triton was imported without TRITON_INTERPRET=1 in this process; test_in_interpreter_subprocess "
+            "runs these checks"
+        )
+
+
+def test_in_interpreter_subprocess():
+    if IN_PROCESS:
+        pytest.skip("the kernels run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _small_inputs(family, device, dtype=torch.float32):
+    case = kc.Case(family, dtype=dtype, b=1, h=2, nq=21, nk=21, d=16, dv=16, window=9, prefix=2, klw="b")
+    made = kc.make_inputs(case, device)
+    return case, made["tensors"], made["args"]
+
+
+@pytest.mark.parametrize("family", kc.FAMILIES)
+def test_explicit_triton_is_used_and_auto_prefers_it_only_on_cuda(family):
+    case, tensors, args = _small_inputs(family, DEVICE)
+    kc.call(case, tensors, args, "triton")
+    assert hf_rbf.last_backend(OPS[family]) == "triton"
+    kc.call(case, tensors, args, "auto")
+    if ON_GPU:
+        assert hf_rbf.last_backend(OPS[family]) == "triton"
+    else:  # the interpreter is a test vehicle, never an "auto" choice
+        assert hf_rbf.last_backend(OPS[family]) != "triton"
+
+
+@pytest.mark.parametrize("family", kc.FAMILIES)
+def test_unsupported_dtype_names_the_reason(family):
+    case, tensors, args = _small_inputs(family, DEVICE)
+    tensors = {k: v.double() for k, v in tensors.items()}
+    with pytest.raises(ValueError, match="float64"):
+        kc.call(case, tensors, args, "triton")
+
+
+def test_head_dim_out_of_range_names_the_reason():
+    q = torch.randn(1, 1, 8, 300, device=DEVICE)
+    with pytest.raises(ValueError, match="300"):
+        hf_rbf.rbf_attention(q, q, q, backend="triton")
+
+
+def test_decode_cases_exercise_the_split_k_merge():
+    # the small decode cases (3 queries over 83 keys, 1 over 70) must run with more than one key split
+    for nq, span in ((3, 79), (1, 70), (2, 60)):
+        assert kernels_flash_fwd.decode_splits(2, 4, nq, span, torch.device(DEVICE)) > 1
+
+
+@pytest.mark.parametrize("family", kc.FAMILIES)
+def test_torch_compile_forward_and_backward(family):
+    """torch.compile traces the public function into the custom ops (fake kernels, registered autograd).
+
+    On the CPU the interpreter's kernels cannot be compiled by Inductor, so the CPU run uses the aot_eager backend:
+    it still traces both graphs through the fake implementations and the autograd formula; the GPU run uses Inductor.
+    """
+    case, tensors, args = _small_inputs(family, DEVICE)
+
+    def loss_fn(t):
+        out = kc.call(case, t, args, "triton")
+        return (out.float() * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum()
+
+    def grads(fn):
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in tensors.items()}
+        loss = fn(leaves)
+        loss.backward()
+        return loss.detach(), {k: v.grad for k, v in leaves.items()}
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
+    loss_c, grads_c = grads(compiled)
+    loss_e, grads_e = grads(loss_fn)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_package_works_without_triton():
+    """A machine (or a checkpoint's remote-code copy) without triton: the package imports, "auto" falls back, and
+    an explicit backend="triton" says why it cannot serve."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["triton"] = None  # import triton -> ImportError
+        import torch, hf_rbf
+        from hf_rbf import kernels_common
+        assert not kernels_common.HAS_TRITON
+        q = torch.randn(1, 2, 7, 16)
+        out = hf_rbf.rbf_attention(q, q, q)
+        assert hf_rbf.last_backend("rbf_attention") != "triton"
+        try:
+            hf_rbf.gka_attention(q, 0.1, backend="triton")
+        except ValueError as exc:
+            assert "triton is not installed" in str(exc), exc
+        else:
+            raise AssertionError("backend='triton' without triton did not raise")
+        print("ok")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
