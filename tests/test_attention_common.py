@@ -220,9 +220,9 @@ BAD_CALLS = {
         lambda: hf_rbf.rbf_attention(Q, Q, Q, backend="cuda"),
         r"`backend` must be one of 'auto', 'naive', 'sdpa', 'flex', 'triton'; got 'cuda'",
     ),
-    "triton-not-here": (
-        lambda: hf_rbf.rbf_attention(Q, Q, Q, backend="triton"),
-        r"backend='triton' is not available for this function \(available: 'auto', 'sdpa', 'flex', 'naive'\)",
+    "triton-float64": (
+        lambda: hf_rbf.rbf_attention(Q.double(), Q.double(), Q.double(), backend="triton"),
+        r"backend='triton' cannot serve this call: .*torch.float64",
     ),
     "key-log-weights-shape": (
         lambda: hf_rbf.rbf_attention(Q, Q, Q, key_log_weights=torch.zeros(1, 4)),
