@@ -25,6 +25,20 @@ from .modeling_decoder import (
 from .modeling_gka import GkaAttention, GkaForCausalLM, GkaModel, GkaPreTrainedModel
 from .modeling_rbf import RbfAttention, RbfForCausalLM, RbfModel, RbfPreTrainedModel
 
+# scalar sort / hybrid sort families and the sorted KV cache
+from .cache_sorted_scalar import SortedScalarCache, SortedScalarCacheLayer
+from .configuration_hybrid_sort import HybridSortConfig
+from .configuration_scalar_sort import ScalarSortConfig
+from .modeling_hybrid_sort import HybridSortAttention, HybridSortForCausalLM, HybridSortModel, HybridSortPreTrainedModel
+from .modeling_scalar_sort import (
+    ScalarSortAttention,
+    ScalarSortCausalLMOutput,
+    ScalarSortForCausalLM,
+    ScalarSortModel,
+    ScalarSortPreTrainedModel,
+)
+from .sorted_decode import sorted_window_attention, sorted_window_attention_reference
+
 
 __version__ = "0.1.0"
 
@@ -32,6 +46,8 @@ __version__ = "0.1.0"
 _FAMILIES = (
     (RbfConfig, RbfModel, RbfForCausalLM),
     (GkaConfig, GkaModel, GkaForCausalLM),
+    (ScalarSortConfig, ScalarSortModel, ScalarSortForCausalLM),
+    (HybridSortConfig, HybridSortModel, HybridSortForCausalLM),
 )
 for _config, _model, _lm in _FAMILIES:
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
@@ -51,15 +67,30 @@ __all__ = [
     "GkaForCausalLM",
     "GkaModel",
     "GkaPreTrainedModel",
+    "HybridSortAttention",
+    "HybridSortConfig",
+    "HybridSortForCausalLM",
+    "HybridSortModel",
+    "HybridSortPreTrainedModel",
     "RbfAttention",
     "RbfConfig",
     "RbfForCausalLM",
     "RbfModel",
     "RbfPreTrainedModel",
+    "ScalarSortAttention",
+    "ScalarSortCausalLMOutput",
+    "ScalarSortConfig",
+    "ScalarSortForCausalLM",
+    "ScalarSortModel",
+    "ScalarSortPreTrainedModel",
+    "SortedScalarCache",
+    "SortedScalarCacheLayer",
     "dot_attention",
     "gka_attention",
     "hybrid_attention",
     "last_backend",
     "rbf_attention",
     "scalar_attention",
+    "sorted_window_attention",
+    "sorted_window_attention_reference",
 ]
