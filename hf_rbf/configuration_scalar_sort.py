@@ -105,8 +105,8 @@ class ScalarSortConfig(DecoderConfig):
         tau_init_range (`list[float]`, defaults to [0.03, 0.1]): initial temperatures (the gist's range).  Per head:
             log-spaced over the range across the heads; global: the geometric mean; per token: the bias of
             ``tau_proj`` is set so that ``tau`` equals the per-head values for a zero input.
-        tau_min (`float`, defaults to 1e-4): floor: ``tau = tau_min + softplus(raw)`` in every mode, so ``tau`` is
-            positive (``>= tau_min``) whatever the raw parameter or projection gives.
+        tau_min (`float`, defaults to 1e-4): floor (> 0): ``tau = tau_min + softplus(raw)`` in every mode, so ``tau``
+            stays ``>= tau_min`` whatever the raw parameter or projection gives (softplus underflows to 0, never below).
         tau_max (`float`, *optional*): hard cap (the gist's alternative to ``L_tau``): ``tau = min(tau, tau_max)``,
             which bounds the window a query needs; the gradient is zero above the cap.
         scalar_sink (`bool`, defaults to True): a persistent sink entry with the fixed scalar key ``sink_key`` and a
@@ -201,7 +201,7 @@ class ScalarSortConfig(DecoderConfig):
             check_int(name, "value_head_dim", value_head_dim, minimum=1)
         check_choice(name, "tau_mode", tau_mode, TAU_MODES)
         tau_init_range = _check_pair(name, "tau_init_range", tau_init_range, positive=True, ordered="<=")
-        check_float(name, "tau_min", tau_min, minimum=0.0)
+        check_float(name, "tau_min", tau_min, positive=True)
         if tau_min >= tau_init_range[0]:
             raise ValueError(
                 f"{name}: `tau_min` ({tau_min}) must be below the low end of `tau_init_range` ({tau_init_range[0]})"

@@ -299,7 +299,9 @@ class ScalarSortAttention(DecoderAttention):
                 log_weight = log_weight.unsqueeze(1)
             log_weight = log_weight.expand(b, h, n).to(proj.ks.dtype)
         layer.append(proj.ks, proj.v, proj.k, valid=valid, log_weight=log_weight)
-        if first or layer.decode_window is None:
+        if first or layer.decode_window is None or layer.decode_window >= layer.num_slots:
+            # the prompt, exact mode, or a window covering every cached key: the exact function (same numerics as a
+            # forward without cache)
             out = self._exact_over_cache(layer, proj, tau, prefix, num_prefix)
         else:
             out = layer.attend(

@@ -104,7 +104,7 @@ def window_candidates(
     s = state.num_slots
     order = order_of_heads(h, num_orders, device)  # [H]
     inf = torch.tensor(float("inf"), dtype=state.sorted_keys.dtype, device=device)
-    search = qs.to(state.sorted_keys.dtype)
+    search = qs.to(state.sorted_keys.dtype).contiguous()
     cand_keys, cand_slots, cand_ok = [], [], []
 
     if m > 0:
