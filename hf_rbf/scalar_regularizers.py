@@ -79,7 +79,7 @@ def spread_loss(
         head_mask: ``[H]`` heads to include.
     """
     b, h, n = scalar_keys.shape
-    ks = scalar_keys.float()
+    ks = scalar_keys.to(torch.promote_types(scalar_keys.dtype, torch.float32))
     if valid is None:
         valid = torch.ones(b, n, dtype=torch.bool, device=ks.device)
     valid = valid.to(torch.bool)
@@ -109,7 +109,7 @@ def spread_loss(
 def tau_loss(tau: torch.Tensor, valid: torch.Tensor | None = None, head_mask: torch.Tensor | None = None):
     """``L_tau``: ``(sum, count)`` of ``sum_h log(1 + tau_h)``: ``tau [H]`` (count 1) or per token ``[B, H, N]``
     (summed over heads, counted over valid tokens)."""
-    t = tau.float()
+    t = tau.to(torch.promote_types(tau.dtype, torch.float32))
     if t.dim() == 1:
         if head_mask is not None:
             t = t[head_mask.to(torch.bool)]
