@@ -15,7 +15,10 @@ Layout of a :class:`SortedScalarCacheLayer` (per batch row; see :class:`hf_rbf.s
   of its sort head, under ``"sort_head"``) a sorted array of order keys with the slot of each entry.  Padding,
   evicted and cropped tokens are ``+inf`` entries after the valid ones (their count is a device tensor, so nothing
   needs a host synchronisation).
-* The recent buffer: the last ``num_slots - num_sorted <= cache_buffer_size`` slots, not yet merged.
+* The recent buffer: the last ``num_slots - num_sorted`` slots, not yet merged.  An insert first merges the waiting
+  buffer when it would exceed ``cache_buffer_size`` with the new tokens, then writes them: every sorted entry is then
+  older than every query of the step (the search needs no causal mask), and a step scans at most
+  ``cache_buffer_size + N`` buffered keys (N = tokens of the step; a prompt waits whole until the next step).
 
 Costs (``n`` cached tokens, ``k`` window, ``R`` buffer size, per row and order; no step synchronises with the host)
 ------------------------------------------------------------------------------------------------------------------

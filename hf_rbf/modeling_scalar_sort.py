@@ -363,6 +363,57 @@ class ScalarSortAttention(DecoderAttention):
             return isinstance(layer, DynamicSlidingWindowLayer)
         return isinstance(layer, SortedScalarCacheLayer)
 
+    @torch.no_grad()
+    def attention_weights(
+        self,
+        x: torch.Tensor,
+        register_x: torch.Tensor | None,
+        position_embeddings,
+        query_rows: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The exact attention weights of some text queries (for analysis: the attention functions never return
+        them).  Full (non-sliding) layers, no cache.
+
+        Args:
+            x: the layer's normalised input ``[B, N, D]``; register_x: the registers' ``[1, R, D]`` or None.
+            position_embeddings: the ``(cos, sin)`` the backbone passes to the layer.
+            query_rows: ``[Q]`` int64 positions of the queries (each sees keys ``0 .. row``).
+            attention_mask: ``[B, N]`` padding mask or None.
+
+        Returns:
+            ``(weights [B, H, Q, P + N] float32, qs [B, H, Q], ks [B, H, N], P)``: weights over the prefix (sink,
+            registers) then the text keys, the queries' scalar queries and every text key's scalar key.
+        """
+        if self.window is not None:
+            raise ValueError("attention_weights: sliding-window layers are not supported (full layers only)")
+        f32 = torch.float32
+        b, n, _ = x.shape
+        proj = self.project(x, position_embeddings)
+        tau = self.temperature(x).to(f32)
+        register_keys = self.project_registers(register_x) if register_x is not None else None
+        prefix, p = self._prefix(register_keys, x.dtype, x.device)
+        keys = self._cat_keys([prefix, proj], b)
+        qs = proj.qs[:, :, query_rows].to(f32)
+        ks = keys.ks.to(f32)
+        if tau.dim() == 1:
+            tau_q = tau.view(1, -1, 1, 1)
+        else:
+            tau_q = tau[:, :, query_rows].unsqueeze(-1)
+        scores = -((qs.unsqueeze(-1) - ks.unsqueeze(-2)) ** 2) / tau_q
+        if self.has_vector_term:
+            scale = self._scale(x.device)
+            scale = scale.view(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
+            q = proj.q[:, :, query_rows].to(f32)
+            scores = scores + scale * (q @ keys.k.to(f32).transpose(-1, -2))
+        key_pos = torch.arange(p + n, device=x.device) - p
+        allowed = (key_pos.view(1, -1) <= query_rows.view(-1, 1)).view(1, 1, len(query_rows), p + n)
+        if attention_mask is not None:
+            am = torch.cat([attention_mask.new_ones(b, p), attention_mask], 1).to(torch.bool)
+            allowed = allowed & am.view(b, 1, 1, p + n)
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return weights, qs, proj.ks.to(f32), p
+
     # -- regularizers --------------------------------------------------------------------------------------------
     def regularizer_terms(
         self,

@@ -22,7 +22,8 @@ Per batch row, keys, values and bookkeeping live *by slot* (insertion order) in 
 search structure is, per row and order ``o``, a sorted array of order keys with the slot of each entry
 (``sorted_keys`` / ``sorted_slots``, ``+inf`` padding after ``sorted_count`` valid entries).  Slots
 ``[num_sorted, num_slots)`` are the *recent buffer*: appended but not yet merged into the sorted arrays (the cache
-merges them when the buffer exceeds its size).  A decode step therefore reads: ``2k`` entries around the insertion
+merges them before an insert that would make the buffer exceed its size, so sorted entries are always older than the
+step's queries and only buffered keys need a causal check).  A decode step therefore reads: ``2k`` entries around the insertion
 point of the sorted array (binary search, ``O(log M)``), the ``R`` recent-buffer keys (a scan), picks the window
 among these ``<= 2k + R`` candidates (they provably contain it: the ``k`` nearest below and above in the sorted part,
 and every recent key), then gathers ``k`` own keys, ``k`` value rows (and ``k`` vector keys) by slot.  Cost per
@@ -103,7 +104,7 @@ def window_candidates(
     num_orders, m = state.sorted_keys.shape[1], state.sorted_keys.shape[2]
     s = state.num_slots
     order = order_of_heads(h, num_orders, device)  # [H]
-    inf = torch.tensor(float("inf"), dtype=state.sorted_keys.dtype, device=device)
+    inf = float("inf")
     search = qs.to(state.sorted_keys.dtype).contiguous()
     cand_keys, cand_slots, cand_ok = [], [], []
 
@@ -116,7 +117,7 @@ def window_candidates(
         ok = (j >= 0) & (j < count)
         base = ((torch.arange(b, device=device).view(b, 1) * num_orders + order.view(1, h)) * m).view(b, h, 1, 1)
         flat = base + j.clamp(0, m - 1)
-        cand_keys.append(torch.where(ok, state.sorted_keys.reshape(-1)[flat], inf))
+        cand_keys.append(state.sorted_keys.reshape(-1)[flat].masked_fill(~ok, inf))
         cand_slots.append(state.sorted_slots.reshape(-1)[flat])
         cand_ok.append(ok)
     if s > m:
@@ -127,7 +128,7 @@ def window_candidates(
             state.token_index[:, m:s].unsqueeze(1) <= query_token_index.view(1, nq, 1)
         )  # [B, Nq, R]
         ok = visible.unsqueeze(1).expand(b, h, nq, r)
-        cand_keys.append(torch.where(ok, buf_keys.unsqueeze(2).to(inf.dtype), inf))
+        cand_keys.append(buf_keys.unsqueeze(2).to(state.sorted_keys.dtype).expand(b, h, nq, r).masked_fill(~ok, inf))
         cand_slots.append(torch.arange(m, s, device=device).expand(b, h, nq, r))
         cand_ok.append(ok)
     if not cand_keys:

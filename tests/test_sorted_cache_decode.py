@@ -137,3 +137,30 @@ def test_window_argument_is_checked():
     layer.append(torch.randn(1, 1, 3), torch.randn(1, 1, 3, 2))
     with pytest.raises(ValueError, match="window"):
         sorted_window_attention(layer.state(), torch.randn(1, 1, 1), 1.0, window=0, query_token_index=torch.tensor([2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", [None, "geometric", "density"])
+def test_decode_insert_merge_and_eviction_never_synchronise_with_the_host(policy):
+    """With CUDA's sync debug mode set to "error", any device-to-host synchronisation raises: the whole step (insert,
+    buffer merges, search, window, softmax, recent-query bookkeeping, eviction and compaction) must not need one."""
+    dev = torch.device("cuda")
+    settings = dict(num_heads=4, num_value_groups=2, decode_window=4, cache_buffer_size=3)
+    if policy is not None:
+        settings.update(max_cache_tokens=24, cache_eviction=policy, eviction_batch=4)
+    layer = SortedScalarCacheLayer(**settings)
+    layer.append(torch.randn(2, 4, 20, device=dev), torch.randn(2, 2, 20, 8, device=dev),
+                 valid=torch.rand(2, 20, device=dev) > 0.2)  # fmt: skip
+    tau = torch.full((4,), 0.5, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(30):
+            qs = torch.randn(2, 4, 1, device=dev)
+            layer.append(torch.randn(2, 4, 1, device=dev), torch.randn(2, 2, 1, 8, device=dev))
+            layer.attend(qs, tau, num_new=1)
+            layer.end_step(qs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check_layer_invariants(layer)
