@@ -37,13 +37,19 @@ cached tokens instead.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .configuration_scalar_sort import check_sorted_cache_settings
+from .kernels_sorted_decode import kernel_unavailable_reason, sorted_window_attention_triton
 from .sorted_decode import SortedCacheState, sorted_window_attention
+
+
+logger = logging.getLogger("hf_rbf")
+_LOGGED_DECODE: set = set()
 
 
 _INF = float("inf")
@@ -57,7 +63,8 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         scalar_heads (`list[bool]`, *optional*): which heads have a scalar term (hybrid layers' "dot" heads do not;
             they are ignored by geometric eviction, the sink zone and density merging).  Default: all.
         decode_window, sort_scheme, sort_head, cache_buffer_size, max_cache_tokens, cache_eviction, eviction_radius,
-            eviction_recent_queries, eviction_batch, sink_zone: as in :class:`~hf_rbf.ScalarSortConfig`.
+            eviction_recent_queries, eviction_batch, sink_zone, decode_backend: as in
+            :class:`~hf_rbf.ScalarSortConfig`.
 
     The attention module calls :meth:`append` (before attending, so a token sees itself), then either
     :meth:`slot_view` (exact attention over every cached token) or :meth:`attend` (the window), then
@@ -86,6 +93,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         eviction_recent_queries: int = 16,
         eviction_batch: int | None = None,
         sink_zone: list[float] | None = None,
+        decode_backend: str = "torch",
     ):
         super().__init__()
         name = type(self).__name__
@@ -110,6 +118,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             eviction_recent_queries=eviction_recent_queries,
             eviction_batch=eviction_batch,
             sink_zone=sink_zone,
+            decode_backend=decode_backend,
         )
         if scalar_heads is not None and len(scalar_heads) != num_heads:
             raise ValueError(f"{name}: `scalar_heads` must have {num_heads} entries; got {len(scalar_heads)}")
@@ -132,6 +141,8 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             self.order_head_list = list(range(num_heads))
         else:
             self.order_head_list = [grp * heads_per_group + sort_head for grp in range(num_value_groups)]
+        self.decode_backend = decode_backend
+        self.last_decode_backend = None  # "torch" or "triton": what served the last windowed step
         self.record_past = False
         self._clear()
 
@@ -331,7 +342,21 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         exact when ``decode_window`` is None (the window then spans every cached token)."""
         window = self.decode_window if self.decode_window is not None else max(1, self.num_slots)
         query_index = torch.arange(self.seen_tokens - num_new, self.seen_tokens, device=qs.device)
-        return sorted_window_attention(
+        fn = sorted_window_attention
+        backend = "torch"
+        if self.decode_backend != "torch":
+            reason = kernel_unavailable_reason(qs.device)
+            if reason is None:
+                fn, backend = sorted_window_attention_triton, "triton"
+            elif self.decode_backend == "triton":
+                raise ValueError(f"SortedScalarCacheLayer: decode_backend='triton' cannot serve this step: {reason}")
+        key = (self.decode_backend, backend, qs.device.type)
+        if key not in _LOGGED_DECODE:
+            _LOGGED_DECODE.add(key)
+            logger.info("sorted decode step: backend=%r on %s (requested %r)", backend, qs.device.type,
+                        self.decode_backend)  # fmt: skip
+        self.last_decode_backend = backend
+        return fn(
             self.state(),
             qs,
             tau,
@@ -685,10 +710,6 @@ class SortedScalarCacheLayer(CacheLayerMixin):
 
 
 _FROM_CONFIG = object()
-_SETTINGS = (
-    "decode_window", "sort_scheme", "sort_head", "cache_buffer_size", "max_cache_tokens", "cache_eviction",
-    "eviction_radius", "eviction_recent_queries", "eviction_batch", "sink_zone",
-)  # fmt: skip
 
 
 class SortedScalarCache(Cache):
@@ -702,7 +723,8 @@ class SortedScalarCache(Cache):
     Args:
         decode_window (`int` or None): the window ``k`` (None = exact).
         sort_scheme, sort_head, cache_buffer_size, max_cache_tokens, cache_eviction, eviction_radius,
-            eviction_recent_queries, eviction_batch, sink_zone: see :class:`~hf_rbf.ScalarSortConfig`.
+            eviction_recent_queries, eviction_batch, sink_zone, decode_backend: see
+            :class:`~hf_rbf.ScalarSortConfig`.
         layers (`list`, *optional*): pre-built layers.
     """
 
@@ -719,6 +741,7 @@ class SortedScalarCache(Cache):
         eviction_recent_queries=_FROM_CONFIG,
         eviction_batch=_FROM_CONFIG,
         sink_zone=_FROM_CONFIG,
+        decode_backend=_FROM_CONFIG,
         layers: list | None = None,
     ):
         given = dict(
@@ -732,6 +755,7 @@ class SortedScalarCache(Cache):
             eviction_recent_queries=eviction_recent_queries,
             eviction_batch=eviction_batch,
             sink_zone=sink_zone,
+            decode_backend=decode_backend,
         )
         self.settings = {k: v for k, v in given.items() if v is not _FROM_CONFIG}
         self._check_given(self.settings)
@@ -744,7 +768,7 @@ class SortedScalarCache(Cache):
         defaults = dict(
             decode_window=None, sort_scheme="per_head", sort_head=0, cache_buffer_size=64, max_cache_tokens=None,
             cache_eviction="geometric", eviction_radius=0.5, eviction_recent_queries=16, eviction_batch=None,
-            sink_zone=None,
+            sink_zone=None, decode_backend="torch",
         )  # fmt: skip
         merged = dict(defaults, **settings)
         sort_head = merged["sort_head"]

@@ -14,6 +14,7 @@ from .configuration_decoder import DecoderConfig, check_bool, check_choice, chec
 TAU_MODES = ("global", "per_head", "per_token")
 SORT_SCHEMES = ("per_head", "sort_head")
 EVICTION_POLICIES = ("oldest", "geometric", "density")
+DECODE_BACKENDS = ("torch", "triton", "auto")
 
 
 def default_value_groups(heads: int) -> int:
@@ -55,6 +56,7 @@ def check_sorted_cache_settings(
     eviction_recent_queries,
     eviction_batch,
     sink_zone,
+    decode_backend="torch",
 ) -> list[float] | None:
     """Validate the sorted-cache settings; every error names the argument and the allowed values.
 
@@ -82,6 +84,7 @@ def check_sorted_cache_settings(
             )
     if sink_zone is not None:
         sink_zone = _check_pair(name, "sink_zone", sink_zone, positive=False, ordered="<=")
+    check_choice(name, "decode_backend", decode_backend, DECODE_BACKENDS)
     return sink_zone
 
 
@@ -145,6 +148,10 @@ class ScalarSortConfig(DecoderConfig):
             // 16)``).
         sink_zone (`list[float]`, *optional*): a reserved scalar range ``[a, b]``: tokens whose key (in any scalar
             head) lies inside it are evicted only when nothing else is left.
+        decode_backend (`str`, defaults to "torch"): the windowed decode step: ``"torch"``
+            (:func:`~hf_rbf.sorted_window_attention`, a few dozen small ops), ``"triton"`` (one fused kernel per layer
+            step, :mod:`hf_rbf.kernels_sorted_decode`; CUDA) or ``"auto"`` (triton where it can run, else torch).  The
+            layer records its choice in ``last_decode_backend``.
 
     Layer kinds (``attention_layers``): ``"scalar"`` and ``"dot"`` (learned projections, RoPE, softmax dot product).
 
@@ -182,6 +189,7 @@ class ScalarSortConfig(DecoderConfig):
         eviction_recent_queries: int = 16,
         eviction_batch: int | None = None,
         sink_zone: list[float] | None = None,
+        decode_backend: str = "torch",
         **kwargs,
     ):
         name = type(self).__name__
@@ -240,6 +248,7 @@ class ScalarSortConfig(DecoderConfig):
             eviction_recent_queries=eviction_recent_queries,
             eviction_batch=eviction_batch,
             sink_zone=sink_zone,
+            decode_backend=decode_backend,
         )
 
         self.num_value_groups = num_value_groups
@@ -265,6 +274,7 @@ class ScalarSortConfig(DecoderConfig):
         self.eviction_recent_queries = eviction_recent_queries
         self.eviction_batch = eviction_batch
         self.sink_zone = sink_zone
+        self.decode_backend = decode_backend
         super().__init__(**kwargs)
         if value_head_dim is None:
             self.value_head_dim = self.head_dim
@@ -291,6 +301,7 @@ class ScalarSortConfig(DecoderConfig):
             eviction_recent_queries=self.eviction_recent_queries,
             eviction_batch=self.eviction_batch,
             sink_zone=self.sink_zone,
+            decode_backend=self.decode_backend,
         )
 
 

@@ -78,11 +78,13 @@ class _Projections:
 
 class ScalarSortAttention(DecoderAttention):
     """Scalar sort attention: ``qs_proj``, ``ks_proj`` (``hidden_size -> H``), ``v_proj`` (``-> G * Dv``), ``o_proj``
-    (``H * Dv -> hidden_size``), the temperature (``tau_raw`` ``[1]`` / ``[H]`` or ``tau_proj``), the sink value
+    (``H * Dv -> hidden_size``), the temperature (``tau_bias`` ``[1]`` / ``[H]`` or ``tau_proj``), the sink value
     ``sink_value [G, Dv]`` and the registers' scalar offsets ``register_scalar_position [R, H]``.
 
-    Temperature: ``tau = tau_min + softplus(raw)`` (then ``min(tau, tau_max)`` if capped), ``raw`` a parameter
-    (global / per head) or ``tau_proj(x)`` (per token); computed in float32.
+    Temperature: ``tau = tau_min + softplus(raw)`` (then ``min(tau, tau_max)`` if capped), ``raw`` the parameter
+    ``tau_bias`` (global / per head) or ``tau_proj(x)`` (per token, whose bias plays the same role); computed in
+    float32.  It is named a bias so that ``Trainer`` does not weight-decay it: decay would pull every ``tau`` towards
+    ``tau_min + softplus(0)`` (about 0.69), a drift that has nothing to do with the data.
 
     Keys of a text query: ``[sink; registers; cached and new text]`` (the first ``P`` are the prefix, always
     visible).  Register rows attend to ``[sink; registers]`` causally.  With a
@@ -110,10 +112,10 @@ class ScalarSortAttention(DecoderAttention):
         self.tau_init = tau_init_values(config, h)
         if self.tau_mode == "per_token":
             self.tau_proj = nn.Linear(d, h, bias=True)
-            self.tau_raw = None
+            self.tau_bias = None
         else:
             self.tau_proj = None
-            self.tau_raw = nn.Parameter(torch.tensor([_inverse_softplus(t - self.tau_min) for t in self.tau_init]))
+            self.tau_bias = nn.Parameter(torch.tensor([_inverse_softplus(t - self.tau_min) for t in self.tau_init]))
         self.sink_key = config.sink_key
         self.sink_value = (
             nn.Parameter(torch.zeros(self.num_value_groups, self.value_head_dim)) if config.scalar_sink else None
@@ -131,8 +133,8 @@ class ScalarSortAttention(DecoderAttention):
     def _init_own_parameters(self) -> None:
         super()._init_own_parameters()
         raw = [_inverse_softplus(t - self.tau_min) for t in self.tau_init]
-        if self.tau_raw is not None:
-            init.copy_(self.tau_raw, torch.tensor(raw, dtype=self.tau_raw.dtype))
+        if self.tau_bias is not None:
+            init.copy_(self.tau_bias, torch.tensor(raw, dtype=self.tau_bias.dtype))
         else:
             init.copy_(self.tau_proj.bias, torch.tensor(raw, dtype=self.tau_proj.bias.dtype))
         if self.sink_value is not None:
@@ -154,7 +156,7 @@ class ScalarSortAttention(DecoderAttention):
         if self.tau_proj is not None:
             raw = self.tau_proj(x).transpose(1, 2)
         else:
-            raw = self.tau_raw.expand(self.num_heads)
+            raw = self.tau_bias.expand(self.num_heads)
         raw = raw.to(torch.promote_types(raw.dtype, torch.float32))
         tau = self.tau_min + F.softplus(raw)
         if self.tau_max is not None:

@@ -40,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 import hf_rbf  # noqa: E402, F401
 from hf_rbf import scalar_attention  # noqa: E402
 from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer  # noqa: E402
+from hf_rbf.kernels_sorted_decode import kernel_unavailable_reason  # noqa: E402
 
 
 logger = logging.getLogger("bench_sorted_decode")
@@ -59,7 +60,13 @@ PRESETS = {
     ),
 }
 LAYER_SHAPE = dict(heads=16, groups=4, value_dim=64)
-SORTED_VARIANTS = [(32, 64), (64, 64), (64, 256), (64, 1)]  # (window k, cache_buffer_size R)
+# (window k, cache_buffer_size R, decode backend); the fused kernel is added where it can run (CUDA)
+SORTED_VARIANTS = [(32, 64, "torch"), (64, 64, "torch"), (64, 256, "torch"), (64, 1, "torch")]
+KERNEL_VARIANTS = [(64, 64, "triton"), (64, 256, "triton")]
+
+
+def sorted_variants(device) -> list[tuple]:
+    return SORTED_VARIANTS + (KERNEL_VARIANTS if kernel_unavailable_reason(device) is None else [])
 
 
 def _sync(device):
@@ -106,9 +113,11 @@ def bench_layer(n: int, device, dtype, steps: int) -> list[dict]:
     ms = _median_ms(exact_step, device, steps)
     rows.append(dict(bench="layer", method="exact", context=n, window="", buffer="", step_ms=ms, read_ms=ms,
                      insert_ms=0.0))  # fmt: skip
+    logger.info("layer, context %d: exact %.3f ms", n, ms)
 
-    for k, r in SORTED_VARIANTS:
-        layer = SortedScalarCacheLayer(num_heads=h, num_value_groups=g, decode_window=k, cache_buffer_size=r)
+    for k, r, backend in sorted_variants(device):
+        layer = SortedScalarCacheLayer(num_heads=h, num_value_groups=g, decode_window=k, cache_buffer_size=r,
+                                       decode_backend=backend)  # fmt: skip
         for start in range(0, n, 1 << 16):  # fill in chunks, then merge everything: a cache after a long prompt
             stop = min(n, start + (1 << 16))
             layer.append(keys[..., start:stop], values[:, :, start:stop])
@@ -140,8 +149,8 @@ def bench_layer(n: int, device, dtype, steps: int) -> list[dict]:
             step_times.append((time.perf_counter() - t) * 1e3)
         read = _median_ms(read_only, device, steps)
         mean = statistics.fmean(step_times)
-        rows.append(dict(bench="layer", method="sorted", context=n, window=k, buffer=r, step_ms=mean, read_ms=read,
-                         insert_ms=max(0.0, mean - read)))  # fmt: skip
+        rows.append(dict(bench="layer", method=f"sorted-{backend}", context=n, window=k, buffer=r, step_ms=mean,
+                         read_ms=read, insert_ms=max(0.0, mean - read)))  # fmt: skip
     return rows
 
 
@@ -160,8 +169,11 @@ def bench_model(n: int, device, dtype, steps: int) -> list[dict]:
     model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, n + steps + 8), device=device)
     rows = []
-    for window in (None, 32, 64):
-        cache = model.make_cache(decode_window=None)
+    variants = [(None, "torch"), (32, "torch"), (64, "torch")]
+    if kernel_unavailable_reason(device) is None:
+        variants += [(32, "triton"), (64, "triton")]
+    for window, backend in variants:
+        cache = model.make_cache(decode_window=None, decode_backend=backend)
         for start in range(0, n, 1024):  # exact chunked prefill (no n x n matrix)
             model(ids[:, start : min(n, start + 1024)], past_key_values=cache, use_cache=True)
         for layer in cache.layers:
@@ -174,7 +186,7 @@ def bench_model(n: int, device, dtype, steps: int) -> list[dict]:
             pos[0] = i + 1
 
         ms = _median_ms(step, device, steps)
-        rows.append(dict(bench="model", method="exact" if window is None else "sorted", context=n,
+        rows.append(dict(bench="model", method="exact" if window is None else f"sorted-{backend}", context=n,
                          window="" if window is None else window, buffer=64, step_ms=ms, read_ms="", insert_ms=""))
     return rows
 
@@ -186,25 +198,30 @@ def markdown(rows) -> str:
         h, g, dv = LAYER_SHAPE["heads"], LAYER_SHAPE["groups"], LAYER_SHAPE["value_dim"]
         lines += [f"One layer step (H={h}, G={g}, Dv={dv}), milliseconds: exact = attention over every key; sorted "
                   "(k, R) = insert + search + window (step), of which read = search + window alone.", ""]
-        variants = [f"sorted k={k} R={r}" for k, r in SORTED_VARIANTS]
-        lines.append("| context | exact | " + " | ".join(f"{v} step (read)" for v in variants) + " |")
+        variants = sorted({(r["method"], r["window"], r["buffer"]) for r in layer_rows if r["method"] != "exact"},
+                          key=lambda v: (v[0], v[1], -v[2] if v[2] != 1 else 0))  # fmt: skip
+        names = [f"{m} k={k} R={b}" for m, k, b in variants]
+        lines.append("| context | exact | " + " | ".join(f"{v} step (read)" for v in names) + " |")
         lines.append("|" + "---|" * (2 + len(variants)))
         for n in sorted({r["context"] for r in layer_rows}):
             exact = next(r for r in layer_rows if r["context"] == n and r["method"] == "exact")
             cells = []
-            for k, b in SORTED_VARIANTS:
-                r = next(r for r in layer_rows if r["context"] == n and r["window"] == k and r["buffer"] == b)
+            for m, k, b in variants:
+                r = next(r for r in layer_rows
+                         if r["context"] == n and r["method"] == m and r["window"] == k and r["buffer"] == b)  # fmt: skip
                 cells.append(f"{r['step_ms']:.3f} ({r['read_ms']:.3f})")
             lines.append(f"| {n} | {exact['step_ms']:.3f} | " + " | ".join(cells) + " |")
         lines.append("")
     model_rows = [r for r in rows if r["bench"] == "model"]
     if model_rows:
+        variants = sorted({(r["method"], r["window"]) for r in model_rows if r["method"] != "exact"})
         lines += ["Whole model (scalar-sort, d=512, H=8, 4 layers) per-token forward after an exact prefill of "
-                  "`context` tokens, milliseconds:", "", "| context | exact | sorted k=32 | sorted k=64 |",
-                  "|---|---|---|---|"]  # fmt: skip
+                  "`context` tokens, milliseconds:", "",
+                  "| context | exact | " + " | ".join(f"{m} k={k}" for m, k in variants) + " |",
+                  "|" + "---|" * (2 + len(variants))]  # fmt: skip
         for n in sorted({r["context"] for r in model_rows}):
-            cell = {str(r["window"]): r["step_ms"] for r in model_rows if r["context"] == n}
-            lines.append(f"| {n} | {cell['']:.2f} | {cell['32']:.2f} | {cell['64']:.2f} |")
+            cell = {(r["method"], r["window"]): r["step_ms"] for r in model_rows if r["context"] == n}
+            lines.append(f"| {n} | {cell[('exact', '')]:.2f} | " + " | ".join(f"{cell[v]:.2f}" for v in variants) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -217,19 +234,17 @@ def plot(rows, path):
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     layer_rows = [r for r in rows if r["bench"] == "layer"]
-    series = [("exact", "", "")] + [("sorted", k, b) for k, b in SORTED_VARIANTS]
+    series = sorted({(r["method"], r["window"], r["buffer"]) for r in layer_rows}, key=str)
     for method, k, b in series:
         pts = sorted((r["context"], r["step_ms"]) for r in layer_rows
                      if r["method"] == method and r["window"] == k and r["buffer"] == b)  # fmt: skip
-        if pts:
-            label = "exact" if method == "exact" else f"sorted k={k} R={b}"
-            axes[0].plot(*zip(*pts), marker="o", label=label)
+        label = "exact" if method == "exact" else f"{method} k={k} R={b}"
+        axes[0].plot(*zip(*pts), marker="o", label=label)
     axes[0].set_title("one layer decode step")
     model_rows = [r for r in rows if r["bench"] == "model"]
-    for window in ("", 32, 64):
-        pts = sorted((r["context"], r["step_ms"]) for r in model_rows if r["window"] == window)
-        if pts:
-            axes[1].plot(*zip(*pts), marker="o", label="exact" if window == "" else f"sorted k={window}")
+    for method, window in sorted({(r["method"], r["window"]) for r in model_rows}, key=str):
+        pts = sorted((r["context"], r["step_ms"]) for r in model_rows if r["method"] == method and r["window"] == window)
+        axes[1].plot(*zip(*pts), marker="o", label="exact" if method == "exact" else f"{method} k={window}")
     axes[1].set_title("whole model, per token")
     for ax in axes:
         ax.set_xscale("log", base=2)

@@ -34,7 +34,7 @@ def test_all_scalar_heads_equal_a_scalar_sort_layer():
 def test_all_dot_heads_equal_a_dot_layer():
     hybrid = build_model("hybrid_sort", dict(head_kinds=["dot"], scalar_sink=False, num_register_tokens=2))
     dot = build_model("hybrid_sort", dict(attention_layers=["dot"], scalar_sink=False, num_register_tokens=2))
-    _copy_weights(hybrid, dot, {"qs_proj", "ks_proj", "tau_raw", "register_scalar_position"})
+    _copy_weights(hybrid, dot, {"qs_proj", "ks_proj", "tau_bias", "register_scalar_position"})
     ids, mask = left_padded(128, [8, 5])
     with torch.no_grad():
         a = hybrid(ids, attention_mask=mask).logits

@@ -161,7 +161,7 @@ def test_loss_and_output_fields(mode):
     assert torch.allclose(out.loss, expected)
     out.loss.backward()
     # L_tau reaches the temperature parameters
-    tau_param = "tau_raw" if mode == "per_head" else "tau_proj.weight"
+    tau_param = "tau_bias" if mode == "per_head" else "tau_proj.weight"
     assert model.model.layers[0].self_attn.get_parameter(tau_param).grad.abs().max() > 0
     # with num_items_in_batch, each term is scaled like the summed cross-entropy
     n_tokens = (labels[:, 1:] != -100).sum()
