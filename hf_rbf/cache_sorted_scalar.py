@@ -47,12 +47,23 @@ from .configuration_scalar_sort import check_sorted_cache_settings
 from .kernels_sorted_decode import kernel_unavailable_reason, sorted_window_attention_triton
 from .sorted_decode import SortedCacheState, sorted_window_attention
 
-
 logger = logging.getLogger("hf_rbf")
 _LOGGED_DECODE: set = set()
 
 
 _INF = float("inf")
+
+
+def _merge_pairs_(t: torch.Tensor, a, c, survivor, frac_a, chosen) -> None:
+    """In place: for every chosen pair (slots ``a``, ``c`` of each row, ``[B, P]``), write
+    ``frac_a * t[a] + (1 - frac_a) * t[c]`` at the ``survivor`` slot of ``t`` (slot axis 2: ``[B, X, C, ...]``)."""
+    b, pairs = a.shape
+    view = [b, 1, pairs] + [1] * (t.dim() - 3)
+    shape = list(t.shape[:2]) + [pairs] + list(t.shape[3:])
+    fa = frac_a.view(view).to(t.dtype)
+    merged = fa * t.gather(2, a.view(view).expand(shape)) + (1 - fa) * t.gather(2, c.view(view).expand(shape))
+    idx_s = survivor.view(view).expand(shape)
+    t.scatter_(2, idx_s, torch.where(chosen.view(view), merged, t.gather(2, idx_s)))
 
 
 class SortedScalarCacheLayer(CacheLayerMixin):
@@ -197,9 +208,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         dev = self.device
         self.keys = torch.zeros(b, h, cap, dtype=self.dtype, device=dev)
         self.values = torch.zeros(b, g, cap, dv, dtype=value_states.dtype, device=dev)
-        self.vector_keys = (
-            torch.zeros(b, h, cap, width - 1, dtype=self.dtype, device=dev) if width > 1 else None
-        )
+        self.vector_keys = torch.zeros(b, h, cap, width - 1, dtype=self.dtype, device=dev) if width > 1 else None
         self.valid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
         self.token_index = torch.zeros(b, cap, dtype=torch.long, device=dev)
         self.sorted_keys = torch.zeros(b, self.num_orders, 0, dtype=self.dtype, device=dev)
@@ -264,8 +273,10 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         (hybrid), ``valid [B, N]`` (False = padding; default all True), ``log_weight [B, H, N]`` (key weights)."""
         b, h, n = scalar_keys.shape
         if not self.is_initialized:
-            packed = scalar_keys.unsqueeze(-1) if vector_keys is None else torch.cat(
-                [scalar_keys.unsqueeze(-1), vector_keys], dim=-1
+            packed = (
+                scalar_keys.unsqueeze(-1)
+                if vector_keys is None
+                else torch.cat([scalar_keys.unsqueeze(-1), vector_keys], dim=-1)
             )
             self.lazy_initialization(packed, values)
         if b != self.keys.shape[0]:
@@ -433,9 +444,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         ok_l = ok.long()
         n_ok = ok_l.sum(-1, keepdim=True)
         pos = torch.where(ok, ok_l.cumsum(-1) - 1, n_ok + (1 - ok_l).cumsum(-1) - 1)
-        self.sorted_keys = torch.empty_like(self.sorted_keys).scatter_(
-            -1, pos, self.sorted_keys.masked_fill(~ok, _INF)
-        )
+        self.sorted_keys = torch.empty_like(self.sorted_keys).scatter_(-1, pos, self.sorted_keys.masked_fill(~ok, _INF))
         self.sorted_slots = torch.empty_like(self.sorted_slots).scatter_(-1, pos, self.sorted_slots)
         self.sorted_count = n_ok.squeeze(-1)
 
@@ -533,32 +542,19 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             wc = self.multiplicity.gather(1, c)
             frac_a = (wa / (wa + wc)).to(self.keys.dtype)  # [B, P]
 
-            def merged(t: torch.Tensor, dim: int) -> torch.Tensor:
-                # t has the slot axis at `dim` (1 or 2); returns the merged rows at the pair axis
-                view = [b] + [1] * (t.dim() - 1)
-                view[dim] = pairs
-                idx_a = a.view(view).expand(*t.shape[:dim], pairs, *t.shape[dim + 1 :])
-                idx_c = c.view(view).expand_as(idx_a)
-                fa = frac_a.view(view).to(t.dtype)
-                return fa * t.gather(dim, idx_a) + (1 - fa) * t.gather(dim, idx_c), idx_a
-
-            for name, dim in (("keys", 2), ("values", 2), ("vector_keys", 2)):
+            for name in ("keys", "values", "vector_keys"):
                 t = getattr(self, name)
-                if t is None:
-                    continue
-                new, idx_a = merged(t, dim)
-                view = [b] + [1] * (t.dim() - 1)
-                view[dim] = pairs
-                idx_s = survivor.view(view).expand_as(idx_a)
-                old = t.gather(dim, idx_s)
-                t.scatter_(dim, idx_s, torch.where(chosen.view(view), new, old))
+                if t is not None:
+                    _merge_pairs_(t, a, c, survivor, frac_a, chosen)
             la = self.log_weight.gather(2, a.unsqueeze(1).expand(-1, self.num_heads, -1))
             lc = self.log_weight.gather(2, c.unsqueeze(1).expand(-1, self.num_heads, -1))
             idx_s = survivor.unsqueeze(1).expand(-1, self.num_heads, -1)
             old = self.log_weight.gather(2, idx_s)
             self.log_weight.scatter_(2, idx_s, torch.where(chosen.unsqueeze(1), torch.logaddexp(la, lc), old))
             self.multiplicity.scatter_(1, survivor, torch.where(chosen, wa + wc, self.multiplicity.gather(1, survivor)))
-            self.token_index.scatter_(1, survivor, torch.where(chosen, torch.maximum(ta, tc), self.token_index.gather(1, survivor)))
+            self.token_index.scatter_(
+                1, survivor, torch.where(chosen, torch.maximum(ta, tc), self.token_index.gather(1, survivor))
+            )
             self.valid.scatter_(1, victim, self.valid.gather(1, victim) & ~chosen)
             self._rebuild_sorted()
 
@@ -612,15 +608,19 @@ class SortedScalarCacheLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------------------------
     # transformers' CacheLayerMixin API
     # ------------------------------------------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict | None = None, *args,
-               **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict | None = None, *args, **kwargs
+    ):
         """Append packed keys ``[B, H, N, 1 (+ D)]`` (scalar key first) and values ``[B, G, N, Dv]``;
         ``cache_kwargs`` may hold ``valid [B, N]`` and ``log_weight [B, H, N]``.  Returns every cached token's packed
         keys ``[B, H, S, 1 (+ D)]`` and values ``[B, G, S, Dv]`` in slot order (see :meth:`slot_view` for validity)."""
         cache_kwargs = cache_kwargs or {}
         vk = key_states[..., 1:] if key_states.shape[-1] > 1 else None
         self.append(
-            key_states[..., 0], value_states, vk, valid=cache_kwargs.get("valid"),
+            key_states[..., 0],
+            value_states,
+            vk,
+            valid=cache_kwargs.get("valid"),
             log_weight=cache_kwargs.get("log_weight"),
         )
         ks, v, vk, _, _ = self.slot_view()
@@ -773,7 +773,9 @@ class SortedScalarCache(Cache):
         merged = dict(defaults, **settings)
         sort_head = merged["sort_head"]
         if not isinstance(sort_head, int) or isinstance(sort_head, bool) or sort_head < 0:
-            raise ValueError(f"{name}: `sort_head` must be an int >= 0 (an index inside a value group); got {sort_head!r}")
+            raise ValueError(
+                f"{name}: `sort_head` must be an int >= 0 (an index inside a value group); got {sort_head!r}"
+            )
         check_sorted_cache_settings(name, num_heads=1, num_value_groups=1, **dict(merged, sort_head=0))
 
     def resolved_settings(self, config) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from .configuration_decoder import check_choice
 from .configuration_scalar_sort import ScalarSortConfig
 
-
 HEAD_KINDS = ("hybrid", "scalar", "dot")
 HYBRID_POSITION_TYPES = ("rope", "none")
 

@@ -10,7 +10,6 @@ import math
 
 from .configuration_decoder import DecoderConfig, check_bool, check_choice, check_float, check_int
 
-
 TAU_MODES = ("global", "per_head", "per_token")
 SORT_SCHEMES = ("per_head", "sort_head")
 EVICTION_POLICIES = ("oldest", "geometric", "density")
@@ -36,8 +35,10 @@ def _check_pair(name: str, field: str, value, *, positive: bool, ordered: str) -
         ok = value[0] <= value[1] if ordered == "<=" else value[0] < value[1]
     if not ok:
         what = "positive " if positive else ""
-        raise ValueError(f"{name}: `{field}` must be a pair [low, high] of {what}finite floats with low {ordered} high; "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name}: `{field}` must be a pair [low, high] of {what}finite floats with low {ordered} high; "
+            f"got {value!r}"
+        )
     return [float(value[0]), float(value[1])]
 
 

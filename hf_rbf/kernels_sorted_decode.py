@@ -29,7 +29,6 @@ import torch
 
 from .attention_utils import per_query_param
 
-
 try:
     import triton
     import triton.language as tl
@@ -174,7 +173,9 @@ if HAS_TRITON:
                       other=0.0).to(tl.float32)  # fmt: skip
         v_p = tl.load(pv_ptr + b * s_pv_b + g * s_pv_g + p_lane[:, None] * s_pv_p + dv_lane[None, :],
                       mask=ok_p[:, None] & ok_dv[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        acc = tl.sum(e_m[:, None] * v_m, axis=0) + tl.sum(e_b[:, None] * v_b, axis=0) + tl.sum(e_p[:, None] * v_p, axis=0)
+        acc = (
+            tl.sum(e_m[:, None] * v_m, axis=0) + tl.sum(e_b[:, None] * v_b, axis=0) + tl.sum(e_p[:, None] * v_p, axis=0)
+        )
         out = acc / denom
         tl.store(out_ptr + b * s_o_b + h * s_o_h + qi * s_o_q + dv_lane, out.to(out_ptr.dtype.element_ty), mask=ok_dv)
 

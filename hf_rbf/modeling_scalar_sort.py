@@ -276,7 +276,9 @@ class ScalarSortAttention(DecoderAttention):
                 # sliding layers: transformers' sliding cache with the scalar key packed before the vector key
                 packed = proj.ks.unsqueeze(-1) if proj.k is None else torch.cat([proj.ks.unsqueeze(-1), proj.k], -1)
                 packed, values = past_key_values.update(packed, proj.v, self.layer_idx)
-                keys = _Projections(qs=None, ks=packed[..., 0], v=values, k=packed[..., 1:] if proj.k is not None else None)
+                keys = _Projections(
+                    qs=None, ks=packed[..., 0], v=values, k=packed[..., 1:] if proj.k is not None else None
+                )
             am, klw = self._mask_args(keys.ks.shape[-1], num_prefix, attention_mask, key_log_weights)
             out = self.attention_function(
                 proj,
@@ -350,7 +352,9 @@ class ScalarSortAttention(DecoderAttention):
         settings = dict(self.cache_settings if settings is None else settings)
         limit = settings["max_cache_tokens"]
         if self.window is not None:
-            return DynamicSlidingWindowLayer(sliding_window=self.window if limit is None else min(self.window, limit + 1))
+            return DynamicSlidingWindowLayer(
+                sliding_window=self.window if limit is None else min(self.window, limit + 1)
+            )
         if not any(self.scalar_head_list):
             settings["decode_window"] = None  # nothing to window with
         return SortedScalarCacheLayer(
@@ -630,7 +634,9 @@ class RegularizedCausalLMMixin:
             num_items = kwargs.get("num_items_in_batch")
             if num_items is not None:
                 tokens = (labels[..., 1:] != -100).sum()
-                scale = tokens.to(out.loss.dtype) / torch.as_tensor(num_items, device=out.loss.device).to(out.loss.dtype)
+                scale = tokens.to(out.loss.dtype) / torch.as_tensor(num_items, device=out.loss.device).to(
+                    out.loss.dtype
+                )
             total = out.loss
             for name, value in means.items():
                 total = total + weights[name] * scale * value.to(out.loss.dtype)

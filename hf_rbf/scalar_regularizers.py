@@ -44,7 +44,9 @@ def align_rows(scalar_queries: torch.Tensor, moments: torch.Tensor) -> torch.Ten
     return (qs * qs - 2.0 * qs * moments[..., 0] + moments[..., 1]).clamp_min(0.0)
 
 
-def align_rows_reference(scalar_queries: torch.Tensor, scalar_keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def align_rows_reference(
+    scalar_queries: torch.Tensor, scalar_keys: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """The gist's materialised form per row: ``sum_j w_ij (qs_i - ks_j)^2`` with ``weights [B, H, N, Nk]``
     (detached here), ``qs [B, H, N]``, ``ks [B, H, Nk]``."""
     sq = (scalar_queries.unsqueeze(-1) - scalar_keys.unsqueeze(-2)) ** 2

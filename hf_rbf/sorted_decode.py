@@ -23,8 +23,8 @@ search structure is, per row and order ``o``, a sorted array of order keys with 
 (``sorted_keys`` / ``sorted_slots``, ``+inf`` padding after ``sorted_count`` valid entries).  Slots
 ``[num_sorted, num_slots)`` are the *recent buffer*: appended but not yet merged into the sorted arrays (the cache
 merges them before an insert that would make the buffer exceed its size, so sorted entries are always older than the
-step's queries and only buffered keys need a causal check).  A decode step therefore reads: ``2k`` entries around the insertion
-point of the sorted array (binary search, ``O(log M)``), the ``R`` recent-buffer keys (a scan), picks the window
+step's queries and only buffered keys need a causal check).  A decode step therefore reads: ``2k`` entries around the
+insertion point of the sorted array (binary search, ``O(log M)``), the ``R`` recent-buffer keys (a scan), picks the window
 among these ``<= 2k + R`` candidates (they provably contain it: the ``k`` nearest below and above in the sorted part,
 and every recent key), then gathers ``k`` own keys, ``k`` value rows (and ``k`` vector keys) by slot.  Cost per
 (row, head, query): ``O(log M + k + R)`` key reads and ``k * Dv`` value reads, independent of the cache length.
@@ -234,7 +234,9 @@ def sorted_window_attention(
         p = prefix_ks.shape[-1]
         p_scores = -((qsf - prefix_ks.to(ct).unsqueeze(2)) ** 2) * inv_tau  # [B|1 -> B, H, Nq, P]
         if q is not None and scale is not None and prefix_k is not None:
-            p_scores = p_scores + scale * torch.einsum("bhqd,bhpd->bhqp", q.to(ct), prefix_k.to(ct).expand(b, -1, -1, -1))
+            p_scores = p_scores + scale * torch.einsum(
+                "bhqd,bhpd->bhqp", q.to(ct), prefix_k.to(ct).expand(b, -1, -1, -1)
+            )
         p_scores = p_scores.expand(b, h, nq, p)
         p_values = prefix_v.to(ct)[:, group].unsqueeze(2)  # [B|1, H, 1, P, Dv]
         scores_list.insert(0, p_scores)
@@ -278,7 +280,9 @@ def sorted_window_attention_reference(
     num_orders = order_head.shape[0]
     scale_full = None
     if q is not None and scale is not None:
-        scale_full = torch.as_tensor(scale, dtype=f64).expand(h) if not isinstance(scale, torch.Tensor) else scale.to(f64)
+        scale_full = (
+            torch.as_tensor(scale, dtype=f64).expand(h) if not isinstance(scale, torch.Tensor) else scale.to(f64)
+        )
     out = torch.zeros(b, h, nq, dv, dtype=f64)
     for bi in range(b):
         for hi in range(h):

@@ -30,9 +30,7 @@ class RegularizerLoggingTrainer(Trainer):
         self._term_counts: dict[str, int] = {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, outputs = super().compute_loss(
-            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
-        )
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if model.training:
             for name in self.log_fields:
                 value = outputs.get(name) if isinstance(outputs, dict) else getattr(outputs, name, None)

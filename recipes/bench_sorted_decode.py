@@ -32,7 +32,6 @@ import time
 
 import torch
 
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -41,7 +40,6 @@ import hf_rbf  # noqa: E402, F401
 from hf_rbf import scalar_attention  # noqa: E402
 from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer  # noqa: E402
 from hf_rbf.kernels_sorted_decode import kernel_unavailable_reason  # noqa: E402
-
 
 logger = logging.getLogger("bench_sorted_decode")
 
@@ -99,7 +97,10 @@ def bench_layer(n: int, device, dtype, steps: int) -> list[dict]:
     keys, values = randn(1, h, total), randn(1, g, total, dv)
     queries = randn(1, h, total)
     tau = torch.full((h,), 0.05, device=device)
-    sink_k, sink_v = torch.zeros(1, h, 1, device=device, dtype=dtype), torch.zeros(1, g, 1, dv, device=device, dtype=dtype)
+    sink_k, sink_v = (
+        torch.zeros(1, h, 1, device=device, dtype=dtype),
+        torch.zeros(1, g, 1, dv, device=device, dtype=dtype),
+    )
     rows = []
 
     # exact: attention of the newest query over every cached key (written in place, no copy)
@@ -186,8 +187,18 @@ def bench_model(n: int, device, dtype, steps: int) -> list[dict]:
             pos[0] = i + 1
 
         ms = _median_ms(step, device, steps)
-        rows.append(dict(bench="model", method="exact" if window is None else f"sorted-{backend}", context=n,
-                         window="" if window is None else window, buffer=64, step_ms=ms, read_ms="", insert_ms=""))
+        rows.append(
+            dict(
+                bench="model",
+                method="exact" if window is None else f"sorted-{backend}",
+                context=n,
+                window="" if window is None else window,
+                buffer=64,
+                step_ms=ms,
+                read_ms="",
+                insert_ms="",
+            )
+        )
     return rows
 
 
@@ -196,8 +207,11 @@ def markdown(rows) -> str:
     layer_rows = [r for r in rows if r["bench"] == "layer"]
     if layer_rows:
         h, g, dv = LAYER_SHAPE["heads"], LAYER_SHAPE["groups"], LAYER_SHAPE["value_dim"]
-        lines += [f"One layer step (H={h}, G={g}, Dv={dv}), milliseconds: exact = attention over every key; sorted "
-                  "(k, R) = insert + search + window (step), of which read = search + window alone.", ""]
+        lines += [
+            f"One layer step (H={h}, G={g}, Dv={dv}), milliseconds: exact = attention over every key; sorted "
+            "(k, R) = insert + search + window (step), of which read = search + window alone.",
+            "",
+        ]
         variants = sorted({(r["method"], r["window"], r["buffer"]) for r in layer_rows if r["method"] != "exact"},
                           key=lambda v: (v[0], v[1], -v[2] if v[2] != 1 else 0))  # fmt: skip
         names = [f"{m} k={k} R={b}" for m, k, b in variants]
@@ -221,7 +235,9 @@ def markdown(rows) -> str:
                   "|" + "---|" * (2 + len(variants))]  # fmt: skip
         for n in sorted({r["context"] for r in model_rows}):
             cell = {(r["method"], r["window"]): r["step_ms"] for r in model_rows if r["context"] == n}
-            lines.append(f"| {n} | {cell[('exact', '')]:.2f} | " + " | ".join(f"{cell[v]:.2f}" for v in variants) + " |")
+            lines.append(
+                f"| {n} | {cell[('exact', '')]:.2f} | " + " | ".join(f"{cell[v]:.2f}" for v in variants) + " |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -243,7 +259,9 @@ def plot(rows, path):
     axes[0].set_title("one layer decode step")
     model_rows = [r for r in rows if r["bench"] == "model"]
     for method, window in sorted({(r["method"], r["window"]) for r in model_rows}, key=str):
-        pts = sorted((r["context"], r["step_ms"]) for r in model_rows if r["method"] == method and r["window"] == window)
+        pts = sorted(
+            (r["context"], r["step_ms"]) for r in model_rows if r["method"] == method and r["window"] == window
+        )
         axes[1].plot(*zip(*pts), marker="o", label="exact" if method == "exact" else f"{method} k={window}")
     axes[1].set_title("whole model, per token")
     for ax in axes:

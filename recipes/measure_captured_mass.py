@@ -36,7 +36,6 @@ from functools import partial
 
 import torch
 
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments  # noqa: E402
@@ -44,7 +43,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments  # 
 import hf_rbf  # noqa: E402, F401  (registers the families)
 from hf_rbf.eval.captured_mass import captured_mass, order_keys_for  # noqa: E402
 from hf_rbf.trainer_regularizers import RegularizerLoggingTrainer  # noqa: E402
-
 
 logger = logging.getLogger("measure_captured_mass")
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-
 TOL = 1e-5
 PAD = 0
 

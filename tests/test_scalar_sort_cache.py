@@ -151,8 +151,9 @@ def test_generation_never_exceeds_the_bound(policy):
     hook = model.register_forward_hook(record, with_kwargs=True)
     try:
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                                 pad_token_id=PAD)
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=PAD
+            )
     finally:
         hook.remove()
     assert out.shape[1] == 26 and max(seen) <= 10 and len(seen) == 3 * 20

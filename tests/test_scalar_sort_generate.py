@@ -12,7 +12,6 @@ from sorted_cache_helpers import CORE_SORT_CASES, PAD, SORT_CASES, TOL, check_la
 
 from hf_rbf import SortedScalarCache, SortedScalarCacheLayer
 
-
 MODES = {
     "greedy": dict(do_sample=False),
     "sample": dict(do_sample=True, top_k=0, temperature=1.0),
@@ -89,17 +88,32 @@ def test_prompt_lookup_decoding_equals_greedy(window):
 
 
 def test_user_cache_continues_across_generate_calls():
-    model = build_model("hybrid_sort", dict(num_hidden_layers=2, attention_layers=["hybrid", "dot"], num_register_tokens=2))
+    model = build_model(
+        "hybrid_sort", dict(num_hidden_layers=2, attention_layers=["hybrid", "dot"], num_register_tokens=2)
+    )
     ids, mask = left_padded(model.config.vocab_size, [5, 3])
     cache = SortedScalarCache(decode_window=32)
     with torch.no_grad():
-        first = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3,
-                               do_sample=False, pad_token_id=PAD)
+        first = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=PAD,
+        )
         mask2 = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
-        second = model.generate(input_ids=first, attention_mask=mask2, past_key_values=cache, max_new_tokens=3,
-                                do_sample=False, pad_token_id=PAD)
-        reference = model.generate(input_ids=ids, attention_mask=mask, use_cache=False, max_new_tokens=6,
-                                   do_sample=False, pad_token_id=PAD)
+        second = model.generate(
+            input_ids=first,
+            attention_mask=mask2,
+            past_key_values=cache,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=PAD,
+        )
+        reference = model.generate(
+            input_ids=ids, attention_mask=mask, use_cache=False, max_new_tokens=6, do_sample=False, pad_token_id=PAD
+        )
     assert torch.equal(second, reference)
     assert cache.get_seq_length() == second.shape[1] - 1
 
@@ -120,5 +134,4 @@ def test_windowed_generation_runs_every_mode():
 def test_static_cache_is_rejected():
     model = build_model("scalar_sort", {})
     with pytest.raises(ValueError, match="cache_implementation"):
-        model.generate(torch.randint(1, 128, (1, 4)), max_new_tokens=2, cache_implementation="static",
-                       pad_token_id=PAD)
+        model.generate(torch.randint(1, 128, (1, 4)), max_new_tokens=2, cache_implementation="static", pad_token_id=PAD)

@@ -38,7 +38,9 @@ def test_save_load_identical_logits_and_auto_map(sort_case, tmp_path):
     with torch.no_grad():
         assert (loaded(ids, attention_mask=mask).logits - ref).abs().max().item() < 1e-5
         base = AutoModel.from_pretrained(tmp_path).eval()
-        diff = base(ids, attention_mask=mask).last_hidden_state - model.model(ids, attention_mask=mask).last_hidden_state
+        diff = (
+            base(ids, attention_mask=mask).last_hidden_state - model.model(ids, attention_mask=mask).last_hidden_state
+        )
         assert diff.abs().max().item() < 1e-5
     with open(tmp_path / "config.json") as f:
         cfg = json.load(f)
@@ -181,7 +183,9 @@ def test_half_precision_forward_backward_and_windowed_generate(dtype):
         model.train()
         loss = model(ids, attention_mask=mask, labels=ids).loss
         loss.backward()
-        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        assert torch.isfinite(loss) and all(
+            torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None
+        )
         model.eval()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD)

@@ -13,7 +13,6 @@ from sorted_cache_helpers import left_padded
 from hf_rbf import hybrid_attention, scalar_attention
 from hf_rbf.scalar_regularizers import align_rows_reference, spread_loss, tau_loss
 
-
 REG_CASES = [
     ("scalar-r2-sink-g2", "scalar_sort", dict(num_register_tokens=2, num_value_groups=2, tau_mode="per_token")),
     ("hybrid-kinds-r1", "hybrid_sort", dict(head_kinds=["hybrid", "scalar", "dot", "hybrid"], num_register_tokens=1)),
@@ -150,7 +149,9 @@ def test_tau_loss_values():
 def test_loss_and_output_fields(mode):
     model = build_model(
         "scalar_sort",
-        dict(tau_mode=mode, align_loss_weight=0.5, spread_loss_weight=0.25, tau_loss_weight=2.0, spread_range="adaptive"),
+        dict(
+            tau_mode=mode, align_loss_weight=0.5, spread_loss_weight=0.25, tau_loss_weight=2.0, spread_range="adaptive"
+        ),
     )
     ids, mask = left_padded(model.config.vocab_size, [8, 6])
     labels = ids.masked_fill(mask == 0, -100)
@@ -216,19 +217,19 @@ def _collate(batch):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _train_one_step(tmp_path, batch_size, accumulation):
+def _train_one_step(tmp_path, batch_size, accumulation, family="scalar_sort"):
     from transformers import TrainingArguments
 
     from hf_rbf.trainer_regularizers import RegularizerLoggingTrainer
 
     model = build_model(
-        "scalar_sort",
+        family,
         dict(align_loss_weight=0.5, spread_loss_weight=0.1, tau_loss_weight=0.2, num_register_tokens=1),
         randomize=False,
     )
     model.train()
     args = TrainingArguments(
-        output_dir=str(tmp_path / f"bs{batch_size}_ga{accumulation}"),
+        output_dir=str(tmp_path / f"{family}_bs{batch_size}_ga{accumulation}"),
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=accumulation,
         max_steps=1,
@@ -253,9 +254,10 @@ def _train_one_step(tmp_path, batch_size, accumulation):
     return result.training_loss, {k: v.detach().clone() for k, v in model.named_parameters()}, logs
 
 
-def test_trainer_logs_the_regularizers_and_accumulation_matches_one_batch(tmp_path):
-    loss_big, params_big, logs = _train_one_step(tmp_path, batch_size=4, accumulation=1)
-    loss_acc, params_acc, _ = _train_one_step(tmp_path, batch_size=2, accumulation=2)
+@pytest.mark.parametrize("family", ["scalar_sort", "hybrid_sort"])
+def test_trainer_logs_the_regularizers_and_accumulation_matches_one_batch(tmp_path, family):
+    loss_big, params_big, logs = _train_one_step(tmp_path, batch_size=4, accumulation=1, family=family)
+    loss_acc, params_acc, _ = _train_one_step(tmp_path, batch_size=2, accumulation=2, family=family)
     assert logs and all(k in logs[0] for k in ("align_loss", "spread_loss", "tau_loss"))
     assert logs[0]["align_loss"] > 0
     # the regularizers are token-weighted means under accumulation, so the two runs agree up to the per-micro-batch

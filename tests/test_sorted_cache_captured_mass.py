@@ -81,7 +81,9 @@ def test_attention_weights_are_the_layer_weights(family, overrides):
         tau = attn.temperature(x)
         with torch.no_grad():
             if attn.has_vector_term:
-                ref = hybrid_attention(proj.q, keys.k, eye, proj.qs, keys.ks, tau, scale=attn._scale(x.device), **common)
+                ref = hybrid_attention(
+                    proj.q, keys.k, eye, proj.qs, keys.ks, tau, scale=attn._scale(x.device), **common
+                )
             else:
                 ref = scalar_attention(proj.qs, keys.ks, eye, tau, **common)
         real = mask.bool()

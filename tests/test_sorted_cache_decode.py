@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from sorted_cache_helpers import check_layer_invariants
 
 from hf_rbf import hybrid_attention, scalar_attention
 from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer
 from hf_rbf.sorted_decode import sorted_window_attention_reference
-from sorted_cache_helpers import check_layer_invariants
 
 
 def _fill(layer, steps, *, dtype, hybrid=False, d=5, dv=3, seed=0, pad_prob=0.2, log_weights=False):
@@ -100,8 +100,9 @@ def test_full_window_equals_exact_attention(hybrid, dtype):
             am = torch.cat([torch.ones(b, 1, dtype=torch.bool), valid], 1)
             if hybrid:
                 vk = torch.cat([prefix["prefix_k"].expand(b, -1, -1, -1), k], 2)
-                ref = hybrid_attention(q, vk, values, qs, keys, tau, scale=0.35, attention_mask=am, num_prefix_keys=1,
-                                       backend="naive")
+                ref = hybrid_attention(
+                    q, vk, values, qs, keys, tau, scale=0.35, attention_mask=am, num_prefix_keys=1, backend="naive"
+                )
             else:
                 ref = scalar_attention(qs, keys, values, tau, attention_mask=am, num_prefix_keys=1, backend="naive")
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()

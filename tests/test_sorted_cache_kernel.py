@@ -20,7 +20,6 @@ import textwrap
 import pytest
 import torch
 
-
 pytest.importorskip("triton")
 
 CHECKS = textwrap.dedent(
@@ -128,7 +127,7 @@ def test_fused_kernel_matches_the_torch_decode_step():
 
 
 def test_backend_choice_is_explicit():
-    """"triton" where the kernel cannot run raises with the reason; "auto" falls back visibly (an attribute)."""
+    """ "triton" where the kernel cannot run raises with the reason; "auto" falls back visibly (an attribute)."""
     from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer
     from hf_rbf.kernels_sorted_decode import kernel_unavailable_reason
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sorted_cache_helpers import check_layer_invariants
 
 from hf_rbf import SortedScalarCache
 from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer
 from hf_rbf.sorted_decode import sorted_window_attention
-from sorted_cache_helpers import check_layer_invariants
-
 
 F64 = torch.float64
 
@@ -69,8 +68,9 @@ def test_bound_respected_after_every_step(policy, scheme):
 
 def test_oldest_eviction_keeps_the_most_recent_tokens():
     gen = torch.Generator().manual_seed(2)
-    layer = SortedScalarCacheLayer(num_heads=2, num_value_groups=1, max_cache_tokens=8, cache_eviction="oldest",
-                                   eviction_batch=2)
+    layer = SortedScalarCacheLayer(
+        num_heads=2, num_value_groups=1, max_cache_tokens=8, cache_eviction="oldest", eviction_batch=2
+    )
     for _ in range(25):
         layer.append(*_tokens(gen, 1, 2, 1, 1))
         layer.end_step(torch.zeros(1, 2, 1, dtype=F64))
@@ -81,8 +81,14 @@ def test_oldest_eviction_keeps_the_most_recent_tokens():
 
 def test_geometric_eviction_drops_keys_outside_the_recent_query_range_first():
     """Recent queries lie in [-1, 1] and r = 0.5: the tokens with keys far outside go first, however recent."""
-    layer = SortedScalarCacheLayer(num_heads=1, num_value_groups=1, max_cache_tokens=6, cache_eviction="geometric",
-                                   eviction_radius=0.5, eviction_batch=1)
+    layer = SortedScalarCacheLayer(
+        num_heads=1,
+        num_value_groups=1,
+        max_cache_tokens=6,
+        cache_eviction="geometric",
+        eviction_radius=0.5,
+        eviction_batch=1,
+    )
     keys = [0.1, 9.0, -0.2, 0.3, -8.0, 0.0, 7.0]  # token 6 (7.0) arrives last and forces an eviction
     for i, k in enumerate(keys):
         layer.append(torch.tensor([[[k]]], dtype=F64), torch.zeros(1, 1, 1, 1, dtype=F64))
@@ -94,8 +100,14 @@ def test_geometric_eviction_drops_keys_outside_the_recent_query_range_first():
 
 
 def test_sink_zone_tokens_outlive_the_oldest_policy():
-    layer = SortedScalarCacheLayer(num_heads=1, num_value_groups=1, max_cache_tokens=4, cache_eviction="oldest",
-                                   eviction_batch=1, sink_zone=[-0.1, 0.1])
+    layer = SortedScalarCacheLayer(
+        num_heads=1,
+        num_value_groups=1,
+        max_cache_tokens=4,
+        cache_eviction="oldest",
+        eviction_batch=1,
+        sink_zone=[-0.1, 0.1],
+    )
     keys = [0.0, 1.0, 0.05, 2.0, 3.0, 4.0, 5.0, 6.0]
     for k in keys:
         layer.append(torch.tensor([[[k]]], dtype=F64), torch.zeros(1, 1, 1, 1, dtype=F64))
@@ -107,8 +119,9 @@ def test_sink_zone_tokens_outlive_the_oldest_policy():
 def test_density_merging_keeps_the_attention_of_duplicate_keys_exact():
     """Pairs of identical tokens merge into one entry of double weight: the attention over the cache is unchanged."""
     gen = torch.Generator().manual_seed(3)
-    layer = SortedScalarCacheLayer(num_heads=2, num_value_groups=1, max_cache_tokens=40, cache_eviction="density",
-                                   eviction_batch=1)
+    layer = SortedScalarCacheLayer(
+        num_heads=2, num_value_groups=1, max_cache_tokens=40, cache_eviction="density", eviction_batch=1
+    )
     ks, v = _tokens(gen, 2, 2, 1, 12, scale=3.0)
     twice_k = torch.stack([ks, ks], -1).flatten(-2)  # every token twice in a row
     twice_v = torch.stack([v, v], -2).flatten(-3, -2)
@@ -188,8 +201,9 @@ def test_crop_legacy_positive_size():
 
 def test_recording_the_past_defers_eviction_until_crop():
     gen = torch.Generator().manual_seed(5)
-    layer = SortedScalarCacheLayer(num_heads=2, num_value_groups=1, max_cache_tokens=6, cache_eviction="oldest",
-                                   eviction_batch=1)
+    layer = SortedScalarCacheLayer(
+        num_heads=2, num_value_groups=1, max_cache_tokens=6, cache_eviction="oldest", eviction_batch=1
+    )
     layer.append(*_tokens(gen, 1, 2, 1, 5))
     layer.activate_past_recording()
     layer.append(*_tokens(gen, 1, 2, 1, 4))  # candidates of an assisted step: no eviction yet
