@@ -318,13 +318,13 @@ class ScalarSortAttention(DecoderAttention):
                 prefix_v=None if prefix is None else prefix.v,
                 prefix_k=None if prefix is None else prefix.k,
             )
-            self.last_backend = "sorted_window"
             dot_only = [not s for s in self.scalar_head_list]
             if any(dot_only):
                 # heads without a scalar term cannot be windowed: they read every cached key
                 exact = self._exact_over_cache(layer, proj, tau, prefix, num_prefix)
                 mask = torch.tensor(dot_only, device=out.device).view(1, h, 1, 1)
                 out = torch.where(mask, exact, out)
+            self.last_backend = "sorted_window"
         layer.end_step(proj.qs, valid)
         return out
 

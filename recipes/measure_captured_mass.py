@@ -9,6 +9,7 @@ store).  A mass of 1 means the windowed decode step is exact for that query.
 
     python recipes/measure_captured_mass.py --size cpu --output outputs/captured_mass      # minutes on 2 CPU cores
     python recipes/measure_captured_mass.py --size gpu --output outputs/captured_mass_gpu  # GPU: contexts to 8192
+    # under a per-command time limit: --families scalar_sort, then --families hybrid_sort, then --reuse (all)
 
 Writes into ``--output``: ``captured_mass.csv`` (model, layer, head, context, k, scheme: mean and 10th percentile
 over the measured queries), ``captured_mass.md`` (tables: mean over layers and heads, and the worst head),
@@ -74,7 +75,7 @@ SIZES = {
         vocab_size=8192,
         train_len=512,
         batch_size=32,
-        steps=2000,
+        steps=1500,
         lr=1e-3,
         contexts=[128, 256, 512, 1024, 2048, 4096, 8192],
         windows=[8, 16, 32, 64],
@@ -417,6 +418,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="override the size's training steps")
     parser.add_argument("--contexts", type=int, nargs="*", help="override the size's context lengths")
     parser.add_argument("--reuse", action="store_true", help="load models trained by an earlier run in --output")
+    parser.add_argument("--families", nargs="*", choices=sorted(FAMILIES), default=list(FAMILIES),
+                        help="train / measure only these families (e.g. one per call under a time limit, then a "
+                        "final --reuse run over all of them)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -448,7 +452,7 @@ def main(argv=None):
     if args.reuse and os.path.exists(os.path.join(args.output, "summary.json")):
         with open(os.path.join(args.output, "summary.json")) as f:
             previous = json.load(f).get("models", {})
-    for family in FAMILIES:
+    for family in args.families:
         for variant in ("plain", "regularized"):
             name = f"{family}-{variant}"
             path = os.path.join(args.output, "models", name)
