@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import hf_rbf  # noqa: E402, F401
-from hf_rbf import scalar_attention  # noqa: E402
+from hf_rbf import last_backend, scalar_attention  # noqa: E402
 from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer  # noqa: E402
 from hf_rbf.kernels_sorted_decode import kernel_unavailable_reason  # noqa: E402
 
@@ -86,7 +86,7 @@ def _median_ms(fn, device, steps: int, warmup: int = 3) -> float:
 
 
 @torch.no_grad()
-def bench_layer(n: int, device, dtype, steps: int) -> list[dict]:
+def bench_layer(n: int, device, dtype, steps: int, exact_backend: str = "auto") -> list[dict]:
     h, g, dv = LAYER_SHAPE["heads"], LAYER_SHAPE["groups"], LAYER_SHAPE["value_dim"]
     gen = torch.Generator(device="cpu").manual_seed(0)
     total = n + 4 * (steps + 8)
@@ -108,11 +108,12 @@ def bench_layer(n: int, device, dtype, steps: int) -> list[dict]:
 
     def exact_step():
         i = pos[0]
-        scalar_attention(queries[..., i : i + 1], keys[..., : i + 1], values[:, :, : i + 1], tau, backend="auto")
+        scalar_attention(queries[..., i : i + 1], keys[..., : i + 1], values[:, :, : i + 1], tau, backend=exact_backend)
         pos[0] = i + 1
 
     ms = _median_ms(exact_step, device, steps)
-    rows.append(dict(bench="layer", method="exact", context=n, window="", buffer="", step_ms=ms, read_ms=ms,
+    rows.append(dict(bench="layer", method=f"exact ({last_backend('scalar_attention')})", context=n, window="",
+                     buffer="", step_ms=ms, read_ms=ms,
                      insert_ms=0.0))  # fmt: skip
     logger.info("layer, context %d: exact %.3f ms", n, ms)
 
@@ -156,7 +157,7 @@ def bench_layer(n: int, device, dtype, steps: int) -> list[dict]:
 
 
 @torch.no_grad()
-def bench_model(n: int, device, dtype, steps: int) -> list[dict]:
+def bench_model(n: int, device, dtype, steps: int, exact_backend: str = "auto") -> list[dict]:
     cfg = AutoConfig.for_model(
         "scalar_sort",
         vocab_size=4096,
@@ -164,7 +165,7 @@ def bench_model(n: int, device, dtype, steps: int) -> list[dict]:
         num_attention_heads=8,
         num_hidden_layers=4,
         intermediate_size=1376,
-        attention_backend="auto",
+        attention_backend=exact_backend,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
@@ -212,13 +213,14 @@ def markdown(rows) -> str:
             "(k, R) = insert + search + window (step), of which read = search + window alone.",
             "",
         ]
-        variants = sorted({(r["method"], r["window"], r["buffer"]) for r in layer_rows if r["method"] != "exact"},
+        variants = sorted({(r["method"], r["window"], r["buffer"]) for r in layer_rows if r["method"].startswith("sorted")},
                           key=lambda v: (v[0], v[1], -v[2] if v[2] != 1 else 0))  # fmt: skip
         names = [f"{m} k={k} R={b}" for m, k, b in variants]
-        lines.append("| context | exact | " + " | ".join(f"{v} step (read)" for v in names) + " |")
+        exact_name = next(r["method"] for r in layer_rows if r["method"].startswith("exact"))
+        lines.append(f"| context | {exact_name} | " + " | ".join(f"{v} step (read)" for v in names) + " |")
         lines.append("|" + "---|" * (2 + len(variants)))
         for n in sorted({r["context"] for r in layer_rows}):
-            exact = next(r for r in layer_rows if r["context"] == n and r["method"] == "exact")
+            exact = next(r for r in layer_rows if r["context"] == n and r["method"].startswith("exact"))
             cells = []
             for m, k, b in variants:
                 r = next(r for r in layer_rows
@@ -254,7 +256,7 @@ def plot(rows, path):
     for method, k, b in series:
         pts = sorted((r["context"], r["step_ms"]) for r in layer_rows
                      if r["method"] == method and r["window"] == k and r["buffer"] == b)  # fmt: skip
-        label = "exact" if method == "exact" else f"{method} k={k} R={b}"
+        label = method if method.startswith("exact") else f"{method} k={k} R={b}"
         axes[0].plot(*zip(*pts), marker="o", label=label)
     axes[0].set_title("one layer decode step")
     model_rows = [r for r in rows if r["bench"] == "model"]
@@ -283,6 +285,7 @@ def main(argv=None):
     parser.add_argument("--layer-contexts", type=int, nargs="*")
     parser.add_argument("--model-contexts", type=int, nargs="*")
     parser.add_argument("--steps", type=int)
+    parser.add_argument("--exact-backend", default="auto", help="backend of the exact attention (scalar_attention)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     preset = dict(PRESETS[args.device])
@@ -293,10 +296,10 @@ def main(argv=None):
     os.makedirs(args.output, exist_ok=True)
     rows = []
     for n in preset["layer_contexts"]:
-        rows += bench_layer(n, device, preset["dtype"], preset["steps"])
+        rows += bench_layer(n, device, preset["dtype"], preset["steps"], args.exact_backend)
         logger.info("layer, context %d done", n)
     for n in preset["model_contexts"]:
-        rows += bench_model(n, device, preset["dtype"], preset["steps"])
+        rows += bench_model(n, device, preset["dtype"], preset["steps"], args.exact_backend)
         logger.info("model, context %d done", n)
     with open(os.path.join(args.output, "bench_sorted_decode.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -127,14 +127,19 @@ def test_fused_kernel_matches_the_torch_decode_step():
 
 
 def test_backend_choice_is_explicit():
-    """ "triton" where the kernel cannot run raises with the reason; "auto" falls back visibly (an attribute)."""
+    """The layer records which implementation served it; "triton" where the kernel cannot run raises with the
+    reason, "auto" then falls back visibly (the attribute), and where it can run (the interpreter in this process)
+    both pick it."""
     from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer
     from hf_rbf.kernels_sorted_decode import kernel_unavailable_reason
 
-    reason = kernel_unavailable_reason(torch.device("cpu"))
-    if reason is None:
-        pytest.skip("this process runs the kernel in the interpreter: it can serve CPU tensors")
-    for backend, expect in (("triton", None), ("auto", "torch"), ("torch", "torch")):
+    runs_here = kernel_unavailable_reason(torch.device("cpu")) is None
+    cases = (
+        ("triton", "triton" if runs_here else None),
+        ("auto", "triton" if runs_here else "torch"),
+        ("torch", "torch"),
+    )
+    for backend, expect in cases:
         layer = SortedScalarCacheLayer(num_heads=2, num_value_groups=1, decode_window=2, decode_backend=backend)
         layer.append(torch.randn(1, 2, 5), torch.randn(1, 1, 5, 3))
         if expect is None:
