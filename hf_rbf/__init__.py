@@ -21,12 +21,20 @@ from .attention_hybrid import hybrid_attention
 from .attention_rbf import rbf_attention
 from .attention_scalar import scalar_attention
 from .attention_utils import BACKENDS, last_backend
+from .cache_sorted_scalar import SortedScalarCache, SortedScalarCacheLayer
 from .configuration_decoder import DecoderConfig
 from .configuration_gka import GkaConfig
 from .configuration_gka_vit import GkaVitConfig
+from .configuration_hybrid_sort import HybridSortConfig
 from .configuration_rbf import RbfConfig
+from .configuration_scalar_sort import ScalarSortConfig
 from .geometry_measure import log_weights_from_measure
-from .geometry_sphere import SphereGrid, equiangular_grid, gauss_legendre_grid, latlon_grid_from_edges
+from .geometry_sphere import (
+    SphereGrid,
+    equiangular_grid,
+    gauss_legendre_grid,
+    latlon_grid_from_edges,
+)
 from .image_processing_gka_vit import GkaVitImageProcessor
 from .modeling_decoder import (
     DecoderAttention,
@@ -37,8 +45,21 @@ from .modeling_decoder import (
 )
 from .modeling_gka import GkaAttention, GkaForCausalLM, GkaModel, GkaPreTrainedModel
 from .modeling_gka_vit import GkaVitForImageClassification, GkaVitModel
+from .modeling_hybrid_sort import (
+    HybridSortAttention,
+    HybridSortForCausalLM,
+    HybridSortModel,
+    HybridSortPreTrainedModel,
+)
 from .modeling_rbf import RbfAttention, RbfForCausalLM, RbfModel, RbfPreTrainedModel
-
+from .modeling_scalar_sort import (
+    ScalarSortAttention,
+    ScalarSortCausalLMOutput,
+    ScalarSortForCausalLM,
+    ScalarSortModel,
+    ScalarSortPreTrainedModel,
+)
+from .sorted_decode import sorted_window_attention, sorted_window_attention_reference
 
 __version__ = "0.1.0"
 
@@ -46,6 +67,8 @@ __version__ = "0.1.0"
 _FAMILIES = (
     (RbfConfig, RbfModel, RbfForCausalLM),
     (GkaConfig, GkaModel, GkaForCausalLM),
+    (ScalarSortConfig, ScalarSortModel, ScalarSortForCausalLM),
+    (HybridSortConfig, HybridSortModel, HybridSortForCausalLM),
 )
 for _config, _model, _lm in _FAMILIES:
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
@@ -55,9 +78,13 @@ for _config, _model, _lm in _FAMILIES:
 # The GKA vision transformer.
 AutoConfig.register(GkaVitConfig.model_type, GkaVitConfig, exist_ok=True)
 AutoModel.register(GkaVitConfig, GkaVitModel, exist_ok=True)
-AutoModelForImageClassification.register(GkaVitConfig, GkaVitForImageClassification, exist_ok=True)
+AutoModelForImageClassification.register(
+    GkaVitConfig, GkaVitForImageClassification, exist_ok=True
+)
 try:
-    AutoImageProcessor.register(GkaVitConfig, slow_image_processor_class=GkaVitImageProcessor, exist_ok=True)
+    AutoImageProcessor.register(
+        GkaVitConfig, slow_image_processor_class=GkaVitImageProcessor, exist_ok=True
+    )
 except ImportError as _err:  # transformers 5.17 gates AutoImageProcessor on torchvision; the class itself works
     _logging.getLogger("hf_rbf").warning(
         "GkaVitImageProcessor is not registered with AutoImageProcessor (%s); use GkaVitImageProcessor directly",
@@ -81,12 +108,25 @@ __all__ = [
     "GkaVitForImageClassification",
     "GkaVitImageProcessor",
     "GkaVitModel",
+    "HybridSortAttention",
+    "HybridSortConfig",
+    "HybridSortForCausalLM",
+    "HybridSortModel",
+    "HybridSortPreTrainedModel",
     "RbfAttention",
     "RbfConfig",
     "RbfForCausalLM",
     "RbfModel",
     "RbfPreTrainedModel",
     "SphereGrid",
+    "ScalarSortAttention",
+    "ScalarSortCausalLMOutput",
+    "ScalarSortConfig",
+    "ScalarSortForCausalLM",
+    "ScalarSortModel",
+    "ScalarSortPreTrainedModel",
+    "SortedScalarCache",
+    "SortedScalarCacheLayer",
     "dot_attention",
     "equiangular_grid",
     "gauss_legendre_grid",
@@ -97,4 +137,6 @@ __all__ = [
     "log_weights_from_measure",
     "rbf_attention",
     "scalar_attention",
+    "sorted_window_attention",
+    "sorted_window_attention_reference",
 ]

@@ -1,0 +1,148 @@
+"""Hybrid scalar + dot-product decoder (``model_type="hybrid_sort"``): the shared backbone with
+:class:`HybridSortAttention` layers (``q.k / sqrt(d) - (qs - ks)^2 / tau`` per head, with per-head kinds), optionally
+mixed with scalar sort layers and "dot" layers, the sorted KV cache and the gist's regularizers.
+
+A decode step with ``decode_window = k`` takes the ``k`` cached keys nearest to the query in scalar space, loads their
+vector keys and values and computes the full score over them (the gist's six-step procedure); "dot" heads read every
+cached key.
+
+PEFT LoRA target modules: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``qs_proj``, ``ks_proj``, ``tau_proj``
+(per-token tau), ``gate_proj``, ``up_proj``, ``down_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention_hybrid import hybrid_attention
+from .cache_sorted_scalar import SortedScalarCache
+from .configuration_hybrid_sort import HybridSortConfig
+from .modeling_decoder import DecoderForCausalLM, DecoderModel, DecoderPreTrainedModel, DotAttention, apply_rotary
+from .modeling_scalar_sort import (
+    RegularizedCausalLMMixin,
+    ScalarSortAttention,
+    SortedCacheModelMixin,
+    _Projections,
+)
+
+
+class HybridSortAttention(ScalarSortAttention):
+    """Hybrid attention: ``q_proj``, ``k_proj`` (vector, RoPE), ``qs_proj``, ``ks_proj`` (scalar), ``v_proj``
+    (``G`` groups), ``o_proj``, the temperature, the sink and the registers (vector offsets ``register_position``,
+    scalar offsets ``register_scalar_position``).
+
+    Per-head kinds (``config.head_kinds``): "hybrid" heads use both terms, "scalar" heads have a dot-product scale of
+    0, "dot" heads have their scalar query and key multiplied by 0 (so the whole layer is one ``hybrid_attention``
+    call).  The sink's vector key is zero (its score is the scalar term alone).
+    """
+
+    kind = "hybrid"
+    has_vector_term = True
+
+    def __init__(self, config: HybridSortConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d, hd = config.hidden_size, self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(d, hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, hd, bias=config.attention_bias)
+        self.use_rope = config.position_embedding_type == "rope"
+        self.head_kinds = list(config.head_kinds)
+        self._scalar_heads = [kind != "dot" for kind in self.head_kinds]
+        self._dot_heads = [kind != "scalar" for kind in self.head_kinds]
+
+    @property
+    def scalar_head_list(self) -> list[bool]:
+        return list(self._scalar_heads)
+
+    def _scale(self, device):
+        """``1 / sqrt(head_dim)`` for heads with the dot term, 0 for pure scalar heads (float when uniform)."""
+        base = self.head_dim**-0.5
+        if all(self._dot_heads):
+            return base
+        if not any(self._dot_heads):
+            return 0.0
+        return torch.tensor([base if dot else 0.0 for dot in self._dot_heads], dtype=torch.float32, device=device)
+
+    def decode_scale(self):
+        scale = self._scale(self.q_proj.weight.device)
+        return None if isinstance(scale, float) and scale == 0.0 else scale
+
+    def scalar_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qs, ks = super().scalar_qk(x)
+        if not all(self._scalar_heads):
+            mask = self._scalar_head_mask(x.device).view(1, -1, 1).to(qs.dtype)
+            qs, ks = qs * mask, ks * mask
+        return qs, ks
+
+    def project(self, x: torch.Tensor, position_embeddings) -> _Projections:
+        qs, ks = self.scalar_qk(x)
+        q, k = self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x))
+        if self.use_rope:
+            cos, sin = position_embeddings
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return _Projections(qs=qs, ks=ks, v=self._values(x), q=q, k=k)
+
+    def project_registers(self, r: torch.Tensor, detach_offsets: bool = False) -> _Projections:
+        proj = super().project_registers(r, detach_offsets)
+        position = self.register_position.to(r.dtype)
+        if detach_offsets:
+            position = position.detach()
+        proj.q = self._split_heads(self.q_proj(r)) + position
+        proj.k = self._split_heads(self.k_proj(r)) + position
+        return proj
+
+    def attention_function(self, queries: _Projections, keys: _Projections, tau, **mask_args) -> torch.Tensor:
+        """The layer's exact attention over ``keys`` (``hybrid_attention``); returns ``[B, H, Nq, Dv]``."""
+        out = hybrid_attention(
+            queries.q,
+            keys.k,
+            keys.v,
+            queries.qs,
+            keys.ks,
+            tau,
+            scale=self._scale(queries.qs.device),
+            backend=self.backend,
+            **mask_args,
+        )
+        self._note_backend("hybrid_attention")
+        return out
+
+
+class HybridSortPreTrainedModel(DecoderPreTrainedModel):
+    """Base class of the hybrid-sort family: its config class and its layer kinds ("hybrid", "scalar", "dot")."""
+
+    config_class = HybridSortConfig
+    attention_classes = {"hybrid": HybridSortAttention, "scalar": ScalarSortAttention, "dot": DotAttention}
+    # PEFT LoRA ``target_modules`` covering every projection of the family (absent names are ignored by PEFT).
+    lora_target_modules = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "qs_proj", "ks_proj", "tau_proj", "gate_proj", "up_proj", "down_proj",
+    )  # fmt: skip
+
+
+class HybridSortModel(SortedCacheModelMixin, HybridSortPreTrainedModel, DecoderModel):
+    """The hybrid-sort decoder without the LM head (``AutoModel``)."""
+
+
+class HybridSortForCausalLM(RegularizedCausalLMMixin, HybridSortPreTrainedModel, DecoderForCausalLM):
+    """The hybrid-sort decoder with its LM head (``AutoModelForCausalLM``); ``generate`` uses a
+    :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCache`."""
+
+    base_model_class = HybridSortModel
+
+    def __init__(self, config: HybridSortConfig):
+        super().__init__(config)
+        self._register_capture_hooks()
+
+    def make_cache(self, **settings) -> SortedScalarCache:
+        """An empty ``SortedScalarCache`` for this model (``settings`` override the config's cache fields)."""
+        return self.model.make_cache(**settings)
+
+
+# Remote code: save_pretrained writes these classes into config.json's auto_map and copies this file and its
+# relative imports next to the weights.
+HybridSortConfig.register_for_auto_class()
+HybridSortModel.register_for_auto_class("AutoModel")
+HybridSortForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+__all__ = ["HybridSortAttention", "HybridSortForCausalLM", "HybridSortModel", "HybridSortPreTrainedModel"]

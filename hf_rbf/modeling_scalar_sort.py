@@ -1,0 +1,707 @@
+"""Scalar sort attention decoder (``model_type="scalar_sort"``): the shared backbone with :class:`ScalarSortAttention`
+layers, the sorted KV cache (:class:`~hf_rbf.cache_sorted_scalar.SortedScalarCache`) and the gist's regularizers.
+
+Per head a scalar query and key, ``softmax_j(-(qs_i - ks_j)^2 / tau)``, grouped values, W_O; an optional scalar sink
+and register tokens are prefix keys in training and decoding alike.  ``generate`` builds a ``SortedScalarCache``;
+with ``decode_window = k`` every query after the prompt reads only its ``k`` nearest keys in scalar order.
+
+PEFT LoRA target modules: ``qs_proj``, ``ks_proj``, ``v_proj``, ``o_proj``, ``tau_proj`` (per-token tau), ``q_proj``,
+``k_proj`` ("dot" layers), ``gate_proj``, ``up_proj``, ``down_proj``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .attention_scalar import scalar_attention
+from .cache_sorted_scalar import SortedScalarCache, SortedScalarCacheLayer
+from .configuration_scalar_sort import ScalarSortConfig
+from .modeling_decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderModel,
+    DecoderPreTrainedModel,
+    DotAttention,
+)
+from .scalar_regularizers import align_moment_values, align_rows, masked_sum, spread_loss, tau_loss
+
+
+@dataclass
+class ScalarSortCausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus the parts of the loss (reported so ``Trainer`` can log them).
+
+    Args:
+        loss: ``lm_loss`` plus the weighted regularizers (when ``labels`` are given).
+        lm_loss: the language-modelling loss alone.
+        align_loss, spread_loss, tau_loss: the unweighted ``L_align``, ``L_spread``, ``L_tau`` of this batch (means
+            over the scalar layers; see :mod:`hf_rbf.scalar_regularizers`), detached; ``None`` when their weight is 0.
+    """
+
+    lm_loss: torch.FloatTensor | None = None
+    align_loss: torch.FloatTensor | None = None
+    spread_loss: torch.FloatTensor | None = None
+    tau_loss: torch.FloatTensor | None = None
+
+
+def _inverse_softplus(y: float) -> float:
+    """``x`` with ``softplus(x) = y`` (``y > 0``), stable for small and large ``y``."""
+    return y + math.log(-math.expm1(-y))
+
+
+def tau_init_values(config: ScalarSortConfig, heads: int) -> list[float]:
+    """Initial temperatures: per head log-spaced over ``tau_init_range``; one value (the geometric mean) when global."""
+    lo, hi = config.tau_init_range
+    if config.tau_mode == "global" or heads == 1:
+        return [math.sqrt(lo * hi)]
+    return [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * h / (heads - 1)) for h in range(heads)]
+
+
+@dataclass
+class _Projections:
+    """One set of per-token projections: scalar queries / keys ``[B, H, N]``, values ``[B, G, N, Dv]`` and, for the
+    hybrid, vector queries / keys ``[B, H, N, D]``."""
+
+    qs: torch.Tensor
+    ks: torch.Tensor
+    v: torch.Tensor
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+
+
+class ScalarSortAttention(DecoderAttention):
+    """Scalar sort attention: ``qs_proj``, ``ks_proj`` (``hidden_size -> H``), ``v_proj`` (``-> G * Dv``), ``o_proj``
+    (``H * Dv -> hidden_size``), the temperature (``tau_bias`` ``[1]`` / ``[H]`` or ``tau_proj``), the sink value
+    ``sink_value [G, Dv]`` and the registers' scalar offsets ``register_scalar_position [R, H]``.
+
+    Temperature: ``tau = tau_min + softplus(raw)`` (then ``min(tau, tau_max)`` if capped), ``raw`` the parameter
+    ``tau_bias`` (global / per head) or ``tau_proj(x)`` (per token, whose bias plays the same role); computed in
+    float32.  It is named a bias so that ``Trainer`` does not weight-decay it: decay would pull every ``tau`` towards
+    ``tau_min + softplus(0)`` (about 0.69), a drift that has nothing to do with the data.
+
+    Keys of a text query: ``[sink; registers; cached and new text]`` (the first ``P`` are the prefix, always
+    visible).  Register rows attend to ``[sink; registers]`` causally.  With a
+    :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCacheLayer` the first forward (the prompt) and
+    ``decode_window=None`` are exact; later queries with a window read through
+    :func:`~hf_rbf.sorted_window_attention`.  ``last_backend`` is "sorted_window" after a windowed step.
+    """
+
+    kind = "scalar"
+    has_vector_term = False
+
+    def __init__(self, config: ScalarSortConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d, h = config.hidden_size, self.num_heads
+        self.num_value_groups = config.num_value_groups
+        self.value_head_dim = config.value_head_dim
+        bias = config.attention_bias
+        self.qs_proj = nn.Linear(d, h, bias=bias)
+        self.ks_proj = nn.Linear(d, h, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_value_groups * self.value_head_dim, bias=bias)
+        self.o_proj = nn.Linear(h * self.value_head_dim, d, bias=bias)
+        self.tau_mode = config.tau_mode
+        self.tau_min = config.tau_min
+        self.tau_max = config.tau_max
+        self.tau_init = tau_init_values(config, h)
+        if self.tau_mode == "per_token":
+            self.tau_proj = nn.Linear(d, h, bias=True)
+            self.tau_bias = None
+        else:
+            self.tau_proj = None
+            self.tau_bias = nn.Parameter(torch.tensor([_inverse_softplus(t - self.tau_min) for t in self.tau_init]))
+        self.sink_key = config.sink_key
+        self.sink_value = (
+            nn.Parameter(torch.zeros(self.num_value_groups, self.value_head_dim)) if config.scalar_sink else None
+        )
+        self.num_sink = 1 if config.scalar_sink else 0
+        if self.num_registers > 0:
+            self.register_scalar_position = nn.Parameter(torch.zeros(self.num_registers, h))
+            if not self.has_vector_term:
+                self.register_position = None  # scalar layers have no vector q / k to offset
+        else:
+            self.register_scalar_position = None
+        self.cache_settings = config.sorted_cache_settings()
+
+    # -- parameters ----------------------------------------------------------------------------------------------
+    def _init_own_parameters(self) -> None:
+        super()._init_own_parameters()
+        raw = [_inverse_softplus(t - self.tau_min) for t in self.tau_init]
+        if self.tau_bias is not None:
+            init.copy_(self.tau_bias, torch.tensor(raw, dtype=self.tau_bias.dtype))
+        else:
+            init.copy_(self.tau_proj.bias, torch.tensor(raw, dtype=self.tau_proj.bias.dtype))
+        if self.sink_value is not None:
+            init.zeros_(self.sink_value)
+        if self.register_scalar_position is not None:
+            init.zeros_(self.register_scalar_position)
+
+    @property
+    def scalar_head_list(self) -> list[bool]:
+        """Which heads have the scalar term (all of a scalar layer)."""
+        return [True] * self.num_heads
+
+    def _scalar_head_mask(self, device) -> torch.Tensor:
+        return torch.tensor(self.scalar_head_list, dtype=torch.bool, device=device)
+
+    def temperature(self, x: torch.Tensor) -> torch.Tensor:
+        """``tau``: ``[H]`` (global / per head) or ``[B, H, N]`` (per token, from ``x [B, N, D]``), float32 (float64
+        for float64 parameters), ``>= tau_min`` and ``<= tau_max`` when capped."""
+        if self.tau_proj is not None:
+            raw = self.tau_proj(x).transpose(1, 2)
+        else:
+            raw = self.tau_bias.expand(self.num_heads)
+        raw = raw.to(torch.promote_types(raw.dtype, torch.float32))
+        tau = self.tau_min + F.softplus(raw)
+        if self.tau_max is not None:
+            tau = tau.clamp(max=self.tau_max)
+        return tau
+
+    # -- projections ---------------------------------------------------------------------------------------------
+    def scalar_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scalar queries and keys ``[B, H, N]`` of ``x [B, N, D]``."""
+        return self.qs_proj(x).transpose(1, 2), self.ks_proj(x).transpose(1, 2)
+
+    def _values(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        return self.v_proj(x).view(b, n, self.num_value_groups, self.value_head_dim).transpose(1, 2)
+
+    def project(self, x: torch.Tensor, position_embeddings) -> _Projections:
+        """Text projections (no positions in scalar layers)."""
+        qs, ks = self.scalar_qk(x)
+        return _Projections(qs=qs, ks=ks, v=self._values(x))
+
+    def project_registers(self, r: torch.Tensor, detach_offsets: bool = False) -> _Projections:
+        """Register projections ``[1, ...]`` with their learned scalar offsets (``register_scalar_position``)."""
+        qs, ks = self.scalar_qk(r)
+        offset = self.register_scalar_position.to(qs.dtype).t().unsqueeze(0) * self._scalar_head_mask(qs.device).view(
+            1, -1, 1
+        )
+        if detach_offsets:
+            offset = offset.detach()
+        return _Projections(qs=qs + offset, ks=ks + offset, v=self._values(r))
+
+    def sink_entries(self, dtype, device) -> _Projections | None:
+        """The sink as a key set of length 1: scalar key ``sink_key``, value ``sink_value`` (zero vector key)."""
+        if self.sink_value is None:
+            return None
+        h = self.num_heads
+        ks = torch.full((1, h, 1), self.sink_key, dtype=dtype, device=device) * self._scalar_head_mask(device).view(
+            1, h, 1
+        )
+        v = self.sink_value.to(dtype).view(1, self.num_value_groups, 1, self.value_head_dim)
+        k = torch.zeros(1, h, 1, self.head_dim, dtype=dtype, device=device) if self.has_vector_term else None
+        return _Projections(qs=ks, ks=ks, v=v, q=k, k=k)
+
+    # -- attention -----------------------------------------------------------------------------------------------
+    def attention_function(self, queries: _Projections, keys: _Projections, tau, **mask_args) -> torch.Tensor:
+        """The layer's exact attention over ``keys`` (``scalar_attention``); returns ``[B, H, Nq, Dv]``."""
+        out = scalar_attention(queries.qs, keys.ks, keys.v, tau, backend=self.backend, **mask_args)
+        self._note_backend("scalar_attention")
+        return out
+
+    def decode_scale(self):
+        """The dot-product scale passed to the windowed decode step (None: no dot term)."""
+        return None
+
+    @staticmethod
+    def _cat_keys(parts: list[_Projections | None], batch: int) -> _Projections:
+        parts = [p for p in parts if p is not None]
+
+        def cat(name, dim):
+            ts = [getattr(p, name) for p in parts]
+            if ts[0] is None:
+                return None
+            return torch.cat([t.expand(batch, *t.shape[1:]) for t in ts], dim=dim)
+
+        return _Projections(qs=None, ks=cat("ks", 2), v=cat("v", 2), k=cat("k", 2))
+
+    def _prefix(self, register_keys: _Projections | None, dtype, device) -> tuple[_Projections | None, int]:
+        parts = [self.sink_entries(dtype, device), register_keys]
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None, 0
+        prefix = self._cat_keys(parts, 1)
+        return prefix, prefix.ks.shape[-1]
+
+    def _mask_args(self, num_text_keys: int, num_prefix: int, attention_mask, key_log_weights):
+        """Slice the text-key mask / log-weights to the keys attended and prepend the prefix (visible, weight 0)."""
+        am = attention_mask[:, -num_text_keys:] if attention_mask is not None else None
+        klw = key_log_weights[..., -num_text_keys:] if key_log_weights is not None else None
+        if num_prefix > 0:
+            if am is not None:
+                am = torch.cat([am.new_ones(am.shape[0], num_prefix), am], dim=1)
+            if klw is not None:
+                klw = torch.cat([klw.new_zeros(*klw.shape[:-1], num_prefix), klw], dim=-1)
+        return am, klw
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        register_states: torch.Tensor | None,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        key_log_weights: torch.Tensor | None = None,
+    ):
+        b, n, _ = hidden_states.shape
+        proj = self.project(hidden_states, position_embeddings)
+        tau = self.temperature(hidden_states)
+        dtype, device = proj.ks.dtype, proj.ks.device
+
+        register_out, register_keys = None, None
+        if self.num_registers > 0:
+            register_keys = self.project_registers(register_states)
+            sink = self.sink_entries(dtype, device)
+            reg_kv = self._cat_keys([sink, register_keys], 1)
+            register_out = self.attention_function(
+                register_keys, reg_kv, self.temperature(register_states), causal=True, num_prefix_keys=self.num_sink
+            )
+            register_out = self.o_proj(self._merge_heads(register_out))
+        prefix, num_prefix = self._prefix(register_keys, dtype, device)
+
+        layer = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+        if isinstance(layer, SortedScalarCacheLayer):
+            out = self._attend_sorted(layer, proj, tau, prefix, num_prefix, attention_mask, key_log_weights)
+        else:
+            keys = proj
+            if layer is not None:
+                # sliding layers: transformers' sliding cache with the scalar key packed before the vector key
+                packed = proj.ks.unsqueeze(-1) if proj.k is None else torch.cat([proj.ks.unsqueeze(-1), proj.k], -1)
+                packed, values = past_key_values.update(packed, proj.v, self.layer_idx)
+                keys = _Projections(
+                    qs=None, ks=packed[..., 0], v=values, k=packed[..., 1:] if proj.k is not None else None
+                )
+            am, klw = self._mask_args(keys.ks.shape[-1], num_prefix, attention_mask, key_log_weights)
+            out = self.attention_function(
+                proj,
+                self._cat_keys([prefix, keys], b),
+                tau,
+                causal=True,
+                window=self.window,
+                attention_mask=am,
+                key_log_weights=klw,
+                num_prefix_keys=num_prefix,
+            )
+        return self.o_proj(self._merge_heads(out)), register_out
+
+    def _attend_sorted(self, layer, proj, tau, prefix, num_prefix, attention_mask, key_log_weights):
+        b, h, n = proj.qs.shape
+        first = layer.get_seq_length() == 0
+        valid = attention_mask[:, -n:].to(torch.bool) if attention_mask is not None else None
+        log_weight = None
+        if key_log_weights is not None:
+            log_weight = key_log_weights[..., -n:]
+            if log_weight.dim() == 2:
+                log_weight = log_weight.unsqueeze(1)
+            log_weight = log_weight.expand(b, h, n).to(proj.ks.dtype)
+        layer.append(proj.ks, proj.v, proj.k, valid=valid, log_weight=log_weight)
+        if first or layer.decode_window is None or layer.decode_window >= layer.num_slots:
+            # the prompt, exact mode, or a window covering every cached key: the exact function (same numerics as a
+            # forward without cache)
+            out = self._exact_over_cache(layer, proj, tau, prefix, num_prefix)
+        else:
+            out = layer.attend(
+                proj.qs,
+                tau,
+                num_new=n,
+                q=proj.q,
+                scale=self.decode_scale(),
+                prefix_ks=None if prefix is None else prefix.ks,
+                prefix_v=None if prefix is None else prefix.v,
+                prefix_k=None if prefix is None else prefix.k,
+            )
+            dot_only = [not s for s in self.scalar_head_list]
+            if any(dot_only):
+                # heads without a scalar term cannot be windowed: they read every cached key
+                exact = self._exact_over_cache(layer, proj, tau, prefix, num_prefix)
+                mask = torch.tensor(dot_only, device=out.device).view(1, h, 1, 1)
+                out = torch.where(mask, exact, out)
+            self.last_backend = "sorted_window"
+        layer.end_step(proj.qs, valid)
+        return out
+
+    def _exact_over_cache(self, layer, proj, tau, prefix, num_prefix):
+        b = proj.qs.shape[0]
+        ks, v, k, valid, log_weight = layer.slot_view()
+        cached = _Projections(qs=None, ks=ks, v=v, k=k)
+        am = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1) if num_prefix else valid
+        klw = None
+        if log_weight is not None:
+            klw = torch.cat([log_weight.new_zeros(*log_weight.shape[:-1], num_prefix), log_weight], dim=-1)
+        return self.attention_function(
+            proj,
+            self._cat_keys([prefix, cached], b),
+            tau,
+            causal=True,
+            attention_mask=am,
+            key_log_weights=klw,
+            num_prefix_keys=num_prefix,
+        )
+
+    # -- cache plug points ---------------------------------------------------------------------------------------
+    def make_cache_layer(self, settings: dict | None = None):
+        """A sorted cache layer (full layers) or transformers' sliding layer (sliding layers, keys packed)."""
+        settings = dict(self.cache_settings if settings is None else settings)
+        limit = settings["max_cache_tokens"]
+        if self.window is not None:
+            return DynamicSlidingWindowLayer(
+                sliding_window=self.window if limit is None else min(self.window, limit + 1)
+            )
+        if not any(self.scalar_head_list):
+            settings["decode_window"] = None  # nothing to window with
+        return SortedScalarCacheLayer(
+            num_heads=self.num_heads,
+            num_value_groups=self.num_value_groups,
+            scalar_heads=self.scalar_head_list,
+            **settings,
+        )
+
+    def accepts_cache_layer(self, layer) -> bool:
+        if self.window is not None:
+            return isinstance(layer, DynamicSlidingWindowLayer)
+        return isinstance(layer, SortedScalarCacheLayer)
+
+    @torch.no_grad()
+    def attention_weights(
+        self,
+        x: torch.Tensor,
+        register_x: torch.Tensor | None,
+        position_embeddings,
+        query_rows: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The exact attention weights of some text queries (for analysis: the attention functions never return
+        them).  Full (non-sliding) layers, no cache.
+
+        Args:
+            x: the layer's normalised input ``[B, N, D]``; register_x: the registers' ``[1, R, D]`` or None.
+            position_embeddings: the ``(cos, sin)`` the backbone passes to the layer.
+            query_rows: ``[Q]`` int64 positions of the queries (each sees keys ``0 .. row``).
+            attention_mask: ``[B, N]`` padding mask or None.
+
+        Returns:
+            ``(weights [B, H, Q, P + N] float32, qs [B, H, Q], ks [B, H, N], P)``: weights over the prefix (sink,
+            registers) then the text keys, the queries' scalar queries and every text key's scalar key.
+        """
+        if self.window is not None:
+            raise ValueError("attention_weights: sliding-window layers are not supported (full layers only)")
+        f32 = torch.float32
+        b, n, _ = x.shape
+        proj = self.project(x, position_embeddings)
+        tau = self.temperature(x).to(f32)
+        register_keys = self.project_registers(register_x) if register_x is not None else None
+        prefix, p = self._prefix(register_keys, x.dtype, x.device)
+        keys = self._cat_keys([prefix, proj], b)
+        qs = proj.qs[:, :, query_rows].to(f32)
+        ks = keys.ks.to(f32)
+        if tau.dim() == 1:
+            tau_q = tau.view(1, -1, 1, 1)
+        else:
+            tau_q = tau[:, :, query_rows].unsqueeze(-1)
+        scores = -((qs.unsqueeze(-1) - ks.unsqueeze(-2)) ** 2) / tau_q
+        if self.has_vector_term:
+            scale = self._scale(x.device)
+            scale = scale.view(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
+            q = proj.q[:, :, query_rows].to(f32)
+            scores = scores + scale * (q @ keys.k.to(f32).transpose(-1, -2))
+        key_pos = torch.arange(p + n, device=x.device) - p
+        allowed = (key_pos.view(1, -1) <= query_rows.view(-1, 1)).view(1, 1, len(query_rows), p + n)
+        if attention_mask is not None:
+            am = torch.cat([attention_mask.new_ones(b, p), attention_mask], 1).to(torch.bool)
+            allowed = allowed & am.view(b, 1, 1, p + n)
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return weights, qs, proj.ks.to(f32), p
+
+    # -- regularizers --------------------------------------------------------------------------------------------
+    def regularizer_terms(
+        self,
+        x: torch.Tensor,
+        register_x: torch.Tensor | None,
+        *,
+        attention_mask: torch.Tensor | None,
+        position_embeddings,
+        align: bool,
+        spread: bool,
+        tau: bool,
+        spread_range,
+        spread_adaptive_width: float,
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``(sum, count)`` of the requested regularizers for this layer (see :mod:`hf_rbf.scalar_regularizers`).
+
+        ``x [B, N, D]`` is the layer's normalised input (with its graph), ``register_x [1, R, D]`` the registers',
+        ``attention_mask [B, N]`` the padding mask (no cache: training forwards)."""
+        terms = {}
+        valid = attention_mask.to(torch.bool) if attention_mask is not None else None
+        heads = self._scalar_head_mask(x.device)
+        if align:
+            terms["align"] = self._align_terms(x, register_x, valid, position_embeddings, heads)
+        if spread:
+            ks = self.scalar_qk(x)[1]
+            terms["spread"] = spread_loss(
+                ks, valid, value_range=spread_range, adaptive_width=spread_adaptive_width, head_mask=heads
+            )
+        if tau:
+            terms["tau"] = tau_loss(self.temperature(x), valid, head_mask=heads)
+        return terms
+
+    def _align_terms(self, x, register_x, valid, position_embeddings, heads):
+        f32 = torch.float32
+        b = x.shape[0]
+        xd = x.detach()
+        # qs / ks with gradient reaching the scalar projections only; everything else detached
+        live = self.project(xd, position_embeddings)
+        tau = self.temperature(xd).detach().to(f32)
+        register_keys = None
+        if register_x is not None:
+            register_keys = self.project_registers(register_x.detach(), detach_offsets=True)
+        prefix, num_prefix = self._prefix(register_keys, x.dtype, x.device)
+        keys = self._cat_keys([prefix, live], b)
+        moments = align_moment_values(keys.ks.to(f32))
+        detached_keys = _Projections(
+            qs=None, ks=keys.ks.detach().to(f32), v=moments, k=None if keys.k is None else keys.k.detach().to(f32)
+        )
+        queries = _Projections(
+            qs=live.qs.detach().to(f32), ks=None, v=None, q=None if live.q is None else live.q.detach().to(f32)
+        )
+        am, _ = self._mask_args(keys.ks.shape[-1] - num_prefix, num_prefix, valid, None)
+        e = self.attention_function(
+            queries, detached_keys, tau, causal=True, window=self.window, attention_mask=am, num_prefix_keys=num_prefix
+        )
+        return masked_sum(align_rows(live.qs.to(f32), e), valid, heads)
+
+
+class ScalarSortPreTrainedModel(DecoderPreTrainedModel):
+    """Base class of the scalar-sort family: its config class and its layer kinds ("scalar", "dot")."""
+
+    config_class = ScalarSortConfig
+    attention_classes = {"scalar": ScalarSortAttention, "dot": DotAttention}
+    # PEFT LoRA ``target_modules`` covering every projection of the family (absent names are ignored by PEFT).
+    lora_target_modules = (
+        "qs_proj", "ks_proj", "v_proj", "o_proj", "tau_proj", "q_proj", "k_proj", "gate_proj", "up_proj", "down_proj",
+    )  # fmt: skip
+
+
+def cache_layer_for(attn: DecoderAttention, settings: dict):
+    """The cache layer an attention module of a scalar-sort / hybrid-sort model needs under ``settings``: the
+    family's own layers decide for themselves; "dot" layers get transformers' layers, bounded by
+    ``max_cache_tokens`` (keeping the most recent tokens) when it is set."""
+    if isinstance(attn, ScalarSortAttention):
+        return attn.make_cache_layer(settings)
+    limit, window = settings["max_cache_tokens"], attn.window
+    if limit is None:
+        return attn.make_cache_layer()
+    return DynamicSlidingWindowLayer(sliding_window=limit + 1 if window is None else min(window, limit + 1))
+
+
+class SortedCacheModelMixin:
+    """``make_cache`` / ``_prepare_cache_layers`` of the scalar-sort and hybrid-sort base models: they build a
+    :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCache` and complete a user's cache layer by layer."""
+
+    def make_cache(self, **settings) -> SortedScalarCache:
+        """An empty ``SortedScalarCache`` with every layer built; ``settings`` override the config's cache fields."""
+        cache = SortedScalarCache(**settings)
+        self._prepare_cache_layers(cache)
+        return cache
+
+    def _prepare_cache_layers(self, cache) -> None:
+        if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
+            raise TypeError(
+                "`past_key_values` must be a transformers Cache (a SortedScalarCache, e.g. from a previous forward or "
+                f"`SortedScalarCache(...)`, or a DynamicCache); got {type(cache).__name__}"
+            )
+        settings = None
+        for idx, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if idx < len(cache.layers):
+                existing = cache.layers[idx]
+                if attn.accepts_cache_layer(existing):
+                    continue
+                if not (type(existing) is DynamicLayer and not existing.is_initialized):
+                    raise TypeError(
+                        f"`past_key_values` layer {idx} is a {type(existing).__name__}, which cannot serve a "
+                        f"{attn.kind!r} attention layer; pass a SortedScalarCache (or a DynamicCache, completed with "
+                        "sorted layers on the first forward)"
+                    )
+            if settings is None:
+                if isinstance(cache, SortedScalarCache):
+                    settings = cache.resolved_settings(self.config)
+                else:
+                    settings = self.config.sorted_cache_settings()
+            new_layer = cache_layer_for(attn, settings)
+            if idx < len(cache.layers):
+                cache.layers[idx] = new_layer
+            else:
+                cache.layers.append(new_layer)
+
+
+class ScalarSortModel(SortedCacheModelMixin, ScalarSortPreTrainedModel, DecoderModel):
+    """The scalar-sort decoder without the LM head (``AutoModel``)."""
+
+
+def _capture_layer_inputs(module, args, kwargs):
+    """Forward pre-hook of every decoder layer: while the LM collects regularizer inputs, keep the layer's inputs
+    (text and register states with their graphs, position embeddings, mask).  Outside any gradient checkpoint in
+    transformers 5.23; inside it in 5.17, where the inputs are still the outer tensors."""
+    store = getattr(module, "_hf_rbf_capture", None)
+    if store is not None and not store:
+        store.append((args, kwargs))
+
+
+class RegularizedCausalLMMixin:
+    """The causal-LM forward of the scalar-sort and hybrid-sort families: the language-modelling loss plus the
+    gist's regularizers, each reported in :class:`ScalarSortCausalLMOutput`.
+
+    With ``num_items_in_batch`` (``Trainer``'s gradient-accumulation normaliser), each regularizer is scaled by
+    ``(label tokens in this batch) / num_items_in_batch``, like the summed cross-entropy, so accumulating micro-batches
+    gives the token-weighted mean and the same gradients as one large batch.
+    """
+
+    def _register_capture_hooks(self) -> None:
+        for layer in self.model.layers:
+            layer.register_forward_pre_hook(_capture_layer_inputs, with_kwargs=True)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        key_log_weights: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> ScalarSortCausalLMOutput:
+        r"""
+        Args: those of :meth:`hf_rbf.DecoderForCausalLM.forward`.  With ``labels`` and a non-zero regularizer weight
+        (and no filled cache), ``loss = lm_loss + align_loss_weight * L_align + spread_loss_weight * L_spread +
+        tau_loss_weight * L_tau`` and the terms are returned in ``align_loss``, ``spread_loss``, ``tau_loss``.
+        """
+        cfg = self.config
+        collect = (
+            labels is not None
+            and cfg.regularizers_enabled
+            and (past_key_values is None or past_key_values.get_seq_length() == 0)
+        )
+        layers = self.model.layers
+        if collect:
+            for layer in layers:
+                layer._hf_rbf_capture = []
+        try:
+            out = super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                key_log_weights=key_log_weights,
+                output_hidden_states=output_hidden_states,
+                output_attentions=output_attentions,
+                return_dict=True,
+                **kwargs,
+            )
+            captured = [layer._hf_rbf_capture[0] if collect else None for layer in layers]
+        finally:
+            for layer in layers:
+                layer._hf_rbf_capture = None
+
+        result = ScalarSortCausalLMOutput(
+            loss=out.loss,
+            lm_loss=out.loss,
+            logits=out.logits,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+        )
+        if collect:
+            means = self._regularizer_means(captured)
+            weights = {"align": cfg.align_loss_weight, "spread": cfg.spread_loss_weight, "tau": cfg.tau_loss_weight}
+            scale = 1.0
+            num_items = kwargs.get("num_items_in_batch")
+            if num_items is not None:
+                tokens = (labels[..., 1:] != -100).sum()
+                scale = tokens.to(out.loss.dtype) / torch.as_tensor(num_items, device=out.loss.device).to(
+                    out.loss.dtype
+                )
+            total = out.loss
+            for name, value in means.items():
+                total = total + weights[name] * scale * value.to(out.loss.dtype)
+                setattr(result, f"{name}_loss", value.detach())
+            result.loss = total
+        if return_dict is False:
+            return result.to_tuple()
+        return result
+
+    def _regularizer_means(self, captured) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        want = dict(align=cfg.align_loss_weight > 0, spread=cfg.spread_loss_weight > 0, tau=cfg.tau_loss_weight > 0)
+        per_layer: dict[str, list[torch.Tensor]] = {name: [] for name, on in want.items() if on}
+        for layer, inputs in zip(self.model.layers, captured):
+            attn = layer.self_attn
+            if not isinstance(attn, ScalarSortAttention) or not any(attn.scalar_head_list) or inputs is None:
+                continue
+            args, kwargs = inputs
+            hidden = args[0] if args else kwargs["hidden_states"]
+            registers = args[1] if len(args) > 1 else kwargs.get("register_states")
+            x = layer.input_layernorm(hidden)
+            rx = layer.input_layernorm.scale_only(registers) if registers is not None else None
+            terms = attn.regularizer_terms(
+                x,
+                rx,
+                attention_mask=kwargs.get("attention_mask"),
+                position_embeddings=kwargs["position_embeddings"],
+                spread_range=cfg.spread_range,
+                spread_adaptive_width=cfg.spread_adaptive_width,
+                **want,
+            )
+            for name, (total, count) in terms.items():
+                per_layer[name].append(total / count.clamp_min(1))
+        return {name: torch.stack(values).mean() for name, values in per_layer.items() if values}
+
+
+class ScalarSortForCausalLM(RegularizedCausalLMMixin, ScalarSortPreTrainedModel, DecoderForCausalLM):
+    """The scalar-sort decoder with its LM head (``AutoModelForCausalLM``); ``generate`` uses a
+    :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCache`."""
+
+    base_model_class = ScalarSortModel
+
+    def __init__(self, config: ScalarSortConfig):
+        super().__init__(config)
+        self._register_capture_hooks()
+
+    def make_cache(self, **settings) -> SortedScalarCache:
+        """An empty ``SortedScalarCache`` for this model (``settings`` override the config's cache fields)."""
+        return self.model.make_cache(**settings)
+
+
+# Remote code: save_pretrained writes these classes into config.json's auto_map and copies this file and its
+# relative imports next to the weights.
+ScalarSortConfig.register_for_auto_class()
+ScalarSortModel.register_for_auto_class("AutoModel")
+ScalarSortForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+__all__ = [
+    "RegularizedCausalLMMixin",
+    "ScalarSortAttention",
+    "ScalarSortCausalLMOutput",
+    "ScalarSortForCausalLM",
+    "ScalarSortModel",
+    "ScalarSortPreTrainedModel",
+    "SortedCacheModelMixin",
+    "cache_layer_for",
+]
