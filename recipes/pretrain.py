@@ -97,18 +97,24 @@ def make_training_args(cfg: dict):
     kwargs.setdefault("report_to", "none")
     kwargs.setdefault("remove_unused_columns", False)
     kwargs.setdefault("dataloader_pin_memory", torch.cuda.is_available())
+    # without a GPU say so: only then does Trainer set up gloo for several CPU processes (torchrun / accelerate)
+    kwargs.setdefault("use_cpu", not torch.cuda.is_available())
     gbs = cfg["global_batch_size"]
     if gbs is not None:
         accumulation = int(kwargs.get("gradient_accumulation_steps", 1))
-        processes = world_size()
-        if gbs % (processes * accumulation) != 0:
-            raise ValueError(
-                f"global_batch_size={gbs} is not divisible by processes ({processes}) x gradient_accumulation_steps "
-                f"({accumulation})"
-            )
-        kwargs["per_device_train_batch_size"] = gbs // (processes * accumulation)
+        kwargs["per_device_train_batch_size"] = per_device_batch_size(gbs, world_size(), accumulation)
         kwargs.setdefault("per_device_eval_batch_size", kwargs["per_device_train_batch_size"])
     return TrainingArguments(**kwargs)
+
+
+def per_device_batch_size(global_batch_size: int, processes: int, accumulation: int) -> int:
+    """Blocks per process and micro-step so that ``processes x accumulation x blocks = global_batch_size``."""
+    if global_batch_size % (processes * accumulation) != 0:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by processes ({processes}) x "
+            f"gradient_accumulation_steps ({accumulation})"
+        )
+    return global_batch_size // (processes * accumulation)
 
 
 def get_tokenizer(cfg: dict, train_docs, resume: bool, log):
@@ -233,8 +239,8 @@ def post_training(cfg, trainer, tokenizer, data, final_dir, log) -> dict:
             f"{bpb['stride']})"
         )
 
-    gen_cfg = ev.get("generation") or {}
-    if gen_cfg:
+    gen_cfg = dict(ev.get("generation") or {})
+    if gen_cfg.pop("enabled", True):
         story = generate_story(model, tokenizer, gen_cfg, device)
         out["story"] = story
         log("[generate] " + gen_cfg.get("prompt", "") + " ->\n" + story + "\n")
@@ -415,6 +421,7 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
         summary.update(post_training(cfg, trainer, tokenizer, data, final_dir, log))
         summary["total_seconds"] = time.time() - t_start
         summary["bits_per_byte"] = summary.get("bpb", {}).get("bits_per_byte")
+        summary["generation_prompt"] = (cfg["evaluation"].get("generation") or {}).get("prompt")
         _write_json(os.path.join(out_dir, "summary.json"), summary)
         print_summary(summary, log)
     trainer.accelerator.wait_for_everyone()

@@ -94,6 +94,7 @@ DEFAULTS: dict = {
     "evaluation": {
         "bpb": {"enabled": True, "max_documents": None, "max_chars": None, "stride": None, "batch_size": 16},
         "generation": {
+            "enabled": True,
             "prompt": "Once upon a time",
             "max_new_tokens": 120,
             "do_sample": True,
@@ -251,14 +252,14 @@ def resolve_path(path: str, data_root: str | None = None) -> str:
             )
         path = path.replace("{data_root}", root)
     path = os.path.expanduser(path)
-    if os.path.isabs(path) or os.path.exists(path):
+    if os.path.exists(path):
         return os.path.abspath(path)
     in_repo = os.path.join(REPO_ROOT, path)
-    if os.path.exists(in_repo):
+    if not os.path.isabs(path) and os.path.exists(in_repo):
         return in_repo
     raise FileNotFoundError(
-        f"data file {path!r} not found (looked in {os.getcwd()} and {REPO_ROOT}); pass another path with "
-        "--set data.root=<dir> or edit the recipe's data sources"
+        f"data file {path!r} not found (relative paths are looked up in {os.getcwd()} and {REPO_ROOT}); pass "
+        "another folder with --set data.root=<dir> (or $HF_RBF_DATA_ROOT) or edit the recipe's data sources"
     )
 
 

@@ -355,8 +355,7 @@ def plot_sigma_heatmap(sigmas: np.ndarray, kinds: list[str], path: str, *, title
     data = sigmas.T  # [heads, layers]
     fig, ax = plt.subplots(figsize=(1.1 * data.shape[1] + 2.2, 0.5 * data.shape[0] + 1.6))
     masked = np.ma.masked_invalid(data)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#dddddd")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#dddddd")
     im = ax.imshow(masked, cmap=cmap, aspect="auto")
     for (h, layer), value in np.ndenumerate(data):
         ax.text(layer, h, "" if np.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=7,
