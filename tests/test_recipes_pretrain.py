@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,14 +43,28 @@ def _png_is_not_blank(path: str) -> bool:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    """One complete cpu_test run (8 steps), shared by the tests below."""
+    """One complete cpu_test run (8 steps) through the command line as the README runs it, from another directory
+    (the recipe's relative data paths then resolve from the repository); shared by the tests below."""
     out = tmp_path_factory.mktemp("pretrain") / "full"
-    summary = _run(out)
-    return out, summary
+    # same thread count as this process, so the in-process resumed run below computes with the same reductions
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "recipes", "pretrain.py"), "--config", CPU_TEST, "--output-dir", str(out),
+         "--set", "training.disable_tqdm=false"],
+        env=env, cwd=str(out.parent), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    return out, summary, proc
 
 
 def test_pretrain_end_to_end(full_run):
-    out, s = full_run
+    out, s, proc = full_run
+    # the console: Trainer's progress bar, the story, the summary
+    assert "8/8" in proc.stderr
+    assert "[generate] Once upon a time" in proc.stdout and "run            cpu_test" in proc.stdout
+    assert "bits per byte  " in proc.stdout and "remote code    ok" in proc.stdout
     # training, evaluation, bits per byte, story
     assert s["steps"] == 8 and s["train_tokens"] == 8 * 8 * 32
     assert s["num_parameters"] == 30336
@@ -90,7 +105,7 @@ def test_saved_tokenizer_is_a_byte_level_bpe(full_run):
 
 
 def test_resume_after_interruption_gives_the_same_curve(full_run, tmp_path):
-    out, _ = full_run
+    out = full_run[0]
     resumed = tmp_path / "resumed"
     first = _run(resumed, NO_EXTRAS, stop_at_step=3)
     assert first["stopped_at_step"] == 3
@@ -110,7 +125,7 @@ def test_ddp_two_processes_match_one_process(full_run, tmp_path, hf_home):
     """``accelerate launch --multi_gpu --num_processes 2`` on the CPU (gloo): each process gets 4 of the 8 blocks of
     every step; the logged losses equal the single-process run's (same global batch) up to reduction order."""
     out = tmp_path / "ddp"
-    env = dict(os.environ, PYTHONPATH=REPO, HF_HOME=hf_home, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
         "1", "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "recipes", "pretrain.py"),
@@ -142,19 +157,3 @@ def test_global_batch_size_sets_the_per_device_batch(tmp_path):
 def test_expected_parameter_count_is_enforced(tmp_path):
     with pytest.raises(ValueError, match="expected_num_parameters=123"):
         _run(tmp_path / "x", ["model.expected_num_parameters=123", *NO_EXTRAS])
-
-
-def test_cli_prints_progress_and_summary(tmp_path, hf_home):
-    """The command line as the README runs it (2 steps): progress bar on, summary printed, exit status 0."""
-    out = tmp_path / "cli"
-    env = dict(os.environ, PYTHONPATH=REPO, HF_HOME=hf_home)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "recipes", "pretrain.py"), "--config", CPU_TEST, "--output-dir", str(out),
-         "--set", "training.max_steps=2", "training.disable_tqdm=false", "training.eval_steps=2",
-         "evaluation.remote_code_check=false"],
-        env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2/2" in proc.stderr  # Trainer's tqdm progress bar
-    assert "bits per byte" in proc.stdout and "run            cpu_test" in proc.stdout
-    assert "[generate] Once upon a time" in proc.stdout

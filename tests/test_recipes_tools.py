@@ -46,7 +46,8 @@ def test_accounting_matches_hand_formulas():
     assert f["attention_core_causal"] == pytest.approx(core * (t + 1) / (2 * t))
     assert dot["num_parameters"] == layers * (4 * d * d + 3 * d * ffn + 2 * d) + d + vocab * d
     llama = accounting.account_model("llama", base, t)
-    assert llama["flops_per_token"] == pytest.approx(f) and llama["num_parameters"] == dot["num_parameters"]
+    # (some transformers versions compute Llama's RoPE angles with a tiny matmul: 2 x head_dim/2 FLOPs per token)
+    assert llama["flops_per_token"] == pytest.approx(f, rel=1e-3) and llama["num_parameters"] == dot["num_parameters"]
     gka = accounting.account_model("gka", base, t)
     assert gka["flops_per_token"]["attention_projections"] == pytest.approx(f["attention_projections"] / 4)
     assert gka["num_parameters"] == dot["num_parameters"] - layers * (3 * d * d - heads)
