@@ -10,7 +10,7 @@
 #   CORE_MAX_PER_TASK=100          examples per CORE task (0 skips CORE)
 #   WORK=/tmp/hf_rbf_gpu_all       checkpoints, data cache and HF caches (RESULTS gets only small files)
 #   KEEP_MODELS=1                  also copy each run's final/ model into RESULTS
-#   SMOKE=1                        a CPU check of this script: tiny models, a few steps, 2 CORE examples per task
+#   SMOKE=1                        a CPU check of this script: tiny models, a few steps, 11 CORE examples per task
 # A recipe whose family is not registered in this checkout is reported in RESULTS/failures.txt and skipped.
 set -uo pipefail
 
@@ -46,7 +46,7 @@ DEVICE=cuda
 COMMON=(--set "data.root=$DATA_ROOT" "data.cache_dir=$WORK/data_cache")
 if [ "${SMOKE:-0}" = "1" ]; then
     DEVICE=cpu
-    CORE_MAX_PER_TASK=2
+    CORE_MAX_PER_TASK=11   # the smallest that a 10-shot task accepts
     COMMON+=(training.max_steps=4 training.eval_steps=2 training.save_steps=4 training.logging_steps=1 training.bf16=false
              training.optim=adamw_torch training.dataloader_num_workers=0 global_batch_size=4 data.block_size=64
              data.max_validation_blocks=4 model.config.max_position_embeddings=64 model.expected_num_parameters=null
