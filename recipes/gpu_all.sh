@@ -7,7 +7,7 @@
 # DATA_ROOT: the folder holding tinystories/, gutenberg_children/ and core/ (shared/data; default: $HF_RBF_DATA_ROOT,
 # else ../shared/data or shared/data next to / inside the checkout).  Environment knobs:
 #   CONFIGS="tinystories_rbf ..."  recipes to train (default: all tinystories_* families, dot_sssl, gka_sssl)
-#   CORE_MAX_PER_TASK=100          examples per CORE task (0 skips CORE)
+#   CORE_MAX_PER_TASK=50           examples per CORE task after the seed-1337 shuffle (0 skips CORE)
 #   WORK=/tmp/hf_rbf_gpu_all       checkpoints, data cache and HF caches (RESULTS gets only small files)
 #   KEEP_MODELS=1                  also copy each run's final/ model into RESULTS
 #   SMOKE=1                        a CPU check of this script: tiny models, a few steps, 11 CORE examples per task
@@ -24,7 +24,7 @@ mkdir -p "$WORK"
 export HF_HOME=${HF_HOME:-$WORK/hf_home}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-CORE_MAX_PER_TASK=${CORE_MAX_PER_TASK:-100}
+CORE_MAX_PER_TASK=${CORE_MAX_PER_TASK:-50}
 CONFIGS=${CONFIGS:-"tinystories_llama tinystories_dot tinystories_rbf tinystories_gka tinystories_scalar_sort tinystories_hybrid_sort dot_sssl gka_sssl"}
 LOG="$RESULTS/gpu_all.log"
 : > "$RESULTS/failures.txt"
