@@ -1,7 +1,8 @@
 """Fill the result blocks of ``model_cards/*.md`` from results files (never typed by hand).
 
-    python recipes/fill_model_cards.py --results results/ [--cards model_cards] [--accounting outputs/accounting.json]
-    python recipes/fill_model_cards.py --check          # exit 1 if a card is not what the files give
+    python recipes/fill_model_cards.py --results RESULTS --store   # copy the result files into model_cards/results
+    python recipes/fill_model_cards.py                              # fill from model_cards/results (the stored ones)
+    python recipes/fill_model_cards.py --check                      # exit 1 if a card is not what the files give
 
 A card marks each generated block with a pair of HTML comments; everything between them is replaced::
 
@@ -22,7 +23,9 @@ Blocks (``KIND:FAMILY``; the family's rows are in bold):
 The results folder is what ``recipes/gpu_all.sh RESULTS`` writes: ``<run>/summary.json`` (pretrain.py),
 ``<run>/core.json`` (eval_core.py), ``throughput.json`` (throughput.py), ``multi/comparison.json``
 (compare_runs.py), and ``cpu_quick/summary.json`` if you copy the CPU run there.  A block whose files are missing says
-so and names the command that makes them.
+so and names the command that makes them.  ``--store`` copies the small files the blocks read (``summary.json``,
+``core.json``, ``metrics.csv`` per run, ``throughput.json``, ``multi/comparison.json``) into ``model_cards/results/``,
+the default results folder, so the cards can be refilled from what the repository holds.
 """
 
 from __future__ import annotations
@@ -41,8 +44,12 @@ if __package__ in (None, ""):
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARDS_DIR = os.path.join(REPO_ROOT, "model_cards")
+STORED_RESULTS = os.path.join(CARDS_DIR, "results")
 BLOCK = re.compile(r"(<!-- results:([a-z_0-9]+):([a-z_0-9]+) -->\n)(.*?)(<!-- /results:\2:\3 -->)", re.S)
-MISSING = "_No results yet: run `bash recipes/gpu_all.sh RESULTS`, then `python recipes/fill_model_cards.py --results RESULTS`._\n"
+MISSING = (
+    "_No results yet: run `bash recipes/gpu_all.sh RESULTS`, then "
+    "`python recipes/fill_model_cards.py --results RESULTS --store`._\n"
+)
 
 
 def _read_json(path: str):
@@ -223,14 +230,44 @@ def fill_cards(cards_dir: str, results: dict, accounting: dict | None, check: bo
     return changed
 
 
+def store_results(results_dir: str, target: str = STORED_RESULTS) -> str:
+    """Copy the files the result blocks read from ``results_dir`` into ``target`` (replacing what was there)."""
+    import shutil
+
+    if os.path.abspath(results_dir) == os.path.abspath(target):
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    os.makedirs(target)
+    for summary_path in sorted(glob.glob(os.path.join(results_dir, "*", "summary.json"))):
+        run = os.path.basename(os.path.dirname(summary_path))
+        os.makedirs(os.path.join(target, run), exist_ok=True)
+        for name in ("summary.json", "core.json", "metrics.csv"):
+            src = os.path.join(results_dir, run, name)
+            if os.path.exists(src):
+                shutil.copy(src, os.path.join(target, run, name))
+    for rel in ("throughput.json", os.path.join("multi", "comparison.json")):
+        src = os.path.join(results_dir, rel)
+        if os.path.exists(src):
+            os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
+            shutil.copy(src, os.path.join(target, rel))
+    return target
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default=None, help="results folder (gpu_all.sh output)")
+    parser.add_argument("--results", default=None,
+                        help="results folder (gpu_all.sh output); default: model_cards/results when it exists")
+    parser.add_argument("--store", action="store_true", help="copy the result files into model_cards/results first")
     parser.add_argument("--cards", default=CARDS_DIR)
     parser.add_argument("--accounting", default=None, help="accounting.json (default: computed now)")
     parser.add_argument("--check", action="store_true", help="do not write; exit 1 if a card would change")
     args = parser.parse_args(argv)
-    results = load_results(args.results)
+    results_dir = args.results
+    if results_dir and args.store:
+        results_dir = store_results(results_dir)
+    if results_dir is None and os.path.isdir(STORED_RESULTS):
+        results_dir = STORED_RESULTS
+    results = load_results(results_dir)
     if args.accounting:
         accounting = _read_json(args.accounting)
     else:

@@ -283,6 +283,8 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
     from recipes.pretrain_models import build_config, build_model, count_parameters, resolve_model_config
 
     t_start = time.time()
+    if cfg["cpu_threads"] is not None and not torch.cuda.is_available():
+        torch.set_num_threads(cfg["cpu_threads"])
     transformers.logging.set_verbosity_warning()
     datasets.disable_progress_bars()  # keep the console for Trainer's progress bar
     out_dir = cfg["output_dir"]

@@ -11,6 +11,7 @@ A recipe file has these top-level sections (every key is described in ``docs/rec
     data:       {root, train: [source, ...], validation: [source, ...], validation_fraction, block_size, cache_dir,
                  max_validation_blocks, num_proc}
     global_batch_size: 64              # optional: sets per_device_train_batch_size from the number of processes
+    cpu_threads: 1                     # optional: torch.set_num_threads on a machine without CUDA
     training:   {TrainingArguments keyword arguments}
     evaluation: {bpb: {...}, generation: {...}, remote_code_check: true}
 
@@ -90,6 +91,7 @@ DEFAULTS: dict = {
         "num_proc": None,
     },
     "global_batch_size": None,
+    "cpu_threads": None,
     "training": {},
     "evaluation": {
         "bpb": {"enabled": True, "max_documents": None, "max_chars": None, "stride": None, "batch_size": 16},
@@ -206,6 +208,9 @@ def validate(cfg: dict) -> dict:
     gbs = cfg["global_batch_size"]
     if gbs is not None and (not isinstance(gbs, int) or gbs < 1):
         raise ValueError(f"`global_batch_size` must be a positive int or null; got {gbs!r}")
+    threads = cfg["cpu_threads"]
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"`cpu_threads` must be a positive int or null (torch's default); got {threads!r}")
     if not cfg.get("output_dir"):
         raise ValueError("`output_dir` must be set (in the file or with --output-dir)")
     return cfg

@@ -92,6 +92,10 @@ def test_fill_model_cards_from_results(tmp_path):
     assert "No results yet" in text  # blocks without files (multi-GPU, cpu_quick) say so
     # idempotent, and --check sees no change after filling
     assert fill_model_cards.fill_cards(str(cards), fill_model_cards.load_results(str(results)), acc, check=True) == []
+    # the stored copy of the results gives the same cards
+    stored = fill_model_cards.store_results(str(results), str(tmp_path / "stored"))
+    assert sorted(os.listdir(stored)) == ["throughput.json", "tinystories_dot", "tinystories_rbf"]
+    assert fill_model_cards.fill_cards(str(cards), fill_model_cards.load_results(stored), acc, check=True) == []
     # the shipped cards hold exactly the result blocks the filler knows
     for name in ("rbf.md", "gka.md", "scalar_sort.md", "hybrid_sort.md"):
         blocks = fill_model_cards.BLOCK.findall(open(os.path.join(REPO, "model_cards", name)).read())
