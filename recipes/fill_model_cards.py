@@ -112,7 +112,7 @@ def block_tinystories(family: str, results: dict, prefixes=("tinystories_",)) ->
     lines.append(
         f"Validation loss: nats per token on the held-out blocks; bits per byte on the validation text (tokenizer-"
         f"independent); {core_label}: mean centered accuracy (v1 baselines), see docs/evaluation.md. "
-        f"Source: `{os.path.basename(os.path.normpath(results['source'] or ''))}/*/summary.json`, `core.json`."
+        "Source: each run's `summary.json` (recipes/pretrain.py) and `core.json` (recipes/eval_core.py)."
     )
     return "\n".join(lines) + "\n"
 
