@@ -43,10 +43,12 @@ fi
 export HF_RBF_DATA_ROOT="$DATA_ROOT"
 
 DEVICE=cuda
+CORE_ARGS=()
 COMMON=(--set "data.root=$DATA_ROOT" "data.cache_dir=$WORK/data_cache")
 if [ "${SMOKE:-0}" = "1" ]; then
     DEVICE=cpu
     CORE_MAX_PER_TASK=11   # the smallest that a 10-shot task accepts
+    CORE_ARGS=(--max-seq-len 512)  # the smoke models' 64-token context cannot hold every scored answer
     COMMON+=(training.max_steps=4 training.eval_steps=2 training.save_steps=4 training.logging_steps=1 training.bf16=false
              training.optim=adamw_torch training.dataloader_num_workers=0 global_batch_size=4 data.block_size=64
              data.max_validation_blocks=4 model.config.max_position_embeddings=64 model.expected_num_parameters=null
@@ -87,7 +89,7 @@ for name in $CONFIGS; do
         if [ "$CORE_MAX_PER_TASK" != "0" ] && [ -d "$DATA_ROOT/core" ]; then
             step "core:$name" python recipes/eval_core.py --model "$out/final" --bundle "$DATA_ROOT/core" \
                 --max-per-task "$CORE_MAX_PER_TASK" --batch-size 64 --device "$DEVICE" --dtype float32 \
-                --trust-remote-code --output "$out/core.json"
+                --trust-remote-code --output "$out/core.json" "${CORE_ARGS[@]}"
         fi
     fi
     if [ -d "$out" ]; then

@@ -184,7 +184,9 @@ def run(configs, *, batch_size, seq_len, steps, warmup, device, dtype_name, mode
 
 def markdown_table(report: dict) -> str:
     lines = [
-        f"Training throughput on {report['device']} ({report['dtype']} autocast, batch {report['batch_size']}, "
+        f"Training throughput on {report['device']} "
+        f"({'float32, no autocast' if report['dtype'] == 'fp32' else report['dtype'] + ' autocast'}, "
+        f"batch {report['batch_size']}, "
         f"{report['steps']} timed steps after {report['warmup']}; forward + backward + AdamW step)",
         "",
         "| model | family | parameters | seq | tokens/s | ms/step | vs Llama (SDPA) | peak GiB | attention backends |",
