@@ -386,6 +386,7 @@ def plot_sigma_lines(sigmas_by_model: dict, path: str, *, title: str = "") -> st
             mean = np.nanmean(sigmas, axis=1)
         ax.plot(layers, mean, color=color, lw=2.2, label=f"{label} (head mean)")
     ax.set_xlabel("layer")
+    ax.set_xticks(range(max(s.shape[0] for s in sigmas_by_model.values())))
     ax.set_ylabel("sigma")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
