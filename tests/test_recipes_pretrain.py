@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -121,15 +122,18 @@ def test_resume_after_interruption_gives_the_same_curve(full_run, tmp_path):
     assert second["eval_loss"] == pytest.approx(full_run[1]["eval_loss"], rel=1e-6)
 
 
-def test_ddp_two_processes_match_one_process(full_run, tmp_path, hf_home):
+def test_ddp_two_processes_match_one_process(full_run, tmp_path):
     """``accelerate launch --multi_gpu --num_processes 2`` on the CPU (gloo): each process gets 4 of the 8 blocks of
     every step; the logged losses equal the single-process run's (same global batch) up to reduction order."""
     out = tmp_path / "ddp"
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    with socket.socket() as sock:  # a free port, so parallel test runs on one machine do not collide
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-        "1", "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "recipes", "pretrain.py"),
-        "--config", CPU_TEST, "--output-dir", str(out), "--set", *NO_EXTRAS,
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+        os.path.join(REPO, "recipes", "pretrain.py"), "--config", CPU_TEST, "--output-dir", str(out), "--set", *NO_EXTRAS,
     ]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
