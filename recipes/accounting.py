@@ -24,26 +24,23 @@ the forward in matrix products, so training is about 3x the forward numbers.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
 
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from recipes.pretrain_config import load_config  # noqa: E402
-from recipes.pretrain_models import (  # noqa: E402
+from recipes.pretrain_config import load_config
+from recipes.pretrain_models import (
     available_families,
     build_config,
     build_model,
     count_parameters,
     resolve_model_config,
 )
-
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 TINYSTORIES_RECIPES = (
@@ -121,8 +118,11 @@ def account_model(family: str, config_kwargs: dict, seq_len: int) -> dict:
     for name, module, window, registers in _attention_modules(model):
         path = prefix + name
         module_flops = flops.get(path, 0)
-        linear = sum(flops.get(f"{path}.{child}", 0) for child, sub in module.named_children()
-                     if isinstance(sub, torch.nn.Linear))
+        linear = sum(
+            flops.get(f"{path}.{child}", 0)
+            for child, sub in module.named_children()
+            if isinstance(sub, torch.nn.Linear)
+        )
         attn_proj += linear
         core = module_flops - linear
         attn_core += core
@@ -208,8 +208,10 @@ def run() -> dict:
 
 def markdown_table(rows: list[dict], highlight: str | None = None) -> str:
     lines = [
-        "| model | family | parameters | non-embedding | attention params / layer | SwiGLU width | "
-        "fwd MFLOP / token (dense) | fwd MFLOP / token (causal) | attention core (causal) | vs dot (params, causal FLOPs) |",
+        (
+            "| model | family | parameters | non-embedding | attention params / layer | SwiGLU width | "
+            "fwd MFLOP / token (dense) | fwd MFLOP / token (causal) | attention core (causal) | vs dot (params, causal FLOPs) |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

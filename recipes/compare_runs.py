@@ -16,11 +16,10 @@ import json
 import os
 import sys
 
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes.plotting import plot_loss_curves, read_metrics  # noqa: E402
+from recipes.plotting import plot_loss_curves, read_metrics
 
 
 def _train_losses(metrics: dict) -> dict:
@@ -76,8 +75,10 @@ def _fmt(value, spec: str) -> str:
 def markdown_table(rows: list[dict]) -> str:
     ref = rows[0]["run"]
     lines = [
-        f"| run | processes | global batch | steps | final train loss | validation loss | bits/byte | tokens/s | "
-        f"speed vs {ref} | max abs loss diff vs {ref} | mean abs loss diff |",
+        (
+            f"| run | processes | global batch | steps | final train loss | validation loss | bits/byte | tokens/s | "
+            f"speed vs {ref} | max abs loss diff vs {ref} | mean abs loss diff |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -37,7 +37,6 @@ import os
 import re
 import sys
 
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,7 +44,7 @@ if __package__ in (None, ""):
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARDS_DIR = os.path.join(REPO_ROOT, "model_cards")
 STORED_RESULTS = os.path.join(CARDS_DIR, "results")
-BLOCK = re.compile(r"(<!-- results:([a-z_0-9]+):([a-z_0-9]+) -->\n)(.*?)(<!-- /results:\2:\3 -->)", re.S)
+BLOCK = re.compile(r"(<!-- results:([a-z_0-9]+):([a-z_0-9]+) -->\n)(.*?)(<!-- /results:\2:\3 -->)", re.DOTALL)
 MISSING = (
     "_No results yet: run `bash recipes/gpu_all.sh RESULTS`, then "
     "`python recipes/fill_model_cards.py --results RESULTS --store`._\n"
@@ -95,8 +94,10 @@ def block_tinystories(family: str, results: dict, prefixes=("tinystories_",)) ->
         return MISSING
     core_label = next((_core(s)[1] for s in runs.values() if _core(s)[1]), "CORE")
     lines = [
-        f"| run | family | parameters | training tokens | validation loss | bits per byte | {core_label} | "
-        "tokens/s (training) | device |",
+        (
+            f"| run | family | parameters | training tokens | validation loss | bits per byte | {core_label} | "
+            "tokens/s (training) | device |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in sorted(runs.items(), key=lambda kv: (kv[1].get("eval_loss") is None, kv[1].get("eval_loss"))):
@@ -141,9 +142,9 @@ def block_story(family: str, results: dict) -> str:
     s = results["runs"].get(f"tinystories_{family}")
     if not s or not s.get("story"):
         return MISSING
-    prompt = (s.get("generation_prompt") or "Once upon a time")
+    prompt = s.get("generation_prompt") or "Once upon a time"
     return (
-        f"Sampled from `tinystories_{family}` after training (prompt \"{prompt}\", temperature 0.7, top-k 40):\n\n"
+        f'Sampled from `tinystories_{family}` after training (prompt "{prompt}", temperature 0.7, top-k 40):\n\n'
         "```text\n" + s["story"].strip() + "\n```\n"
     )
 
@@ -176,7 +177,9 @@ def block_accounting(family: str, results: dict, accounting: dict | None) -> str
     ts = [r for r in accounting["setups"]["tinystories"] if r.get("family") in (family, "dot", "llama")]
     d768 = [r for r in accounting["setups"]["d768"] if r.get("family") in (family, "dot", "llama")]
     if not any(r.get("family") == family and "skipped" not in r for r in ts + d768):
-        return f"_The `{family}` family is not registered in this checkout; `python recipes/accounting.py` fills this._\n"
+        return (
+            f"_The `{family}` family is not registered in this checkout; `python recipes/accounting.py` fills this._\n"
+        )
     return (
         "TinyStories recipes (d=256, 4 layers, sequence 256, vocabulary 8192, parameter budgets matched):\n\n"
         + markdown_table(ts, highlight=family)
@@ -184,7 +187,7 @@ def block_accounting(family: str, results: dict, accounting: dict | None) -> str
         "function itself changes):\n\n"
         + markdown_table(d768, highlight=family)
         + "\nForward matrix-product FLOPs per token counted by `FlopCounterMode` on the model classes (meta device, "
-        "reference attention path); \"causal\" scales each layer's attention core by the fraction of query-key pairs "
+        'reference attention path); "causal" scales each layer\'s attention core by the fraction of query-key pairs '
         "its mask allows. Training costs about 3x these. Computed by `recipes/accounting.py`.\n"
     )
 
@@ -255,8 +258,11 @@ def store_results(results_dir: str, target: str = STORED_RESULTS) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default=None,
-                        help="results folder (gpu_all.sh output); default: model_cards/results when it exists")
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="results folder (gpu_all.sh output); default: model_cards/results when it exists",
+    )
     parser.add_argument("--store", action="store_true", help="copy the result files into model_cards/results first")
     parser.add_argument("--cards", default=CARDS_DIR)
     parser.add_argument("--accounting", default=None, help="accounting.json (default: computed now)")

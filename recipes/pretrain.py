@@ -27,18 +27,16 @@ import platform
 import sys
 import time
 
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from a checkout: make `hf_rbf` and `recipes` importable
     sys.path.insert(0, REPO_ROOT)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import torch
+import yaml
 
-from recipes.pretrain_config import load_config  # noqa: E402
-
+from recipes.pretrain_config import load_config
 
 logger = logging.getLogger("pretrain")
 
@@ -291,7 +289,7 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
     args = make_training_args(cfg)
     is_main = args.process_index == 0
     if not is_main:
-        log = lambda *a, **k: None  # noqa: E731
+        log = lambda *a, **k: None
     os.makedirs(out_dir, exist_ok=True)
     if is_main:
         with open(os.path.join(out_dir, "recipe.yaml"), "w", encoding="utf-8") as f:
@@ -349,7 +347,10 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
     )
 
     tokens_per_step = (
-        args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * cfg["data"]["block_size"]
+        args.per_device_train_batch_size
+        * args.gradient_accumulation_steps
+        * args.world_size
+        * cfg["data"]["block_size"]
     )
     metrics_cb = MetricsCallback(out_dir, tokens_per_step, cfg["run_name"])
     throughput_cb = ThroughputCallback(tokens_per_step)
@@ -443,12 +444,18 @@ def print_summary(s: dict, log=print) -> None:
     check = s.get("remote_code_check", {})
     lines = [
         "=" * 78,
-        f"run            {s['run_name']}  ({s['family']}, {s['num_parameters']:,} parameters, "
-        f"{s['num_parameters_non_embedding']:,} without embeddings)",
-        f"training       {s['steps']} steps x {s['tokens_per_step']:,} tokens = {s['train_tokens']:,} tokens in "
-        f"{s['train_seconds']:.0f}s ({tps} tokens/s, {s['world_size']} process(es), {s['device']})",
-        f"final loss     train {s['final_train_loss']:.4f}   validation {s['eval_loss']:.4f} "
-        f"(perplexity {s['eval_perplexity']:.2f})",
+        (
+            f"run            {s['run_name']}  ({s['family']}, {s['num_parameters']:,} parameters, "
+            f"{s['num_parameters_non_embedding']:,} without embeddings)"
+        ),
+        (
+            f"training       {s['steps']} steps x {s['tokens_per_step']:,} tokens = {s['train_tokens']:,} tokens in "
+            f"{s['train_seconds']:.0f}s ({tps} tokens/s, {s['world_size']} process(es), {s['device']})"
+        ),
+        (
+            f"final loss     train {s['final_train_loss']:.4f}   validation {s['eval_loss']:.4f} "
+            f"(perplexity {s['eval_perplexity']:.2f})"
+        ),
         f"bits per byte  {bpb}",
         f"remote code    {'ok' if check.get('ok') else 'not checked' if not check else 'FAILED'}",
         f"saved          {s['final_dir']}",

@@ -12,7 +12,6 @@ from transformers import TrainerCallback
 
 from .plotting import plot_loss_curves
 
-
 CSV_FIELDS = ("step", "epoch", "tokens_seen", "loss", "grad_norm", "learning_rate", "eval_loss", "eval_runtime")
 
 
@@ -60,8 +59,11 @@ class MetricsCallback(TrainerCallback):
                 if "loss" in row or "eval_loss" in row:
                     writer.writerow(row)
         if plot:
-            plot_loss_curves({self.run_name: metrics}, os.path.join(self.output_dir, "loss_curve.png"),
-                             title=f"{self.run_name}: loss")
+            plot_loss_curves(
+                {self.run_name: metrics},
+                os.path.join(self.output_dir, "loss_curve.png"),
+                title=f"{self.run_name}: loss",
+            )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero:

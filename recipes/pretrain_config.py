@@ -32,7 +32,6 @@ import re
 
 import yaml
 
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -48,7 +47,7 @@ _Loader.add_implicit_resolver(
         |\.[0-9_]+(?:[eE][-+][0-9]+)?
         |[-+]?\.(?:inf|Inf|INF)
         |\.(?:nan|NaN|NAN))$""",
-        re.X,
+        re.VERBOSE,
     ),
     list("-+0123456789."),
 )
@@ -130,7 +129,7 @@ def read_yaml(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         cfg = yaml.load(f, Loader=_Loader) or {}
     if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: a recipe must be a YAML mapping; got {type(cfg).__name__}")
+        raise TypeError(f"{path}: a recipe must be a YAML mapping; got {type(cfg).__name__}")
     base = cfg.pop("base", None)
     if base is not None:
         base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(os.path.abspath(path)), base)
@@ -169,7 +168,7 @@ def set_override(cfg: dict, assignment: str) -> None:
 
 def _check_source(source, where: str) -> None:
     if not isinstance(source, dict):
-        raise ValueError(f"`{where}` must be a mapping with `files` or `hub`; got {source!r}")
+        raise TypeError(f"`{where}` must be a mapping with `files` or `hub`; got {source!r}")
     unknown = set(source) - SOURCE_KEYS
     if unknown:
         raise ValueError(f"`{where}`: unknown keys {sorted(unknown)}; allowed: {sorted(SOURCE_KEYS)}")
@@ -189,13 +188,13 @@ def validate(cfg: dict) -> dict:
     if not isinstance(model.get("family"), str) or not model["family"]:
         raise ValueError("`model.family` must name a model family (e.g. rbf, gka, dot, llama)")
     if not isinstance(model.get("config"), dict):
-        raise ValueError("`model.config` must be a mapping of config keyword arguments")
+        raise TypeError("`model.config` must be a mapping of config keyword arguments")
     data = cfg["data"]
     if not data["train"]:
         raise ValueError("`data.train` must list at least one source ({files: [...]} or {hub: name})")
     for name in ("train", "validation"):
         if not isinstance(data[name], list):
-            raise ValueError(f"`data.{name}` must be a list of sources")
+            raise TypeError(f"`data.{name}` must be a list of sources")
         for i, source in enumerate(data[name]):
             _check_source(source, f"data.{name}[{i}]")
     if not isinstance(data["block_size"], int) or data["block_size"] < 2:
@@ -268,4 +267,14 @@ def resolve_path(path: str, data_root: str | None = None) -> str:
     )
 
 
-__all__ = ["DEFAULTS", "REPO_ROOT", "deep_merge", "load_config", "parse_value", "read_yaml", "resolve_path", "validate", "default_data_root"]
+__all__ = [
+    "DEFAULTS",
+    "REPO_ROOT",
+    "deep_merge",
+    "default_data_root",
+    "load_config",
+    "parse_value",
+    "read_yaml",
+    "resolve_path",
+    "validate",
+]

@@ -21,7 +21,6 @@ import numpy as np
 
 from .pretrain_config import resolve_path
 
-
 logger = logging.getLogger(__name__)
 
 _JSON_EXTENSIONS = (".json", ".jsonl")
@@ -107,7 +106,7 @@ def split_documents(train_docs, validation_sources: list[dict], fraction: float,
     if validation_sources:
         return train_docs, load_documents(validation_sources, data_root, num_proc)
     n = len(train_docs)
-    n_val = max(1, int(round(n * fraction)))
+    n_val = max(1, round(n * fraction))
     if n_val >= n:
         raise ValueError(f"validation_fraction={fraction} holds out all {n} training documents")
     return train_docs.select(range(n - n_val)), train_docs.select(range(n - n_val, n))
@@ -118,8 +117,16 @@ def split_documents(train_docs, validation_sources: list[dict], fraction: float,
 # ------------------------------------------------------------------------------------------------------------
 
 
-def train_tokenizer(texts, vocab_size: int, *, min_frequency: int = 2, eos_token: str = "<|endoftext|>",
-                    pad_token: str = "<|pad|>", model_max_length: int | None = None, max_train_chars: int | None = None):
+def train_tokenizer(
+    texts,
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    eos_token: str = "<|endoftext|>",
+    pad_token: str = "<|pad|>",
+    model_max_length: int | None = None,
+    max_train_chars: int | None = None,
+):
     """A byte-level BPE (GPT-2 style: no unknown tokens, exact round trip) trained on ``texts`` (an iterable of
     documents), as a ``PreTrainedTokenizerFast`` with ``bos = eos = eos_token`` and ``pad = pad_token``.
 
@@ -201,7 +208,7 @@ def pack_blocks(texts, tokenizer, block_size: int):
     blocks = stream[: n_blocks * block_size].reshape(n_blocks, block_size)
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"), length=block_size)})
     ds = datasets.Dataset.from_dict({"input_ids": blocks}, features=features)
-    ds.info.description = json.dumps({"tokens": int(len(stream)), "blocks": int(n_blocks)})
+    ds.info.description = json.dumps({"tokens": len(stream), "blocks": int(n_blocks)})
     return ds
 
 
@@ -280,8 +287,9 @@ def load_split_documents(cfg: dict):
     """(train documents, validation documents) as described by ``cfg["data"]``."""
     data = cfg["data"]
     train_docs = load_documents(data["train"], data["root"], data["num_proc"])
-    return split_documents(train_docs, data["validation"], float(data["validation_fraction"]), data["root"],
-                           data["num_proc"])
+    return split_documents(
+        train_docs, data["validation"], float(data["validation_fraction"]), data["root"], data["num_proc"]
+    )
 
 
 def collate_blocks(examples: list[dict]) -> dict:

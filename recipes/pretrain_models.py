@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-
 # The keys that every model of the recipes shares (and that the "llama" family maps onto LlamaConfig).
 SHARED_KEYS = (
     "vocab_size",

@@ -20,7 +20,6 @@ import sys
 import tempfile
 import textwrap
 
-
 CHILD_SCRIPT = textwrap.dedent(
     """
     import importlib.abc, json, sys
@@ -96,6 +95,7 @@ def remote_code_check(checkpoint: str, input_ids, *, timeout: float = 600.0) -> 
             stdin=subprocess.DEVNULL,
             text=True,
             timeout=timeout,
+            check=False,
         )
         if proc.returncode != 0:
             return {"ok": False, "error": proc.stderr[-4000:], "returncode": proc.returncode}

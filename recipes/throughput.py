@@ -25,21 +25,19 @@ import platform
 import sys
 import time
 
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from recipes.pretrain_config import load_config, parse_value  # noqa: E402
-from recipes.pretrain_models import (  # noqa: E402
+from recipes.pretrain_config import load_config, parse_value
+from recipes.pretrain_models import (
     available_families,
     build_config,
     build_model,
     count_parameters,
     resolve_model_config,
 )
-
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DEFAULT_ORDER = ("llama", "dot", "rbf", "gka", "scalar_sort", "hybrid_sort")
@@ -184,10 +182,12 @@ def run(configs, *, batch_size, seq_len, steps, warmup, device, dtype_name, mode
 
 def markdown_table(report: dict) -> str:
     lines = [
-        f"Training throughput on {report['device']} "
-        f"({'float32, no autocast' if report['dtype'] == 'fp32' else report['dtype'] + ' autocast'}, "
-        f"batch {report['batch_size']}, "
-        f"{report['steps']} timed steps after {report['warmup']}; forward + backward + AdamW step)",
+        (
+            f"Training throughput on {report['device']} "
+            f"({'float32, no autocast' if report['dtype'] == 'fp32' else report['dtype'] + ' autocast'}, "
+            f"batch {report['batch_size']}, "
+            f"{report['steps']} timed steps after {report['warmup']}; forward + backward + AdamW step)"
+        ),
         "",
         "| model | family | parameters | seq | tokens/s | ms/step | vs Llama (SDPA) | peak GiB | attention backends |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -197,8 +197,9 @@ def markdown_table(report: dict) -> str:
             lines.append(f"| {r['name']} | {r['family']} | | | skipped: {r['skipped']} | | | | |")
             continue
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['family']} | {r['num_parameters']:,} | {r['seq_len']} | {r['error']} |"
-                         " | | | |")
+            lines.append(
+                f"| {r['name']} | {r['family']} | {r['num_parameters']:,} | {r['seq_len']} | {r['error']} | | | | |"
+            )
             continue
         mem = f"{r['peak_memory_gib']:.2f}" if r.get("peak_memory_gib") is not None else ""
         rel = f"{r['relative_to_llama']:.2f}x" if r.get("relative_to_llama") else ""
@@ -219,8 +220,13 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="autocast dtype (default bf16 on CUDA)")
-    parser.add_argument("--model-set", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="override model config keys of every recipe (e.g. for a quick CPU check)")
+    parser.add_argument(
+        "--model-set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override model config keys of every recipe (e.g. for a quick CPU check)",
+    )
     parser.add_argument("--output", default="outputs/throughput", help="writes <output>.json and <output>.md")
     args = parser.parse_args(argv)
     dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")

@@ -35,15 +35,13 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from recipes.plotting import _pyplot, plot_loss_curves, read_metrics  # noqa: E402
-
+from recipes.plotting import _pyplot, plot_loss_curves, read_metrics
 
 # ----------------------------------------------------------------------------------------------------------------
 # capturing the attention weights
@@ -115,6 +113,7 @@ def _recording(model, records: dict):
                 name = by_id[id(obj)]
                 patched.append((python_module, attr, obj))
                 setattr(python_module, attr, make_wrapper(name, obj))
+
     def enter(mod, args):
         current.append(mod)
 
@@ -135,7 +134,9 @@ def _recording(model, records: dict):
 
 
 def _float32(arguments: dict) -> dict:
-    return {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in arguments.items()}
+    return {
+        k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in arguments.items()
+    }
 
 
 def call_weights(call: AttentionCall) -> torch.Tensor:
@@ -175,7 +176,7 @@ def _gka_weights(a: dict) -> torch.Tensor:
     )
     ls = torch.tensor(log_sigma) if isinstance(log_sigma, float) else log_sigma.float().view(1, -1, 1, 1)
     inv_two_sigma_sq = 0.5 * torch.exp(-2.0 * ls)
-    dist_sq = ((query * query).sum(-1).unsqueeze(-1) + (x * x).sum(-1).unsqueeze(-2) - 2.0 * query @ x.transpose(-1, -2))
+    dist_sq = (query * query).sum(-1).unsqueeze(-1) + (x * x).sum(-1).unsqueeze(-2) - 2.0 * query @ x.transpose(-1, -2)
     scores = -dist_sq.clamp_min(0.0) * inv_two_sigma_sq
     if mask.key_log_weights is not None:
         scores = scores + mask.key_log_weights.float().unsqueeze(-2)
@@ -304,7 +305,9 @@ def attention_rollout(layers: list[LayerAttention], residual: float = 0.5) -> to
     return rollout
 
 
-def plot_rollout(rollout: torch.Tensor, labels: list[str], path: str, *, num_registers: int = 0, title: str = "") -> str:
+def plot_rollout(
+    rollout: torch.Tensor, labels: list[str], path: str, *, num_registers: int = 0, title: str = ""
+) -> str:
     plt = _pyplot()
     size = rollout.shape[0]
     fig, ax = plt.subplots(figsize=(max(4.0, 0.22 * size + 1.5), max(3.6, 0.22 * size + 1.0)))
@@ -358,8 +361,9 @@ def plot_sigma_heatmap(sigmas: np.ndarray, kinds: list[str], path: str, *, title
     cmap = plt.get_cmap("viridis").with_extremes(bad="#dddddd")
     im = ax.imshow(masked, cmap=cmap, aspect="auto")
     for (h, layer), value in np.ndenumerate(data):
-        ax.text(layer, h, "" if np.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=7,
-                color="white")
+        ax.text(
+            layer, h, "" if np.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=7, color="white"
+        )
     ax.set_xticks(range(data.shape[1]))
     ax.set_xticklabels([f"{i}\n{k}" for i, k in enumerate(kinds)], fontsize=7)
     ax.set_yticks(range(data.shape[0]))
@@ -514,8 +518,9 @@ def attention_figures(model, tokenizer, prompt: str, output_dir: str, name: str 
     r = layers[0].num_registers
     labels = token_labels(tokenizer, ids[0], r)
     maps = plot_attention_maps(layers, labels, os.path.join(output_dir, f"{name}_maps.png"))
-    rollout = plot_rollout(attention_rollout(layers), labels, os.path.join(output_dir, f"{name}_rollout.png"),
-                           num_registers=r)
+    rollout = plot_rollout(
+        attention_rollout(layers), labels, os.path.join(output_dir, f"{name}_rollout.png"), num_registers=r
+    )
     return {"maps": maps, "rollout": rollout}
 
 
@@ -550,15 +555,23 @@ def main(argv=None) -> int:
                 label, path = os.path.basename(os.path.normpath(item)), item
             model, _ = _load(path)
             sig[label], kinds = gka_sigmas(model)
-            plot_sigma_heatmap(sig[label], kinds, os.path.join(args.output, f"sigma_heatmap_{label}.png"),
-                               title=f"{label}: GKA sigma per head and layer")
+            plot_sigma_heatmap(
+                sig[label],
+                kinds,
+                os.path.join(args.output, f"sigma_heatmap_{label}.png"),
+                title=f"{label}: GKA sigma per head and layer",
+            )
         plot_sigma_lines(sig, os.path.join(args.output, "sigma_lines.png"))
     elif args.command == "sorted-keys":
         model, tokenizer = _load(args.model)
         for entry in sorted_scalar_keys(model, _prompt_ids(tokenizer, args.prompt)):
-            plot_sorted_keys(entry["keys"], entry["positions"],
-                             os.path.join(args.output, f"sorted_keys_layer{entry['layer']}.png"),
-                             queries=entry["queries"], title=f"layer {entry['layer']} ({entry['kind']})")
+            plot_sorted_keys(
+                entry["keys"],
+                entry["positions"],
+                os.path.join(args.output, f"sorted_keys_layer{entry['layer']}.png"),
+                queries=entry["queries"],
+                title=f"layer {entry['layer']} ({entry['kind']})",
+            )
     elif args.command == "loss":
         runs = {}
         for item in args.runs:

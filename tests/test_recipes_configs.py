@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,6 @@ from recipes.pretrain_models import (
     parameter_count,
     resolve_model_config,
 )
-
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO, "recipes", "configs")
@@ -64,7 +64,9 @@ def test_tinystories_recipes_share_budgets(path):
     assert {k: cfg["model"]["config"][k] for k in shared} == dict(
         vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=256
     )
-    assert cfg["data"]["block_size"] == 256 and cfg["global_batch_size"] * 256 * cfg["training"]["max_steps"] == 16_384_000
+    assert (
+        cfg["data"]["block_size"] == 256 and cfg["global_batch_size"] * 256 * cfg["training"]["max_steps"] == 16_384_000
+    )
     family = _needs_family(cfg)
     ours = parameter_count(family, _model_kwargs(cfg))["total"]
     dot = parameter_count("dot", _model_kwargs(ref))["total"]
@@ -101,8 +103,11 @@ def test_sssl_recipes_use_the_window_pattern():
 
 def test_overrides_and_their_errors(tmp_path):
     path = os.path.join(CONFIG_DIR, "cpu_test.yaml")
-    cfg = load_config(path, ["training.max_steps=3", "training.learning_rate=1e-3", "model.config.attention_layers=[rbf, dot]"],
-                      output_dir=str(tmp_path))
+    cfg = load_config(
+        path,
+        ["training.max_steps=3", "training.learning_rate=1e-3", "model.config.attention_layers=[rbf, dot]"],
+        output_dir=str(tmp_path),
+    )
     assert cfg["training"]["max_steps"] == 3 and cfg["training"]["learning_rate"] == 1e-3
     assert cfg["model"]["config"]["attention_layers"] == ["rbf", "dot"] and cfg["output_dir"] == str(tmp_path)
     assert parse_value("3e-4") == 3e-4 and parse_value("null") is None and parse_value("abc") == "abc"
@@ -116,13 +121,15 @@ def test_overrides_and_their_errors(tmp_path):
         build_config("llama", dict(hidden_size=32, num_attention_heads=2, num_register_tokens=1))
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: cpu_test.yaml\nmodel: {family: rbf}\n")
-    (tmp_path / "cpu_test.yaml").write_text(open(path).read())
+    (tmp_path / "cpu_test.yaml").write_text(Path(path).read_text())
     assert load_config(str(bad))["model"]["config"]["hidden_size"] == 32  # base: inheritance
 
 
 def test_paths_resolve_from_the_repository_and_data_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert resolve_path("recipes/data/tinystories/train.txt") == os.path.join(REPO, "recipes/data/tinystories/train.txt")
+    assert resolve_path("recipes/data/tinystories/train.txt") == os.path.join(
+        REPO, "recipes/data/tinystories/train.txt"
+    )
     (tmp_path / "tinystories").mkdir()
     (tmp_path / "tinystories" / "x.txt").write_text("a")
     assert resolve_path("{data_root}/tinystories/x.txt", str(tmp_path)) == str(tmp_path / "tinystories" / "x.txt")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import lzma
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -19,7 +20,6 @@ from recipes.pretrain_data import (
     split_documents,
     train_tokenizer,
 )
-
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [
@@ -56,15 +56,21 @@ def test_load_documents_from_text_xz_and_json(tmp_path):
 
 def test_validation_is_held_out_by_document(tmp_path):
     _write_sources(tmp_path)
-    docs = load_documents([{"files": [str(tmp_path / "stories.txt"), str(tmp_path / "more.txt.xz")],
-                            "separator": "<|endoftext|>"}])
+    docs = load_documents(
+        [{"files": [str(tmp_path / "stories.txt"), str(tmp_path / "more.txt.xz")], "separator": "<|endoftext|>"}]
+    )
     train, val = split_documents(docs, [], 0.34, None, None)
     assert list(train["text"]) == DOCS[:2] and list(val["text"]) == DOCS[2:]
 
 
 def test_tokenizer_and_packing():
-    texts = [line for line in open(os.path.join(REPO, "recipes/data/tinystories/train.txt")).read().split("<|endoftext|>")[:60]
-             if line.strip()]
+    texts = [
+        line
+        for line in Path(os.path.join(REPO, "recipes/data/tinystories/train.txt"))
+        .read_text()
+        .split("<|endoftext|>")[:60]
+        if line.strip()
+    ]
     tok = train_tokenizer(texts, 400, min_frequency=2)
     assert len(tok) == 400 and tok.eos_token_id == 0 and tok.pad_token_id == 1 and tok.bos_token_id == 0
     for text in texts[:5]:
@@ -76,14 +82,18 @@ def test_tokenizer_and_packing():
     assert stream[: len(first)].tolist() == first
     blocks = pack_blocks(DOCS * 4, tok, 8)
     assert len(blocks) == len(encode_stream(DOCS * 4, tok)) // 8
-    assert np.concatenate([b for b in blocks["input_ids"]]).tolist() == encode_stream(DOCS * 4, tok)[: len(blocks) * 8].tolist()
+    assert (
+        np.concatenate([b for b in blocks["input_ids"]]).tolist()
+        == encode_stream(DOCS * 4, tok)[: len(blocks) * 8].tolist()
+    )
     batch = collate_blocks([{"input_ids": blocks[0]["input_ids"]}, {"input_ids": blocks[1]["input_ids"]}])
     assert batch["input_ids"].shape == (2, 8) and (batch["labels"] == batch["input_ids"]).all()
 
 
 def test_prepare_data_caches_by_tokenizer_and_sources(tmp_path):
-    cfg = load_config(os.path.join(REPO, "recipes/configs/cpu_test.yaml"), ["data.max_validation_blocks=3"],
-                      output_dir=str(tmp_path))
+    cfg = load_config(
+        os.path.join(REPO, "recipes/configs/cpu_test.yaml"), ["data.max_validation_blocks=3"], output_dir=str(tmp_path)
+    )
     from recipes.pretrain_data import load_split_documents
 
     docs = load_split_documents(cfg)

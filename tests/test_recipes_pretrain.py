@@ -14,10 +14,13 @@ import sys
 import pytest
 import torch
 
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_TEST = os.path.join(REPO, "recipes", "configs", "cpu_test.yaml")
-NO_EXTRAS = ["evaluation.remote_code_check=false", "evaluation.generation.enabled=false", "evaluation.bpb.enabled=false"]
+NO_EXTRAS = [
+    "evaluation.remote_code_check=false",
+    "evaluation.generation.enabled=false",
+    "evaluation.bpb.enabled=false",
+]
 
 
 def _run(output_dir, overrides=(), **kwargs):
@@ -50,9 +53,22 @@ def full_run(tmp_path_factory):
     # same thread count as this process, so the in-process resumed run below computes with the same reductions
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=str(torch.get_num_threads()))
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "recipes", "pretrain.py"), "--config", CPU_TEST, "--output-dir", str(out),
-         "--set", "training.disable_tqdm=false"],
-        env=env, cwd=str(out.parent), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            os.path.join(REPO, "recipes", "pretrain.py"),
+            "--config",
+            CPU_TEST,
+            "--output-dir",
+            str(out),
+            "--set",
+            "training.disable_tqdm=false",
+        ],
+        env=env,
+        cwd=str(out.parent),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "summary.json") as f:
@@ -131,11 +147,29 @@ def test_ddp_two_processes_match_one_process(full_run, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
-        os.path.join(REPO, "recipes", "pretrain.py"), "--config", CPU_TEST, "--output-dir", str(out), "--set", *NO_EXTRAS,
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(port),
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        os.path.join(REPO, "recipes", "pretrain.py"),
+        "--config",
+        CPU_TEST,
+        "--output-dir",
+        str(out),
+        "--set",
+        *NO_EXTRAS,
     ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "summary.json") as f:
         s = json.load(f)
@@ -152,8 +186,9 @@ def test_global_batch_size_sets_the_per_device_batch(tmp_path):
     assert per_device_batch_size(64, 2, 1) == 32 and per_device_batch_size(64, 1, 4) == 16
     with pytest.raises(ValueError, match="global_batch_size=6"):
         per_device_batch_size(6, 2, 2)
-    cfg = load_config(CPU_TEST, ["global_batch_size=16", "training.gradient_accumulation_steps=2"],
-                      output_dir=str(tmp_path))
+    cfg = load_config(
+        CPU_TEST, ["global_batch_size=16", "training.gradient_accumulation_steps=2"], output_dir=str(tmp_path)
+    )
     args = make_training_args(cfg)
     assert args.per_device_train_batch_size == 8 and args.gradient_accumulation_steps == 2
 

@@ -81,11 +81,14 @@ def test_attention_maps_rollout_and_loss_pngs(tmp_path, core_case):
     rollout = attention_rollout(layers)
     torch.testing.assert_close(rollout.sum(-1), torch.ones(rollout.shape[0]), atol=1e-5, rtol=0)
     assert token_labels(None, [5, 6], 2)[:2] == ["[REG_0]", "[REG_1]"]
-    metrics = {"log_history": [{"step": s, "loss": 5.0 / s, "tokens_seen": 64 * s} for s in range(1, 20)]
-               + [{"step": 10, "eval_loss": 0.6}]}
-    curves = plot_loss_curves({"a": metrics, "b": {"log_history": [dict(r, loss=r.get("loss", 1) * 1.1)
-                                                                    for r in metrics["log_history"]]}},
-                              str(tmp_path / "loss.png"))
+    metrics = {
+        "log_history": [{"step": s, "loss": 5.0 / s, "tokens_seen": 64 * s} for s in range(1, 20)]
+        + [{"step": 10, "eval_loss": 0.6}]
+    }
+    curves = plot_loss_curves(
+        {"a": metrics, "b": {"log_history": [dict(r, loss=r.get("loss", 1) * 1.1) for r in metrics["log_history"]]}},
+        str(tmp_path / "loss.png"),
+    )
     assert _not_blank(curves)
 
 
@@ -105,7 +108,9 @@ def test_sorted_key_layout(tmp_path):
     keys = torch.randn(3, 50, generator=gen)
     sorted_keys, order = keys.sort(dim=-1)
     positions = order - 1  # one register / sink entry at position -1
-    path = plot_sorted_keys(sorted_keys, positions, str(tmp_path / "keys.png"), queries=torch.randn(3, 4, generator=gen))
+    path = plot_sorted_keys(
+        sorted_keys, positions, str(tmp_path / "keys.png"), queries=torch.randn(3, 4, generator=gen)
+    )
     assert _not_blank(path)
     assert _not_blank(plot_sorted_keys(sorted_keys, None, str(tmp_path / "keys_only.png")))
     with pytest.raises(ValueError, match="sorted ascending"):
