@@ -106,3 +106,17 @@ def test_prepare_data_caches_by_tokenizer_and_sources(tmp_path):
     assert first["train_tokens"] == second["train_tokens"] > 32 * len(first["train"]) - 32
     other = train_tokenizer(docs[0]["text"], 320)
     assert prepare_data(cfg, other, docs, log=logs.append)["cache"] != first["cache"]
+
+
+def test_hub_sources_go_through_load_dataset(tmp_path):
+    """A `hub:` source is `datasets.load_dataset(name, config, split=...)`; a local dataset folder takes the same path
+    (no network here), with its own text column and a separator."""
+    folder = tmp_path / "my_stories"
+    folder.mkdir()
+    rows = [{"story": "One.<|endoftext|>Two."}, {"story": "Three."}]
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (folder / "validation.jsonl").write_text(json.dumps({"story": "Four."}) + "\n")
+    source = {"hub": str(folder), "split": "train", "text_column": "story", "separator": "<|endoftext|>"}
+    assert list(load_documents([source])["text"]) == ["One.", "Two.", "Three."]
+    val = load_documents([dict(source, split="validation")])
+    assert list(val["text"]) == ["Four."]
