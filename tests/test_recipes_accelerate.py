@@ -9,7 +9,6 @@ import os
 import pytest
 from conftest import build_model
 
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE_DIR = os.path.join(REPO, "recipes", "accelerate")
 
