@@ -20,6 +20,9 @@ Blocks (``KIND:FAMILY``; the family's rows are in bold):
 * ``cpu_quick:FAMILY``: the CPU main job's summary (``cpu_quick/summary.json``).
 * ``multigpu:FAMILY``: 1 GPU vs DDP vs FSDP at the same global batch (``multi/comparison.json``).
 
+Blocks of other kinds belong to other scripts (e.g. ``captured_mass``, filled by ``recipes/measure_captured_mass.py``)
+and are left as they are.
+
 The results folder is what ``recipes/gpu_all.sh RESULTS`` writes: ``<run>/summary.json`` (pretrain.py),
 ``<run>/core.json`` (eval_core.py), ``throughput.json`` (throughput.py), ``multi/comparison.json``
 (compare_runs.py), and ``cpu_quick/summary.json`` if you copy the CPU run there.  A block whose files are missing says
@@ -210,7 +213,7 @@ def fill_text(text: str, results: dict, accounting: dict | None) -> str:
         elif kind in GENERATORS:
             body = GENERATORS[kind](family, results)
         else:
-            raise ValueError(f"unknown result block kind {kind!r} (known: accounting, {', '.join(GENERATORS)})")
+            return match.group(0)  # another script's block (e.g. captured_mass: recipes/measure_captured_mass.py)
         return head + body + tail
 
     return BLOCK.sub(replace, text)
