@@ -71,8 +71,11 @@ class AttentionCall:
 class LayerAttention:
     """The attention of one layer for batch element 0.
 
-    ``weights``: ``[H, R + N, R + N]`` float32, rows = queries, columns = keys, the ``R`` registers first (register
-    rows see only registers; text rows see registers + causal/windowed text).  ``kind``: the layer's attention kind.
+    ``weights``: ``[H, S + R + N, S + R + N]`` float32, rows = queries, columns = keys in the order the layer's keys
+    have: ``S`` sink entries (a scalar-sort layer's persistent sink; 0 elsewhere), the ``R`` registers, the ``N`` text
+    tokens.  Register rows see only the sinks and registers; text rows see those plus their causal / windowed text.
+    A sink is a constant entry with no query of its own: its row is the identity (it keeps itself, which is what the
+    rollout needs).  ``kind``: the layer's attention kind.
     """
 
     layer: int
@@ -80,6 +83,11 @@ class LayerAttention:
     num_registers: int
     weights: torch.Tensor
     calls: list
+    num_sinks: int = 0
+
+    @property
+    def num_prefix(self) -> int:
+        return self.num_sinks + self.num_registers
 
 
 @contextmanager
@@ -227,17 +235,39 @@ def capture_attention(model, input_ids: torch.Tensor) -> list[LayerAttention]:
         calls = records.get(module, [])
         if not calls:
             raise RuntimeError(f"layer {module.layer_idx}: no hf_rbf attention function was called")
-        r = module.num_registers
-        text = call_weights(calls[-1])[0]  # [H, N, R + N]
+        r, sinks = module.num_registers, int(getattr(module, "num_sink", 0))
+        text = call_weights(calls[-1])[0]  # [H, N, S + R + N]
         h, n, total = text.shape
+        if total != sinks + r + n:
+            raise RuntimeError(
+                f"layer {module.layer_idx}: {total} keys for {n} text tokens, {r} registers and {sinks} sinks"
+            )
         full = torch.zeros(h, total, total)
         full[:, total - n :, :] = text
+        if sinks:
+            full[:, :sinks, :sinks] = torch.eye(sinks)
         if r > 0:
             if len(calls) < 2:
                 raise RuntimeError(f"layer {module.layer_idx}: registers without a register call")
-            full[:, :r, :r] = call_weights(calls[0])[0]
-        layers.append(LayerAttention(module.layer_idx, module.kind, r, full, calls))
-    return sorted(layers, key=lambda la: la.layer)
+            full[:, sinks : sinks + r, : sinks + r] = call_weights(calls[0])[0]
+        layers.append(LayerAttention(module.layer_idx, module.kind, r, full, calls, sinks))
+    return _common_sinks(sorted(layers, key=lambda la: la.layer))
+
+
+def _common_sinks(layers: list[LayerAttention]) -> list[LayerAttention]:
+    """Give every layer the same key layout when only some have a sink (scalar layers mixed with "dot" layers): a
+    layer without one gets the sink's row and column (identity row, no weight on it), so the pictures and the rollout
+    line up."""
+    most = max(la.num_sinks for la in layers)
+    for la in layers:
+        extra = most - la.num_sinks
+        if extra:
+            h, size, _ = la.weights.shape
+            grown = torch.zeros(h, size + extra, size + extra)
+            grown[:, extra:, extra:] = la.weights
+            grown[:, :extra, :extra] = torch.eye(extra)
+            la.weights, la.num_sinks = grown, most
+    return layers
 
 
 def _capture_transformers(model, input_ids) -> list[LayerAttention]:
@@ -254,9 +284,10 @@ def _capture_transformers(model, input_ids) -> list[LayerAttention]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def token_labels(tokenizer, ids, num_registers: int) -> list[str]:
-    """Axis labels: ``[REG_0] ...`` then each token decoded on its own (spaces shown as a middle dot)."""
-    labels = [f"[REG_{i}]" for i in range(num_registers)]
+def token_labels(tokenizer, ids, num_registers: int, num_sinks: int = 0) -> list[str]:
+    """Axis labels: ``[SINK]`` entries, ``[REG_0] ...``, then each token decoded on its own (spaces shown as a middle
+    dot)."""
+    labels = ["[SINK]"] * num_sinks + [f"[REG_{i}]" for i in range(num_registers)]
     for i in ids:
         text = tokenizer.decode([int(i)]) if tokenizer is not None else str(int(i))
         labels.append(text.replace(" ", "\u00b7").replace("\n", "\\n") or "\u2205")
@@ -283,11 +314,11 @@ def plot_attention_maps(layers: list[LayerAttention], labels: list[str], path: s
             if show:
                 ax.set_xticklabels(labels, rotation=90, fontsize=5)
                 ax.set_yticklabels(labels, fontsize=5)
-            if la.num_registers:
-                r = la.num_registers - 0.5
+            if la.num_prefix:
+                r = la.num_prefix - 0.5
                 ax.axhline(r, color="white", lw=0.6)
                 ax.axvline(r, color="white", lw=0.6)
-    fig.suptitle(title or "attention weights (rows: queries, columns: keys; registers first)", fontsize=9)
+    fig.suptitle(title or "attention weights (rows: queries, columns: keys; sink and registers first)", fontsize=9)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -515,11 +546,13 @@ def attention_figures(model, tokenizer, prompt: str, output_dir: str, name: str 
     """``<name>_maps.png`` (every layer and head) and ``<name>_rollout.png`` for ``prompt``."""
     ids = _prompt_ids(tokenizer, prompt)
     layers = capture_attention(model, ids)
-    r = layers[0].num_registers
-    labels = token_labels(tokenizer, ids[0], r)
+    labels = token_labels(tokenizer, ids[0], layers[0].num_registers, layers[0].num_sinks)
     maps = plot_attention_maps(layers, labels, os.path.join(output_dir, f"{name}_maps.png"))
     rollout = plot_rollout(
-        attention_rollout(layers), labels, os.path.join(output_dir, f"{name}_rollout.png"), num_registers=r
+        attention_rollout(layers),
+        labels,
+        os.path.join(output_dir, f"{name}_rollout.png"),
+        num_registers=layers[0].num_prefix,
     )
     return {"maps": maps, "rollout": rollout}
 

@@ -61,6 +61,33 @@ def test_captured_weights_reproduce_the_attention_outputs(case):
             torch.testing.assert_close(w.sum(-1), torch.ones(4, r + 11), atol=1e-5, rtol=0)
 
 
+# Families with a scalar sink (a constant key before the registers) and mixed layer kinds; they run once the
+# scalar_sort / hybrid_sort families are registered (they come with their own part of hf_rbf).
+SINK_CASES = [
+    ("scalar_sort", {"num_register_tokens": 1}),
+    ("hybrid_sort", {"num_register_tokens": 2}),
+    ("scalar_sort", {"num_hidden_layers": 2, "attention_layers": ["scalar", "dot"], "num_register_tokens": 1}),
+]
+
+
+@pytest.mark.parametrize(("family", "overrides"), SINK_CASES, ids=["scalar-r1", "hybrid-r2", "scalar-dot-r1"])
+def test_captured_weights_with_a_sink(family, overrides):
+    from recipes.pretrain_models import hf_rbf_families
+
+    if family not in hf_rbf_families():
+        pytest.skip(f"family {family!r} is not registered in this checkout")
+    model = build_model(family, overrides)
+    ids = torch.randint(1, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    layers = capture_attention(model, ids)
+    r = model.config.num_register_tokens
+    for la in layers:
+        assert la.num_sinks == 1 and la.num_registers == r and la.weights.shape == (4, 1 + r + 9, 1 + r + 9)
+        assert check_attention_capture(la.calls) < 1e-5
+        torch.testing.assert_close(la.weights.sum(-1), torch.ones(4, 1 + r + 9), atol=1e-5, rtol=0)
+        assert torch.all(la.weights[:, : 1 + r, 1 + r :] == 0)  # sink and registers never see text
+    assert token_labels(None, [5], r, 1)[: 1 + r] == ["[SINK]"] + [f"[REG_{i}]" for i in range(r)]
+
+
 def test_attention_maps_rollout_and_loss_pngs(tmp_path, core_case):
     _, family, overrides = core_case
     model = build_model(family, overrides)
@@ -117,3 +144,22 @@ def test_sorted_key_layout(tmp_path):
         plot_sorted_keys(keys, positions, str(tmp_path / "bad.png"))
     with pytest.raises(ValueError, match=r"\[H, N\]"):
         plot_sorted_keys(sorted_keys[0], None, str(tmp_path / "bad.png"))
+
+
+def test_sorted_scalar_keys_of_a_model(tmp_path):
+    from recipes.pretrain_models import hf_rbf_families
+    from recipes.visualize import sorted_scalar_keys
+
+    if "scalar_sort" not in hf_rbf_families():
+        pytest.skip("family 'scalar_sort' is not registered in this checkout")
+    model = build_model("scalar_sort", {"num_register_tokens": 1})
+    ids = torch.randint(1, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    entries = sorted_scalar_keys(model, ids)
+    assert [e["layer"] for e in entries] == list(range(model.config.num_hidden_layers))
+    for e in entries:
+        keys, positions = e["keys"], e["positions"]
+        assert keys.shape == positions.shape == (4, 2 + 12)  # sink + register + text
+        assert torch.all(keys[:, 1:] >= keys[:, :-1])
+        assert sorted(positions[0].tolist()) == list(range(-2, 12))
+        assert e["queries"].shape == (4, 12)
+    assert _not_blank(plot_sorted_keys(entries[0]["keys"], entries[0]["positions"], str(tmp_path / "k.png")))
