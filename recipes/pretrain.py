@@ -394,7 +394,8 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
         "train_runtime": train_result.metrics.get("train_runtime"),
         "tokens_per_second": throughput["tokens_per_second"],
         "throughput": throughput,
-        "final_train_loss": losses[-1] if losses else None,
+        "final_train_loss": losses[-1] if losses else None,  # the last logged loss (None if nothing was logged)
+        "mean_train_loss": train_result.training_loss,
         "device": str(args.device),
         "bf16": bool(args.bf16),
         "versions": _versions(),
@@ -438,6 +439,10 @@ def _write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def print_summary(s: dict, log=print) -> None:
     tps = f"{s['tokens_per_second']:,.0f}" if s.get("tokens_per_second") else "n/a"
     bpb = f"{s['bits_per_byte']:.4f}" if s.get("bits_per_byte") is not None else "n/a"
@@ -453,7 +458,7 @@ def print_summary(s: dict, log=print) -> None:
             f"{s['train_seconds']:.0f}s ({tps} tokens/s, {s['world_size']} process(es), {s['device']})"
         ),
         (
-            f"final loss     train {s['final_train_loss']:.4f}   validation {s['eval_loss']:.4f} "
+            f"final loss     train {_fmt(s['final_train_loss'], '.4f')}   validation {s['eval_loss']:.4f} "
             f"(perplexity {s['eval_perplexity']:.2f})"
         ),
         f"bits per byte  {bpb}",
