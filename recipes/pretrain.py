@@ -278,7 +278,13 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
 
     from recipes.pretrain_callbacks import MetricsCallback, StopAtStepCallback, ThroughputCallback
     from recipes.pretrain_data import collate_blocks, load_split_documents, prepare_data
-    from recipes.pretrain_models import build_config, build_model, count_parameters, resolve_model_config
+    from recipes.pretrain_models import (
+        attention_backends,
+        build_config,
+        build_model,
+        count_parameters,
+        resolve_model_config,
+    )
 
     t_start = time.time()
     if cfg["cpu_threads"] is not None and not torch.cuda.is_available():
@@ -396,6 +402,7 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
         "throughput": throughput,
         "final_train_loss": losses[-1] if losses else None,  # the last logged loss (None if nothing was logged)
         "mean_train_loss": train_result.training_loss,
+        "attention_backends": sorted(set(attention_backends(trainer.model))),
         "device": str(args.device),
         "bf16": bool(args.bf16),
         "versions": _versions(),
@@ -462,6 +469,7 @@ def print_summary(s: dict, log=print) -> None:
             f"(perplexity {s['eval_perplexity']:.2f})"
         ),
         f"bits per byte  {bpb}",
+        f"attention      {', '.join(s.get('attention_backends') or []) or 'n/a'} (kind:backend)",
         f"remote code    {'ok' if check.get('ok') else 'not checked' if not check else 'FAILED'}",
         f"saved          {s['final_dir']}",
         f"total time     {s['total_seconds']:.0f}s",

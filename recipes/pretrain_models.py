@@ -118,6 +118,18 @@ def build_model(config, device=None):
     return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
+def attention_backends(model) -> list[str]:
+    """``"kind:backend"`` of every attention module's last call (``module.last_backend``; Llama: its
+    ``attn_implementation``), one entry per layer."""
+    out = []
+    for module in model.modules():
+        if hasattr(module, "last_backend") and hasattr(module, "kind"):
+            out.append(f"{module.kind}:{module.last_backend}")
+    if not out and getattr(model.config, "model_type", "") == "llama":
+        out = [f"dot:{model.config._attn_implementation}"] * model.config.num_hidden_layers
+    return out
+
+
 def count_parameters(model) -> dict:
     """``total`` (each tied tensor once), ``embedding`` (token embedding, plus the LM head when untied) and
     ``non_embedding``."""
@@ -186,6 +198,7 @@ def resolve_model_config(model_cfg: dict, vocab_size: int, block_size: int, spec
 __all__ = [
     "BUILTIN_FAMILIES",
     "SHARED_KEYS",
+    "attention_backends",
     "available_families",
     "build_config",
     "build_model",

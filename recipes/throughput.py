@@ -32,6 +32,7 @@ import torch
 
 from recipes.pretrain_config import load_config, parse_value
 from recipes.pretrain_models import (
+    attention_backends,
     available_families,
     build_config,
     build_model,
@@ -54,17 +55,6 @@ def default_configs() -> list[str]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def attention_backends(model) -> list:
-    """The backend each attention module served its last call with (``module.last_backend``; "sdpa" for Llama)."""
-    out = []
-    for module in model.modules():
-        if hasattr(module, "last_backend") and hasattr(module, "kind"):
-            out.append(f"{module.kind}:{module.last_backend}")
-    if not out and getattr(model.config, "model_type", "") == "llama":
-        out = [f"dot:{model.config._attn_implementation}"] * model.config.num_hidden_layers
-    return out
 
 
 def time_model(model, *, batch_size: int, seq_len: int, steps: int, warmup: int, device, dtype, lr: float = 1e-3):

@@ -90,6 +90,7 @@ def test_pretrain_end_to_end(full_run):
     assert 0 < bpb["bits_per_byte"] < 8 and bpb["lossless_roundtrip"] and bpb["num_documents"] == 3
     assert isinstance(s["story"], str) and s["story"].startswith("Once upon a time") and len(s["story"]) > 20
     assert s["tokens_per_second"] and s["tokens_per_second"] > 0
+    assert s["attention_backends"] == ["rbf:naive"]  # the recipe asks for the reference path: visible in the summary
     # the saved model is the trained one and loads with remote code where hf_rbf cannot be imported
     assert s["reload_max_abs_diff"] < 1e-5
     check = s["remote_code_check"]
