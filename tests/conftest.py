@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
+
+# The repository root on the path: the recipe tests import `recipes.*` (scripts, not part of the installed package),
+# also when the suite is started as `pytest` rather than `python -m pytest`.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
 
 _HF_HOME = tempfile.mkdtemp(prefix="hf_rbf_test_hf_home_")
 os.environ["HF_HOME"] = _HF_HOME

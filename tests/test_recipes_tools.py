@@ -1,0 +1,198 @@
+"""The recipe tools: throughput.py (1 step of every registered family on the CPU), accounting.py (against hand
+formulas), compare_runs.py, and fill_model_cards.py filling the cards' result blocks from results files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from recipes import accounting, compare_runs, fill_model_cards, throughput
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_throughput_runs_every_family_and_writes_a_table(tmp_path):
+    out = tmp_path / "tp"
+    assert (
+        throughput.main(
+            [
+                "--device",
+                "cpu",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--output",
+                str(out),
+                "--model-set",
+                "hidden_size=32",
+                "num_hidden_layers=1",
+                "num_attention_heads=2",
+                "intermediate_size=64",
+                "vocab_size=128",
+            ]
+        )
+        == 0
+    )
+    report = json.loads(Path(str(out) + ".json").read_text())
+    rows = {r["name"]: r for r in report["results"]}
+    for name in ("tinystories_llama", "tinystories_dot", "tinystories_rbf", "tinystories_gka"):
+        assert rows[name]["tokens_per_second"] > 0 and rows[name]["seq_len"] == 16
+    assert rows["tinystories_llama"]["relative_to_llama"] == 1.0
+    assert rows["tinystories_rbf"]["attention_backends"] and rows["tinystories_rbf"]["attention_backends"][
+        0
+    ].startswith("rbf:")
+    # the GKA recipe is still matched to the dot budget at the overridden size
+    assert abs(rows["tinystories_gka"]["num_parameters"] - rows["tinystories_dot"]["num_parameters"]) < 100
+    table = Path(str(out) + ".md").read_text()
+    assert "| tinystories_rbf | rbf |" in table and "vs Llama (SDPA)" in table
+
+
+def test_accounting_matches_hand_formulas():
+    d, layers, ffn, vocab, t, heads = 64, 2, 128, 100, 32, 4
+    base = dict(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=t,
+    )
+    dot = accounting.account_model("dot", base, t)
+    linear = layers * (4 * d * d + 3 * d * ffn) + vocab * d  # matmul parameters per token (tied head counted once)
+    core = layers * 2 * 2 * t * d  # scores and weighted values, dense
+    f = dot["flops_per_token"]
+    assert f["total_dense"] == pytest.approx(2 * linear + core)
+    assert f["attention_core_causal"] == pytest.approx(core * (t + 1) / (2 * t))
+    assert dot["num_parameters"] == layers * (4 * d * d + 3 * d * ffn + 2 * d) + d + vocab * d
+    llama = accounting.account_model("llama", base, t)
+    # (some transformers versions compute Llama's RoPE angles with a tiny matmul: 2 x head_dim/2 FLOPs per token)
+    assert llama["flops_per_token"] == pytest.approx(f, rel=1e-3) and llama["num_parameters"] == dot["num_parameters"]
+    gka = accounting.account_model("gka", base, t)
+    assert gka["flops_per_token"]["attention_projections"] == pytest.approx(f["attention_projections"] / 4)
+    assert gka["num_parameters"] == dot["num_parameters"] - layers * (3 * d * d - heads)
+    windowed = accounting.account_model("dot", dict(base, window_pattern="S", sliding_window=4), t)
+    allowed = sum(min(i + 1, 4) for i in range(t)) / (t * t)
+    assert windowed["flops_per_token"]["attention_core_causal"] == pytest.approx(core * allowed)
+
+
+def _write_json(path, obj) -> None:
+    Path(path).write_text(json.dumps(obj))
+
+
+def _fake_results(root):
+    """A results folder as gpu_all.sh writes it, with made-up numbers for two runs."""
+    for name, family, loss in (("tinystories_rbf", "rbf", 2.25), ("tinystories_dot", "dot", 2.5)):
+        run = root / name
+        run.mkdir(parents=True)
+        _write_json(
+            run / "summary.json",
+            {
+                "run_name": name,
+                "family": family,
+                "num_parameters": 5311744,
+                "train_tokens": 16384000,
+                "eval_loss": loss,
+                "bits_per_byte": loss / 2,
+                "tokens_per_second": 123456.0,
+                "story": f"Once upon a time {family} story.",
+                "generation_prompt": "Once upon a time",
+                "device": "cuda:0",
+                "versions": {"cuda": "NVIDIA H100"},
+            },
+        )
+        Path(run / "core.json").write_text(json.dumps({"core_metric": 0.0123, "label": "CORE-20"}))
+        _write_json(
+            run / "metrics.json",
+            {"log_history": [{"step": s, "loss": loss + 1.0 / s} for s in range(1, 6)], "global_step": 5},
+        )
+    _write_json(
+        root / "throughput.json",
+        {
+            "device": "NVIDIA H100",
+            "dtype": "bf16",
+            "batch_size": 64,
+            "steps": 30,
+            "warmup": 10,
+            "results": [
+                {
+                    "name": "tinystories_llama",
+                    "family": "llama",
+                    "num_parameters": 5310720,
+                    "seq_len": 256,
+                    "tokens_per_second": 2.0e6,
+                    "ms_per_step": 8.0,
+                    "relative_to_llama": 1.0,
+                    "attention_backends": ["dot:sdpa"],
+                },
+                {
+                    "name": "tinystories_rbf",
+                    "family": "rbf",
+                    "num_parameters": 5311744,
+                    "seq_len": 256,
+                    "tokens_per_second": 1.5e6,
+                    "ms_per_step": 11.0,
+                    "relative_to_llama": 0.75,
+                    "attention_backends": ["rbf:sdpa"],
+                },
+            ],
+        },
+    )
+
+
+def test_fill_model_cards_from_results(tmp_path):
+    results = tmp_path / "results"
+    _fake_results(results)
+    cards = tmp_path / "cards"
+    shutil.copytree(os.path.join(REPO, "model_cards"), cards)
+    acc = accounting.run()
+    changed = fill_model_cards.fill_cards(str(cards), fill_model_cards.load_results(str(results)), acc)
+    assert str(cards / "rbf.md") in changed
+    text = (cards / "rbf.md").read_text()
+    assert (
+        "| **tinystories_rbf** | rbf | 5,311,744 | 16,384,000 | 2.2500 | 1.1250 | 0.0123 | 123,456 | NVIDIA H100 |"
+        in text
+    )
+    assert "| tinystories_dot | dot |" in text and "Once upon a time rbf story." in text
+    assert "| **tinystories_rbf** | rbf | 5,311,744 | 256 | 1,500,000 | 11.00 | 0.75x |" in text
+    assert "| **tinystories_rbf** | rbf | 5,311,744 | 3,214,592 |" in text  # accounting block, from the model class
+    assert "No results yet" in text  # blocks without files (multi-GPU, cpu_quick) say so
+    # idempotent, and --check sees no change after filling
+    assert fill_model_cards.fill_cards(str(cards), fill_model_cards.load_results(str(results)), acc, check=True) == []
+    # the stored copy of the results gives the same cards
+    stored = fill_model_cards.store_results(str(results), str(tmp_path / "stored"))
+    assert sorted(os.listdir(stored)) == ["throughput.json", "tinystories_dot", "tinystories_rbf"]
+    assert fill_model_cards.fill_cards(str(cards), fill_model_cards.load_results(stored), acc, check=True) == []
+    # blocks of other scripts are left alone
+    foreign = cards / "other.md"
+    foreign.write_text("x\n<!-- results:captured_mass:rbf -->\nkept as is\n<!-- /results:captured_mass:rbf -->\n")
+    fill_model_cards.fill_cards(str(cards), fill_model_cards.load_results(str(results)), acc)
+    assert "kept as is" in foreign.read_text()
+    # the shipped cards have result blocks the filler knows
+    for name in ("rbf.md", "gka.md", "scalar_sort.md", "hybrid_sort.md"):
+        blocks = fill_model_cards.BLOCK.findall(Path(REPO, "model_cards", name).read_text())
+        assert any(kind in fill_model_cards.GENERATORS for _, kind, _, _, _ in blocks), name
+
+
+def test_compare_runs_table_and_plot(tmp_path):
+    results = tmp_path / "results"
+    _fake_results(results)
+    out = tmp_path / "cmp"
+    assert (
+        compare_runs.main(
+            ["--runs", f"dot={results / 'tinystories_dot'}", f"rbf={results / 'tinystories_rbf'}", "--output", str(out)]
+        )
+        == 0
+    )
+    rows = json.loads(Path(out / "comparison.json").read_text())
+    assert rows[1]["max_abs_loss_diff"] == pytest.approx(0.25) and rows[1]["compared_steps"] == 5
+    assert os.path.getsize(out / "loss_curves.png") > 10000
+    assert "(reference)" in Path(out / "comparison.md").read_text()
