@@ -10,6 +10,7 @@
 #   CORE_MAX_PER_TASK=50           examples per CORE task after the seed-1337 shuffle (0 skips CORE)
 #   WORK=/tmp/hf_rbf_gpu_all       checkpoints, data cache and HF caches (RESULTS gets only small files)
 #   KEEP_MODELS=1                  also copy each run's final/ model into RESULTS
+#   EXTRA_SET="k=v ..."          more --set overrides for every recipe (e.g. training.max_steps=500)
 #   SMOKE=1                        a CPU check of this script: tiny models, a few steps, 11 CORE examples per task
 # A recipe whose family is not registered in this checkout is reported in RESULTS/failures.txt and skipped.
 set -uo pipefail
@@ -45,6 +46,9 @@ export HF_RBF_DATA_ROOT="$DATA_ROOT"
 DEVICE=cuda
 CORE_ARGS=()
 COMMON=(--set "data.root=$DATA_ROOT" "data.cache_dir=$WORK/data_cache")
+# EXTRA_SET="training.max_steps=500 ...": more --set overrides for every recipe (e.g. a shorter GPU budget)
+read -r -a EXTRA_SET_ARR <<< "${EXTRA_SET:-}"
+COMMON+=("${EXTRA_SET_ARR[@]}")
 if [ "${SMOKE:-0}" = "1" ]; then
     DEVICE=cpu
     CORE_MAX_PER_TASK=11   # the smallest that a 10-shot task accepts

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One device call of the project's GPU work: run the named jobs, each under its own time limit, and pack every
+# job's results into one tarball under $OUT (the device tool returns at most 8 files, two folders deep).
+#
+#   bash benchmarks/gpu_session.sh OUT JOB[:SECONDS] [JOB[:SECONDS] ...]
+#
+# Jobs (default time limits in brackets):
+#   env          versions, GPU, pip installs from ./wheels (datasets, evaluate: the GPU image lacks them)  [120]
+#   gputests     pytest -m gpu over the whole suite (kernels, attention backends, sorted cache)             [240]
+#   kernelcheck  benchmarks/check_kernels_gpu.py (full-shape output and gradient checks, pass/fail table)     [240]
+#   bench        benchmarks/bench_attention.py (training sweep and decode rows, ratios against SDPA-flash)    [300]
+#   sorted       recipes/bench_sorted_decode.py --device cuda (sorted-window decode vs exact)               [120]
+#   mass         recipes/measure_captured_mass.py --size gpu (captured attention mass, STEPS env)          [300]
+#   vit          recipes/gpu_vit_mnist.sh (GKA vs DeiT on MNIST, EPOCHS env)                               [300]
+#   lm           recipes/gpu_all.sh (every family: train, val loss, bpb, CORE-20, throughput, cards)       [560]
+#   multi        recipes/gpu_multi.sh (1 GPU vs DDP vs FSDP on 2 GPUs, STEPS env)                          [400]
+# Data: DATA_ROOT (default ./gpu_data, a copy of shared/data carried with the call, else ../shared/data).
+set -uo pipefail
+OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT JOB[:SECONDS] ...}
+shift
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+DATA_ROOT=${DATA_ROOT:-}
+for c in "$REPO/gpu_data" "$REPO/../shared/data"; do
+    [ -z "$DATA_ROOT" ] && [ -d "$c/tinystories" ] && DATA_ROOT=$(cd "$c" && pwd)
+done
+export HF_RBF_DATA_ROOT="$DATA_ROOT" DATA_ROOT
+export WORK=${WORK:-/tmp/hf_rbf_gpu_session}
+mkdir -p "$WORK" "$OUT"
+
+declare -A LIMIT=([env]=120 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
+                  [lm]=560 [multi]=400)
+
+job_env() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+    if [ -d wheels ]; then pip install -q --no-index --find-links wheels datasets evaluate 2>&1 | tail -3; fi
+    python3 -c "import datasets, evaluate, pyarrow; print('datasets', datasets.__version__, 'evaluate', evaluate.__version__, 'pyarrow', pyarrow.__version__)"
+}
+job_gputests() { python3 -m pytest -m gpu -q -p no:cacheprovider tests; }
+job_kernelcheck() { python3 benchmarks/check_kernels_gpu.py --workers 14; }
+job_bench() { python3 benchmarks/bench_attention.py --output "$1" ${BENCH_ARGS:-}; }
+job_sorted() { python3 recipes/bench_sorted_decode.py --device cuda --output "$1" ${SORTED_ARGS:-}; }
+job_mass() {
+    python3 recipes/measure_captured_mass.py --size gpu --output "$1" ${MASS_STEPS:+--steps $MASS_STEPS} \
+        ${MASS_ARGS:-}
+}
+job_vit() { EPOCHS=${EPOCHS:-4} WORK="$WORK/vit" bash recipes/gpu_vit_mnist.sh "$1" "$DATA_ROOT/images/mnist"; }
+job_lm() { WORK="$WORK/lm" bash recipes/gpu_all.sh "$1" "$DATA_ROOT"; }
+job_multi() { WORK="$WORK/multi" bash recipes/gpu_multi.sh "$1" "$DATA_ROOT"; }
+
+summary="$OUT/session.txt"
+: > "$summary"
+for spec in "$@"; do
+    name=${spec%%:*}
+    secs=${spec#*:}
+    [ "$secs" = "$spec" ] && secs=${LIMIT[$name]:-300}
+    dir="$WORK/results/$name"
+    rm -rf "$dir" && mkdir -p "$dir"
+    t0=$(date +%s)
+    echo "=== $name (limit ${secs}s)" | tee -a "$summary"
+    timeout --signal=INT --kill-after=20 "$secs" bash -c "$(declare -f job_$name); job_$name '$dir'" > "$dir/log.txt" 2>&1
+    rc=$?
+    echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$summary"
+    tail -n 25 "$dir/log.txt" | tee -a "$summary"
+    tar -czf "$OUT/$name.tar.gz" -C "$WORK/results" "$name"
+done
+ls -la "$OUT"
