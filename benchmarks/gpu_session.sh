@@ -12,6 +12,7 @@
 #   sorted       recipes/bench_sorted_decode.py --device cuda (sorted-window decode vs exact)               [120]
 #   mass         recipes/measure_captured_mass.py --size gpu (captured attention mass, STEPS env)          [300]
 #   vit          recipes/gpu_vit_mnist.sh (GKA vs DeiT on MNIST, EPOCHS env)                               [300]
+#   throughput   recipes/throughput.py (tokens/s of every family against LlamaForCausalLM with SDPA)          [150]
 #   lm           recipes/gpu_all.sh (every family: train, val loss, bpb, CORE-20, throughput, cards)       [560]
 #   multi        recipes/gpu_multi.sh (1 GPU vs DDP vs FSDP on 2 GPUs, STEPS env)                          [400]
 # Data: DATA_ROOT (default ./gpu_data, a copy of shared/data carried with the call, else ../shared/data).
@@ -31,7 +32,7 @@ export WORK=${WORK:-/tmp/hf_rbf_gpu_session}
 mkdir -p "$WORK" "$OUT"
 
 declare -A LIMIT=([env]=120 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
-                  [lm]=560 [multi]=400)
+                  [lm]=560 [multi]=400 [throughput]=150)
 
 job_env() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -48,6 +49,7 @@ job_mass() {
         ${MASS_ARGS:-}
 }
 job_vit() { EPOCHS=${EPOCHS:-4} WORK="$WORK/vit" bash recipes/gpu_vit_mnist.sh "$1" "$DATA_ROOT/images/mnist"; }
+job_throughput() { python3 recipes/throughput.py --output "$1/throughput" ${THROUGHPUT_ARGS:-}; }
 job_lm() { WORK="$WORK/lm" bash recipes/gpu_all.sh "$1" "$DATA_ROOT"; }
 job_multi() { WORK="$WORK/multi" bash recipes/gpu_multi.sh "$1" "$DATA_ROOT"; }
 
