@@ -37,7 +37,12 @@ declare -A LIMIT=([env]=120 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted
 job_env() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-    if [ -d wheels ]; then pip install -q --no-index --find-links wheels datasets evaluate 2>&1 | tail -3; fi
+    # --no-deps: the image has their dependencies (pyarrow, fsspec, xxhash, pandas, huggingface_hub) and no index;
+    # datasets 5.x wants pyarrow >= 24: if the image's is older, the 4.4 wheel in wheels/fallback (pyarrow >= 21) goes in.
+    if [ -d wheels ]; then
+        pip install -q --no-deps --no-index wheels/*.whl 2>&1 | tail -3
+        python3 -c "import datasets" 2>/dev/null || pip install -q --no-deps --no-index --force-reinstall wheels/fallback/*.whl
+    fi
     python3 -c "import datasets, evaluate, pyarrow; print('datasets', datasets.__version__, 'evaluate', evaluate.__version__, 'pyarrow', pyarrow.__version__)"
 }
 job_gputests() { python3 -m pytest -m gpu -q -p no:cacheprovider tests; }

@@ -85,7 +85,7 @@ class GkaAttention(DecoderAttention):
         query = None if keys is feats else feats
         if self.num_registers > 0:
             reg = self._split_heads(register_states) + self.register_position.to(register_states.dtype)
-            register_out = gka_attention(reg, self.log_sigma, causal=True, eps=self.eps, backend=self.backend)
+            register_out = gka_attention(reg, self.log_sigma, causal=True, eps=self.eps, backend=self.register_backend)
             register_out = self.o_proj(self._merge_heads(register_out))
             keys = torch.cat([reg.expand(b, -1, -1, -1), keys], dim=2)
             query = feats

@@ -91,8 +91,13 @@ class HybridSortAttention(ScalarSortAttention):
         proj.k = self._split_heads(self.k_proj(r)) + position
         return proj
 
-    def attention_function(self, queries: _Projections, keys: _Projections, tau, **mask_args) -> torch.Tensor:
-        """The layer's exact attention over ``keys`` (``hybrid_attention``); returns ``[B, H, Nq, Dv]``."""
+    def attention_function(
+        self, queries: _Projections, keys: _Projections, tau, backend: str | None = None, **mask_args
+    ) -> torch.Tensor:
+        """The layer's exact attention over ``keys`` (``hybrid_attention``); returns ``[B, H, Nq, Dv]``.
+
+        ``backend`` overrides ``config.attention_backend`` (the register rows use ``register_backend``).
+        """
         out = hybrid_attention(
             queries.q,
             keys.k,
@@ -101,7 +106,7 @@ class HybridSortAttention(ScalarSortAttention):
             keys.ks,
             tau,
             scale=self._scale(queries.qs.device),
-            backend=self.backend,
+            backend=self.backend if backend is None else backend,
             **mask_args,
         )
         self._note_backend("hybrid_attention")

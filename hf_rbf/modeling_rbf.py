@@ -99,7 +99,7 @@ class RbfAttention(DecoderAttention):
             qr, kr, vr = self._project(register_states)
             qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
             register_out = rbf_attention(
-                qr, kr, vr, gamma=gamma, causal=True, normalize=self.normalize, backend=self.backend
+                qr, kr, vr, gamma=gamma, causal=True, normalize=self.normalize, backend=self.register_backend
             )
             register_out = self.o_proj(self._merge_heads(register_out))
             k = torch.cat([kr.expand(b, -1, -1, -1), k], dim=2)

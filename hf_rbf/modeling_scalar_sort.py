@@ -200,9 +200,15 @@ class ScalarSortAttention(DecoderAttention):
         return _Projections(qs=ks, ks=ks, v=v, q=k, k=k)
 
     # -- attention -----------------------------------------------------------------------------------------------
-    def attention_function(self, queries: _Projections, keys: _Projections, tau, **mask_args) -> torch.Tensor:
-        """The layer's exact attention over ``keys`` (``scalar_attention``); returns ``[B, H, Nq, Dv]``."""
-        out = scalar_attention(queries.qs, keys.ks, keys.v, tau, backend=self.backend, **mask_args)
+    def attention_function(
+        self, queries: _Projections, keys: _Projections, tau, backend: str | None = None, **mask_args
+    ) -> torch.Tensor:
+        """The layer's exact attention over ``keys`` (``scalar_attention``); returns ``[B, H, Nq, Dv]``.
+
+        ``backend`` overrides ``config.attention_backend`` (the register rows use ``register_backend``).
+        """
+        backend = self.backend if backend is None else backend
+        out = scalar_attention(queries.qs, keys.ks, keys.v, tau, backend=backend, **mask_args)
         self._note_backend("scalar_attention")
         return out
 
@@ -262,7 +268,12 @@ class ScalarSortAttention(DecoderAttention):
             sink = self.sink_entries(dtype, device)
             reg_kv = self._cat_keys([sink, register_keys], 1)
             register_out = self.attention_function(
-                register_keys, reg_kv, self.temperature(register_states), causal=True, num_prefix_keys=self.num_sink
+                register_keys,
+                reg_kv,
+                self.temperature(register_states),
+                backend=self.register_backend,
+                causal=True,
+                num_prefix_keys=self.num_sink,
             )
             register_out = self.o_proj(self._merge_heads(register_out))
         prefix, num_prefix = self._prefix(register_keys, dtype, device)

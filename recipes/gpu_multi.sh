@@ -23,8 +23,8 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 LOG="$RESULTS/multi/gpu_multi.log"
 
-if [ -d "$REPO/wheels" ]; then
-    pip install --no-index --find-links "$REPO/wheels" datasets evaluate >> "$LOG" 2>&1
+if [ -d "$REPO/wheels" ] && ! python -c "import datasets, evaluate" 2>/dev/null; then
+    pip install --no-deps --no-index "$REPO"/wheels/*.whl >> "$LOG" 2>&1
 fi
 DATA_ROOT=${2:-${HF_RBF_DATA_ROOT:-}}
 if [ -z "$DATA_ROOT" ]; then
