@@ -40,8 +40,8 @@ job_env() {
     # --no-deps: the image has their dependencies (pyarrow, fsspec, xxhash, pandas, huggingface_hub) and no index;
     # datasets 5.x wants pyarrow >= 24: if the image's is older, the 4.4 wheel in wheels/fallback (pyarrow >= 21) goes in.
     if [ -d wheels ]; then
-        pip install -q --no-deps --no-index wheels/*.whl 2>&1 | tail -3
-        python3 -c "import datasets" 2>/dev/null || pip install -q --no-deps --no-index --force-reinstall wheels/fallback/*.whl
+        python3 -m pip install -q --no-deps --no-index wheels/*.whl 2>&1 | tail -3
+        python3 -c "import datasets" 2>/dev/null || python3 -m pip install -q --no-deps --no-index --force-reinstall wheels/fallback/*.whl
     fi
     python3 -c "import datasets, evaluate, pyarrow; print('datasets', datasets.__version__, 'evaluate', evaluate.__version__, 'pyarrow', pyarrow.__version__)"
 }

@@ -33,7 +33,7 @@ LOG="$RESULTS/gpu_all.log"
 
 # The GPU machine has no `datasets` / `evaluate`: wheels carried into ./wheels are installed from there.
 if [ -d "$REPO/wheels" ] && ! python -c "import datasets, evaluate" 2>/dev/null; then
-    pip install --no-deps --no-index "$REPO"/wheels/*.whl >> "$LOG" 2>&1 || echo "pip install from wheels/ failed" | tee -a "$RESULTS/failures.txt"
+    python -m pip install --no-deps --no-index "$REPO"/wheels/*.whl >> "$LOG" 2>&1 || echo "pip install from wheels/ failed" | tee -a "$RESULTS/failures.txt"
 fi
 
 DATA_ROOT=${2:-${HF_RBF_DATA_ROOT:-}}

@@ -24,7 +24,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 LOG="$RESULTS/multi/gpu_multi.log"
 
 if [ -d "$REPO/wheels" ] && ! python -c "import datasets, evaluate" 2>/dev/null; then
-    pip install --no-deps --no-index "$REPO"/wheels/*.whl >> "$LOG" 2>&1
+    python -m pip install --no-deps --no-index "$REPO"/wheels/*.whl >> "$LOG" 2>&1
 fi
 DATA_ROOT=${2:-${HF_RBF_DATA_ROOT:-}}
 if [ -z "$DATA_ROOT" ]; then
