@@ -84,11 +84,12 @@ class HybridSortAttention(ScalarSortAttention):
 
     def project_registers(self, r: torch.Tensor, detach_offsets: bool = False) -> _Projections:
         proj = super().project_registers(r, detach_offsets)
-        position = self.register_position.to(r.dtype)
+        q, k = self._split_heads(self.q_proj(r)), self._split_heads(self.k_proj(r))
+        # the projections' dtype, not the residual stream's: under autocast they differ (bf16 vs float32)
+        position = self.register_position.to(q.dtype)
         if detach_offsets:
             position = position.detach()
-        proj.q = self._split_heads(self.q_proj(r)) + position
-        proj.k = self._split_heads(self.k_proj(r)) + position
+        proj.q, proj.k = q + position, k + position
         return proj
 
     def attention_function(
