@@ -132,7 +132,15 @@ def main(argv=None):
         text = replace_block(text, "accounting", accounting_table(args.accounting))
     for name, folder in (("mnist_cpu", args.cpu_results), ("mnist_gpu", args.gpu_results)):
         if folder:
-            table = results_table(load_results(folder))
+            try:
+                table = results_table(load_results(folder))
+            except FileNotFoundError:
+                # only the run's own summary.md came back (the JSON files were not returned): use its table as is
+                path = os.path.join(folder, "summary.md")
+                if not os.path.exists(path):
+                    raise
+                with open(path) as f:
+                    table = "".join(line for line in f if not line.startswith("<!--") and not line.startswith("     "))
             text = replace_block(text, name, table)
             summary += table + "\n"
     out = args.output or args.card
