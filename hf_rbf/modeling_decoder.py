@@ -342,6 +342,17 @@ class DecoderPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     # the attention kind -> class table of the family (set by each family's PreTrainedModel)
     attention_classes: dict[str, type[DecoderAttention]] = {}
+    # Parameters that must not be weight-decayed (regexes on parameter names, read by hf_rbf.trainer.HfRbfTrainer):
+    # the kernels' own log-bandwidths / log-gammas / temperatures (decay would pull them to a fixed width), the SuSiE
+    # weights, register tokens and their positions, and the scalar sink's value.
+    _no_weight_decay_patterns = (
+        r"log_sigma$",
+        r"log_gamma$",
+        r"tau_bias$",
+        r"susie_weight$",
+        r"register_",
+        r"sink_value$",
+    )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

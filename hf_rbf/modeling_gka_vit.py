@@ -222,6 +222,9 @@ class GkaVitPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["GkaVitEmbeddings", "GkaVitLayer"]
     _supports_sdpa = True
+    # No weight decay (read by hf_rbf.trainer.HfRbfTrainer) on what the GKA paper's DeiT recipe exempts: log sigma, the
+    # CLS token and the learned position embeddings (biases and LayerNorms are exempt in Trainer already).
+    _no_weight_decay_patterns = (r"log_sigma$", r"cls_token$", r"position_embeddings$")
 
     def __init__(self, config: GkaVitConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
@@ -249,15 +252,6 @@ class GkaVitPreTrainedModel(PreTrainedModel):
             init.trunc_normal_(module.position_embeddings, mean=0.0, std=std)
         elif isinstance(module, GkaVitGaussianKernelAttention):
             init.copy_(module.log_sigma, torch.tensor(self.config.initial_log_sigma(), dtype=module.log_sigma.dtype))
-
-    def no_weight_decay_parameter_names(self) -> list[str]:
-        """Parameters the DeiT/GKA recipe trains without weight decay besides biases and norms: [CLS], positions,
-        and the GKA log-bandwidths."""
-        return [
-            name
-            for name, _ in self.named_parameters()
-            if name.endswith(("cls_token", "position_embeddings", "log_sigma"))
-        ]
 
 
 class GkaVitModel(GkaVitPreTrainedModel):

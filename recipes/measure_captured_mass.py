@@ -43,7 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments  # 
 
 import hf_rbf  # noqa: E402, F401  (registers the families)
 from hf_rbf.eval.captured_mass import captured_mass, order_keys_for  # noqa: E402
-from hf_rbf.trainer_regularizers import RegularizerLoggingTrainer  # noqa: E402
+from hf_rbf.trainer import HfRbfTrainer  # noqa: E402
 
 logger = logging.getLogger("measure_captured_mass")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -194,7 +194,7 @@ def train(family, size, regularized, train_blocks, vocab_size, out_dir, seed):
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = RegularizerLoggingTrainer(model=model, args=args, train_dataset=train_blocks, data_collator=collate)
+    trainer = HfRbfTrainer(model=model, args=args, train_dataset=train_blocks, data_collator=collate)
     start = time.time()
     trainer.train()
     model.save_pretrained(out_dir)

@@ -274,7 +274,9 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
     """Run a recipe (see the module docstring); returns the summary (also written to ``summary.json``)."""
     import datasets
     import transformers
-    from transformers import Trainer, set_seed
+    from transformers import set_seed
+
+    from hf_rbf.trainer import HfRbfTrainer
 
     from recipes.pretrain_callbacks import MetricsCallback, StopAtStepCallback, ThroughputCallback
     from recipes.pretrain_data import collate_blocks, load_split_documents, prepare_data
@@ -363,7 +365,8 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
     callbacks = [metrics_cb, throughput_cb]
     if stop_at_step is not None:
         callbacks.append(StopAtStepCallback(stop_at_step))
-    trainer = Trainer(
+    # HfRbfTrainer: Trainer plus the model's no-decay parameters and the regularizer terms in the logs
+    trainer = HfRbfTrainer(
         model=model,
         args=args,
         train_dataset=data["train"],

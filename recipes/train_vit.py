@@ -46,19 +46,15 @@ from hf_rbf.modeling_gka_vit import (  # noqa: E402
 
 
 def build_trainer_class():
-    from transformers import Trainer
+    from hf_rbf.trainer import HfRbfTrainer
 
-    class VitTrainer(Trainer):
-        """Trainer with the DeiT weight-decay exclusions and an augmentation-free collator for evaluation."""
+    class VitTrainer(HfRbfTrainer):
+        """HfRbfTrainer (the DeiT weight-decay exclusions the model lists) with an augmentation-free collator for
+        evaluation."""
 
         def __init__(self, *args, eval_data_collator=None, **kwargs):
             super().__init__(*args, **kwargs)
             self.eval_data_collator = eval_data_collator
-
-        def get_decay_parameter_names(self, model):
-            names = super().get_decay_parameter_names(model)
-            skip = set(getattr(model, "no_weight_decay_parameter_names", lambda: [])())
-            return [n for n in names if n not in skip]
 
         def evaluate(self, *args, **kwargs):
             if self.eval_data_collator is None:

@@ -16,6 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from pathlib import Path
 import torch
 
 
@@ -265,10 +266,18 @@ def test_stochastic_depth_and_gradient_checkpointing():
     assert ref.vit.layers[0].attention.log_sigma.grad.abs().sum() > 0
 
 
-def test_no_weight_decay_names():
-    names = tiny_model("gka").no_weight_decay_parameter_names()
-    assert "vit.embeddings.cls_token" in names and "vit.embeddings.position_embeddings" in names
-    assert "vit.layers.0.attention.log_sigma" in names and len(names) == 2 + 2
+def test_no_weight_decay_names(tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_rbf.trainer import HfRbfTrainer
+
+    model = tiny_model("gka")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], weight_decay=0.05)
+    decayed = set(HfRbfTrainer(model=model, args=args).get_decay_parameter_names(model))
+    exempt = {n for n, _ in model.named_parameters()} - decayed
+    assert {"vit.embeddings.cls_token", "vit.embeddings.position_embeddings"} <= exempt
+    assert "vit.layers.0.attention.log_sigma" in exempt
+    assert "vit.layers.0.attention.o_proj.weight" in decayed and "vit.layers.0.mlp.fc1.weight" in decayed
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -603,7 +612,10 @@ def test_model_card_is_filled_from_results_files(trained, tmp_path):
     for r in results:
         assert f"{100 * r['test_accuracy']:.2f}" in block
         assert f"{r['parameters']['total'] / 1e6:.3f}" in block
-    assert "(not run yet)" in text.split("<!-- mnist_gpu:start -->")[1]  # blocks without a source stay as they are
+    # blocks without a source stay as they are
+    card = (Path(vit_fill_model_card.__file__).parent.parent / "model_cards" / "gka_vit.md").read_text()
+    gpu_block = text.split("<!-- mnist_gpu:start -->")[1].split("<!-- mnist_gpu:end -->")[0]
+    assert gpu_block == card.split("<!-- mnist_gpu:start -->")[1].split("<!-- mnist_gpu:end -->")[0]
     assert (tmp_path / "summary.md").read_text().strip() == block.strip()
     with pytest.raises(ValueError, match="no <!-- nope:start -->"):
         vit_fill_model_card.replace_block("text", "nope", "x")

@@ -194,3 +194,37 @@ def test_zero_initialised_registers_get_ordinary_gradients(family):
     register = max(v for n, v in norms.items() if "register" in n)
     others = max(v for n, v in norms.items() if "register" not in n)
     assert 0 < register < others
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("rbf", dict(num_register_tokens=2, rbf_learnable_gamma=True)),
+        ("gka", dict(num_register_tokens=1)),
+        ("scalar_sort", dict(num_register_tokens=1)),
+        ("hybrid_sort", dict(num_register_tokens=1)),
+    ],
+)
+def test_trainer_does_not_decay_the_kernel_parameters(family, overrides, tmp_path):
+    """HfRbfTrainer decays projection and MLP weights but not log sigma / log gamma / tau, SuSiE weights, registers or
+    the sink (Trainer's default rule would decay all of them)."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_rbf.trainer import HfRbfTrainer
+
+    model = build_model(family, overrides)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], weight_decay=0.1)
+    real = {n for n, _ in model.named_parameters()}  # Trainer's name list also holds parameters set to None
+    decayed = set(HfRbfTrainer(model=model, args=args).get_decay_parameter_names(model)) & real
+    default = set(Trainer(model=model, args=args).get_decay_parameter_names(model)) & real
+    special = {
+        n
+        for n, _ in model.named_parameters()
+        if any(key in n for key in ("log_sigma", "log_gamma", "tau_bias", "susie_weight", "register_", "sink_value"))
+    }
+    assert special, "the configuration should have kernel parameters"
+    # Trainer alone would decay them (tau_bias already escapes through its name's "bias")
+    assert {n for n in special if "bias" not in n} <= default
+    assert not (special & decayed)
+    assert decayed == default - special
+    assert any(n.endswith("o_proj.weight") for n in decayed) and any(n.endswith("gate_proj.weight") for n in decayed)

@@ -53,7 +53,7 @@ def test_save_load_identical_logits_and_auto_map(sort_case, tmp_path):
     }
     files = set(os.listdir(tmp_path))
     assert {f"modeling_{stem}.py", "cache_sorted_scalar.py", "sorted_decode.py", "scalar_regularizers.py"} <= files
-    assert "trainer_regularizers.py" not in files
+    assert "trainer.py" not in files
 
 
 _REMOTE_SCRIPT = """

@@ -220,7 +220,7 @@ def _collate(batch):
 def _train_one_step(tmp_path, batch_size, accumulation, family="scalar_sort"):
     from transformers import TrainingArguments
 
-    from hf_rbf.trainer_regularizers import RegularizerLoggingTrainer
+    from hf_rbf.trainer import HfRbfTrainer
 
     model = build_model(
         family,
@@ -246,7 +246,7 @@ def _train_one_step(tmp_path, batch_size, accumulation, family="scalar_sort"):
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = RegularizerLoggingTrainer(
+    trainer = HfRbfTrainer(
         model=model, args=args, train_dataset=_examples(model.config.vocab_size), data_collator=_collate
     )
     result = trainer.train()

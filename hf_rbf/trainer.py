@@ -1,0 +1,78 @@
+"""``HfRbfTrainer``: a ``transformers.Trainer`` with two additions that hf_rbf models need.
+
+1. **No weight decay on the kernel's own parameters.**  ``Trainer`` decays every parameter except biases and norms.
+   For distance-based attention that is wrong for the per-head log bandwidths / log gammas / temperatures (decay pulls
+   ``log sigma`` to 0, i.e. sigma to 1, whatever the features' scale), the SuSiE weights, the register tokens and their
+   positions, the scalar sink's value, and the ViT's CLS token and position embeddings (the GKA paper disables decay for
+   exactly these).  A model lists them as regular expressions in ``_no_weight_decay_patterns``;
+   :meth:`HfRbfTrainer.get_decay_parameter_names` (``Trainer``'s override point) leaves them out.  Models without the
+   attribute (e.g. ``LlamaForCausalLM``) keep ``Trainer``'s rule.
+2. **The regularizer terms in the logs.**  ``Trainer`` logs only ``loss``.  The scalar-sort and hybrid-sort models return ``align_loss``, ``spread_loss`` and
+``tau_loss`` (unweighted, detached) in their output (:class:`~hf_rbf.ScalarSortCausalLMOutput`);
+:class:`HfRbfTrainer` collects them in ``compute_loss`` (the documented override point) and adds their
+means since the last log to every training log (``log_history``, TensorBoard, W&B, ...), averaged over processes.
+The optimised loss is the model's ``loss`` unchanged.
+
+Not imported by any model file (remote-code checkpoints do not need it)::
+
+    from hf_rbf.trainer import HfRbfTrainer
+    trainer = HfRbfTrainer(model=model, args=args, train_dataset=ds, data_collator=collate)
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from transformers import Trainer
+
+
+def no_weight_decay_patterns(model) -> tuple[str, ...]:
+    """The ``_no_weight_decay_patterns`` of the first module in ``model`` that has them (so PEFT or other wrappers
+    around an hf_rbf model are seen through), or ``()``."""
+    for module in model.modules():
+        patterns = getattr(type(module), "_no_weight_decay_patterns", None)
+        if patterns is not None:
+            return tuple(patterns)
+    return ()
+
+
+class HfRbfTrainer(Trainer):
+    """``Trainer`` plus the model's no-decay parameters and the logging of ``log_fields`` from the model output
+    (means over the micro-batches since the last training log; a field the model leaves as None is not logged)."""
+
+    log_fields = ("align_loss", "spread_loss", "tau_loss")
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        names = super().get_decay_parameter_names(model)
+        patterns = [re.compile(p) for p in no_weight_decay_patterns(model)]
+        return [n for n in names if not any(p.search(n) for p in patterns)]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._term_sums: dict[str, torch.Tensor] = {}
+        self._term_counts: dict[str, int] = {}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if model.training:
+            for name in self.log_fields:
+                value = outputs.get(name) if isinstance(outputs, dict) else getattr(outputs, name, None)
+                if value is None:
+                    continue
+                value = value.detach().float()
+                self._term_sums[name] = self._term_sums.get(name, 0.0) + value
+                self._term_counts[name] = self._term_counts.get(name, 0) + 1
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self._term_sums:
+            for name, total in self._term_sums.items():
+                mean = total / self._term_counts[name]
+                mean = self.accelerator.reduce(mean.to(self.accelerator.device), reduction="mean")
+                logs[name] = round(float(mean), 6)
+            self._term_sums, self._term_counts = {}, {}
+        super().log(logs, *args, **kwargs)
+
+
+__all__ = ["HfRbfTrainer", "no_weight_decay_patterns"]
