@@ -32,6 +32,7 @@ from .kernels_common import (
     HAS_TRITON,
     autotune,
     autotune_enabled,
+    autotune_subset,
     dot_precision,
     make_configs,
     n_bucket,
@@ -78,7 +79,7 @@ def _make_prune(rows_key, cols_key, acc_cols):
             if shared_memory_fits(rows, cols, d_pad, dv_pad, c.num_stages, el) and acc <= 128:
                 out.append(c)
         out = out or configs[-1:]
-        return out if autotune_enabled() else out[:1]
+        return autotune_subset(out, nargs)
 
     return prune
 

@@ -31,7 +31,7 @@ from .kernels_common import (
     DEFINED_INTERPRETED,
     HAS_TRITON,
     autotune,
-    autotune_enabled,
+    autotune_subset,
     ceil_div,
     dot_precision,
     make_configs,
@@ -84,7 +84,7 @@ def _prune_fwd(configs, nargs, **kwargs):
     fitting = [c for c in configs if _fits(c, nargs)] or configs[-1:]
     if nargs["NQ"] <= 64:
         fitting = [c for c in fitting if c.kwargs["BLOCK_M"] <= 64] or fitting
-    return fitting if autotune_enabled() else fitting[:1]
+    return autotune_subset(fitting, nargs)
 
 
 if HAS_TRITON:

@@ -23,7 +23,7 @@ import torch
 from .kernels_common import (
     HAS_TRITON,
     autotune,
-    autotune_enabled,
+    autotune_subset,
     dot_precision,
     make_configs,
     n_bucket,
@@ -83,7 +83,7 @@ def prune_scalar(configs, nargs, stationary_rows_key, acc_rows_key):
     if not out:
         hp = hp_req if hp_req and hpg % hp_req == 0 else 1
         out = [triton.Config({"ROWS": 16 * hp, "BLOCK_N": 32, "HP": hp}, num_warps=4, num_stages=2)]
-    return out if autotune_enabled() else out[:1]
+    return autotune_subset(out, nargs)
 
 
 def _prune(configs, nargs, **kwargs):

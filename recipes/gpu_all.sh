@@ -11,6 +11,7 @@
 #   WORK=/tmp/hf_rbf_gpu_all       checkpoints, data cache and HF caches (RESULTS gets only small files)
 #   KEEP_MODELS=1                  also copy each run's final/ model into RESULTS
 #   EXTRA_SET="k=v ..."          more --set overrides for every recipe (e.g. training.max_steps=500)
+#   THROUGHPUT=0                   skip the throughput step (run recipes/throughput.py on its own)
 #   SMOKE=1                        a CPU check of this script: tiny models, a few steps, 11 CORE examples per task
 # A recipe whose family is not registered in this checkout is reported in RESULTS/failures.txt and skipped.
 set -uo pipefail
@@ -106,7 +107,7 @@ for name in $CONFIGS; do
 done
 
 # 3. throughput of every family against Llama (SDPA), one run
-step throughput python recipes/throughput.py --output "$RESULTS/throughput" "${THROUGHPUT_ARGS[@]}"
+[ "${THROUGHPUT:-1}" != "0" ] && step throughput python recipes/throughput.py --output "$RESULTS/throughput" "${THROUGHPUT_ARGS[@]}"
 
 # 4. parameter / FLOP accounting, figures, model-card tables
 step accounting python recipes/accounting.py --output "$RESULTS/accounting"

@@ -209,13 +209,28 @@ def post_training(cfg, trainer, tokenizer, data, final_dir, log) -> dict:
         trained = trainer.model
         was_training = trained.training
         trained.eval()
+        # Under bf16/fp16 training accelerate wraps the trained model's forward in autocast: the reloaded model is
+        # run under the same autocast, so the check compares like with like (the weights are compared exactly).
+        amp_dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None
         with torch.no_grad():
             dev = next(trained.parameters()).device
             a = trained(sample.to(dev)).logits.float().cpu()
-            b = model(sample.to(device)).logits.float().cpu()
+            with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+                b = model(sample.to(device)).logits.float().cpu()
+            reloaded = dict(model.named_parameters())
+            param_diff = max(
+                (p.detach().float().cpu() - reloaded[n].detach().float().cpu()).abs().max().item()
+                for n, p in trained.named_parameters()
+                if n in reloaded
+            )
         trained.train(was_training)
         out["reload_max_abs_diff"] = (a - b).abs().max().item()
-        log(f"[check] saved and reloaded model vs trained model: max |logit diff| = {out['reload_max_abs_diff']:.3g}")
+        out["reload_max_param_diff"] = param_diff
+        out["reload_autocast"] = str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None
+        log(
+            f"[check] saved and reloaded model vs trained model: max |logit diff| = {out['reload_max_abs_diff']:.3g}"
+            f" (autocast {out['reload_autocast']}), max |parameter diff| = {param_diff:.3g}"
+        )
 
     if ev["bpb"].get("enabled", True):
         texts = _bpb_texts(data["validation_texts"], ev["bpb"])

@@ -146,3 +146,16 @@ def test_package_works_without_triton():
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_autotune_subset_times_every_config_only_for_large_buckets(monkeypatch):
+    """Small sequence buckets take the first fitting config untimed (compile time, not tile choice, dominates
+    there); larger ones time all of them unless HF_RBF_TRITON_AUTOTUNE=0."""
+    configs = ["a", "b", "c"]
+    monkeypatch.setattr(kernels_common, "DEFINED_INTERPRETED", False)
+    monkeypatch.setenv("HF_RBF_TRITON_AUTOTUNE", "1")
+    small = kernels_common.SMALL_N_BUCKET
+    assert kernels_common.autotune_subset(configs, {"N_BUCKET": small}) == ["a"]
+    assert kernels_common.autotune_subset(configs, {"N_BUCKET": 2 * small}) == configs
+    monkeypatch.setenv("HF_RBF_TRITON_AUTOTUNE", "0")
+    assert kernels_common.autotune_subset(configs, {"N_BUCKET": 2 * small}) == ["a"]

@@ -93,6 +93,7 @@ def test_pretrain_end_to_end(full_run):
     assert s["attention_backends"] == ["rbf:naive"]  # the recipe asks for the reference path: visible in the summary
     # the saved model is the trained one and loads with remote code where hf_rbf cannot be imported
     assert s["reload_max_abs_diff"] < 1e-5
+    assert s["reload_max_param_diff"] == 0.0 and s["reload_autocast"] is None
     check = s["remote_code_check"]
     assert check["ok"], check
     assert not check["hf_rbf_loaded"] and check["model_module"].startswith("transformers_modules.")
