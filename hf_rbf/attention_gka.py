@@ -25,7 +25,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_head_param,
 )
-from .kernels_common import triton_last_on_cpu
+from .kernels_common import auto_order
 
 
 OP = "gka_attention"
@@ -63,7 +63,7 @@ def _candidates(query, x, log_sigma, eps, mask, backend):
         "flex": (gka_attention_flex, flex_auto_reason(x.device, backend) or gka_flex_reason(query, x, log_sigma, mask)),
         "naive": (gka_attention_naive, None),
     }
-    return triton_last_on_cpu(candidates, x.device)
+    return auto_order(candidates, x.device, mask.nq)
 
 
 def gka_attention(

@@ -30,7 +30,7 @@ from .attention_utils import (
     per_head_param,
     per_query_param,
 )
-from .kernels_common import triton_last_on_cpu
+from .kernels_common import auto_order
 
 
 OP = "hybrid_attention"
@@ -57,7 +57,7 @@ def _candidates(q, k, v, qs, ks, tau, scale, mask, backend):
         "flex": (hybrid_attention_flex, flex_reason),
         "naive": (hybrid_attention_naive, None),
     }
-    return triton_last_on_cpu(candidates, q.device)
+    return auto_order(candidates, q.device, mask.nq)
 
 
 def hybrid_attention(

@@ -28,7 +28,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_head_param,
 )
-from .kernels_common import triton_last_on_cpu
+from .kernels_common import auto_order
 
 
 OP = "rbf_attention"
@@ -67,7 +67,7 @@ def _candidates(q, k, v, gamma, normalize, mask, backend):
         "flex": (rbf_attention_flex, flex_auto_reason(q.device, backend) or rbf_flex_reason(q, k, v, gamma, mask)),
         "naive": (rbf_attention_naive, None),
     }
-    return triton_last_on_cpu(candidates, q.device)
+    return auto_order(candidates, q.device, mask.nq)
 
 
 def rbf_attention(

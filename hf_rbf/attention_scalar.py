@@ -24,7 +24,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_query_param,
 )
-from .kernels_common import triton_last_on_cpu
+from .kernels_common import auto_order
 
 
 OP = "scalar_attention"
@@ -64,7 +64,7 @@ def _candidates(qs, ks, v, tau, mask, backend):
         # the scalar score about 3x faster than our rank-1 Triton kernel (2.7 ms vs 7.9 ms fwd+bwd at B2 H16 N8192
         # G4), whose score tile spills registers; with a window SDPA needs a dense mask and Triton wins by ~10x.
         candidates = {name: candidates[name] for name in ("sdpa", "triton", "flex", "naive")}
-    return triton_last_on_cpu(candidates, v.device)
+    return auto_order(candidates, v.device, mask.nq, split_k_decode=False)
 
 
 def check_grouped_values(op: str, v: torch.Tensor, batch: int, heads: int, nk: int) -> None:

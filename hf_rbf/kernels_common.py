@@ -402,6 +402,32 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# At most this many query rows count as decoding for the backend order (see `auto_order`).
+DECODE_ROWS = 16
+
+
+def auto_order(candidates: dict, device: torch.device, num_queries: int, *, split_k_decode: bool = True) -> dict:
+    """The order "auto" tries a family's backends in: the family's own order, "triton" last on the CPU, and for a
+    handful of query rows (decoding) "naive" first on the CPU, and on CUDA too for a family without a split-K
+    decode kernel (``split_k_decode=False``: the scalar family).
+
+    Why, measured (benchmarks/probe_scalar_decode.py, recipes/bench_sorted_decode.py):
+    - CPU (this project's 2-core machine, torch 2.13, H=16, D=64, 4096 keys): the padding trick copies every key
+      and value into padded tensors on each call, which a decode step cannot amortise; one query row took 1.7-3.1 ms
+      naive against 7.2-10.4 ms through SDPA for every family, 16 rows 4.5-6.6 ms against 5.0-16.6 ms; from 64
+      rows on SDPA wins (11-18 ms against 16-23 ms).
+    - H200 (scalar, H=16, G=4, Dv=64, bf16): torch's SDPA picks cuDNN for the padded call with a mask, and cuDNN
+      builds a new execution plan for every new key length: ~27 ms per generated token at any context from 4096
+      keys on, against 0.4-0.6 ms naive up to 64K keys (6.4 ms at 1M).  The scalar Triton kernel has no split-K
+      decode path: 0.16 ms at 1K keys but 2.7 ms at 64K and 42 ms at 1M.
+    """
+    ordered = triton_last_on_cpu(candidates, device)
+    decode_naive = device.type == "cpu" or not split_k_decode
+    if decode_naive and num_queries <= DECODE_ROWS and "naive" in ordered:
+        ordered = {"naive": ordered["naive"], **{n: e for n, e in ordered.items() if n != "naive"}}
+    return ordered
+
+
 def triton_last_on_cpu(candidates: dict, device: torch.device) -> dict:
     """Backend order for a family's ``_candidates``: "triton" first on CUDA; on the CPU it goes last.
 

@@ -28,6 +28,7 @@ import logging
 import os
 import statistics
 import sys
+import contextlib
 import time
 
 import torch
@@ -49,18 +50,36 @@ PRESETS = {
         model_contexts=[1024, 4096, 16384],
         dtype=torch.float32,
         steps=32,
+        exact_backends="auto",
     ),
     "cuda": dict(
         layer_contexts=[1024, 4096, 16384, 65536, 262144, 1048576],
         model_contexts=[1024, 4096, 16384, 65536],
         dtype=torch.bfloat16,
         steps=64,
+        exact_backends="auto,naive,triton,sdpa:flash,sdpa:efficient,sdpa:cudnn",
     ),
 }
 LAYER_SHAPE = dict(heads=16, groups=4, value_dim=64)
 # (window k, cache_buffer_size R, decode backend); the fused kernel is added where it can run (CUDA)
 SORTED_VARIANTS = [(32, 64, "torch"), (64, 64, "torch"), (64, 256, "torch"), (64, 1, "torch")]
 KERNEL_VARIANTS = [(64, 64, "triton"), (64, 256, "triton")]
+
+
+@contextlib.contextmanager
+def sdpa_kernels(name: str):
+    """Restrict torch's SDPA to one kernel ("flash", "efficient", "cudnn", "math"); "" leaves torch's choice."""
+    if not name:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernels = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    if name not in kernels:
+        raise ValueError(f"--exact-backends: unknown SDPA kernel {name!r}; allowed: {', '.join(kernels)}")
+    with sdpa_kernel(kernels[name]):
+        yield
 
 
 def sorted_variants(device) -> list[tuple]:
@@ -86,7 +105,7 @@ def _median_ms(fn, device, steps: int, warmup: int = 3) -> float:
 
 
 @torch.no_grad()
-def bench_layer(n: int, device, dtype, steps: int, exact_backend: str = "auto") -> list[dict]:
+def bench_layer(n: int, device, dtype, steps: int, exact_backends=("auto",)) -> list[dict]:
     h, g, dv = LAYER_SHAPE["heads"], LAYER_SHAPE["groups"], LAYER_SHAPE["value_dim"]
     gen = torch.Generator(device="cpu").manual_seed(0)
     total = n + 4 * (steps + 8)
@@ -103,19 +122,27 @@ def bench_layer(n: int, device, dtype, steps: int, exact_backend: str = "auto") 
     )
     rows = []
 
-    # exact: attention of the newest query over every cached key (written in place, no copy)
-    pos = [n]
+    # exact: attention of the newest query over every cached key (written in place, no copy), once per backend
+    for spec in exact_backends:
+        backend, _, sdpa_kernel_name = spec.partition(":")
+        pos = [n]
 
-    def exact_step():
-        i = pos[0]
-        scalar_attention(queries[..., i : i + 1], keys[..., : i + 1], values[:, :, : i + 1], tau, backend=exact_backend)
-        pos[0] = i + 1
+        def exact_step():
+            i = pos[0]
+            with sdpa_kernels(sdpa_kernel_name):
+                scalar_attention(queries[..., i : i + 1], keys[..., : i + 1], values[:, :, : i + 1], tau,
+                                 backend=backend)  # fmt: skip
+            pos[0] = i + 1
 
-    ms = _median_ms(exact_step, device, steps)
-    rows.append(dict(bench="layer", method=f"exact ({last_backend('scalar_attention')})", context=n, window="",
-                     buffer="", step_ms=ms, read_ms=ms,
-                     insert_ms=0.0))  # fmt: skip
-    logger.info("layer, context %d: exact %.3f ms", n, ms)
+        try:
+            ms = _median_ms(exact_step, device, steps)
+        except (RuntimeError, ValueError) as e:  # a backend or SDPA kernel that cannot serve this shape: recorded
+            logger.info("layer, context %d: exact %s failed: %s", n, spec, str(e).splitlines()[0])
+            ms = float("nan")
+        name = last_backend("scalar_attention") if backend == "auto" else backend
+        rows.append(dict(bench="layer", method=f"exact ({spec if backend != 'auto' else 'auto=' + name})",
+                         context=n, window="", buffer="", step_ms=ms, read_ms=ms, insert_ms=0.0))  # fmt: skip
+        logger.info("layer, context %d: exact %s %.3f ms", n, spec, ms)
 
     for k, r, backend in sorted_variants(device):
         layer = SortedScalarCacheLayer(num_heads=h, num_value_groups=g, decode_window=k, cache_buffer_size=r,
@@ -216,17 +243,19 @@ def markdown(rows) -> str:
         variants = sorted({(r["method"], r["window"], r["buffer"]) for r in layer_rows if r["method"].startswith("sorted")},
                           key=lambda v: (v[0], v[1], -v[2] if v[2] != 1 else 0))  # fmt: skip
         names = [f"{m} k={k} R={b}" for m, k, b in variants]
-        exact_name = next(r["method"] for r in layer_rows if r["method"].startswith("exact"))
-        lines.append(f"| context | {exact_name} | " + " | ".join(f"{v} step (read)" for v in names) + " |")
-        lines.append("|" + "---|" * (2 + len(variants)))
+        exact_names = list(dict.fromkeys(r["method"] for r in layer_rows if r["method"].startswith("exact")))
+        lines.append(f"| context | {' | '.join(exact_names)} | " + " | ".join(f"{v} step (read)" for v in names) + " |")
+        lines.append("|" + "---|" * (1 + len(exact_names) + len(variants)))
         for n in sorted({r["context"] for r in layer_rows}):
-            exact = next(r for r in layer_rows if r["context"] == n and r["method"].startswith("exact"))
             cells = []
+            for name in exact_names:
+                r = next((r for r in layer_rows if r["context"] == n and r["method"] == name), None)
+                cells.append(f"{r['step_ms']:.3f}" if r is not None else "")
             for m, k, b in variants:
                 r = next(r for r in layer_rows
                          if r["context"] == n and r["method"] == m and r["window"] == k and r["buffer"] == b)  # fmt: skip
                 cells.append(f"{r['step_ms']:.3f} ({r['read_ms']:.3f})")
-            lines.append(f"| {n} | {exact['step_ms']:.3f} | " + " | ".join(cells) + " |")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines.append("")
     model_rows = [r for r in rows if r["bench"] == "model"]
     if model_rows:
@@ -285,7 +314,12 @@ def main(argv=None):
     parser.add_argument("--layer-contexts", type=int, nargs="*")
     parser.add_argument("--model-contexts", type=int, nargs="*")
     parser.add_argument("--steps", type=int)
-    parser.add_argument("--exact-backend", default="auto", help="backend of the exact attention (scalar_attention)")
+    parser.add_argument(
+        "--exact-backends",
+        help="comma-separated backends of the exact attention (scalar_attention), an SDPA kernel after a colon, "
+        "e.g. auto,naive,triton,sdpa:flash,sdpa:efficient,sdpa:cudnn (default: auto on the CPU; on CUDA auto, naive, "
+        "triton and sdpa with each of its kernels).  The whole-model rows use the first.",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     preset = dict(PRESETS[args.device])
@@ -293,13 +327,17 @@ def main(argv=None):
         if getattr(args, name) is not None:
             preset[name] = getattr(args, name)
     device = torch.device(args.device)
+    exact = (args.exact_backends or preset["exact_backends"]).split(",")
     os.makedirs(args.output, exist_ok=True)
+    # a discarded pass first: kernel compilation and autotuning (the sorted step's buffer merge included) stay out
+    # of the timings
+    bench_layer(preset["layer_contexts"][0], device, preset["dtype"], 64, exact)
     rows = []
     for n in preset["layer_contexts"]:
-        rows += bench_layer(n, device, preset["dtype"], preset["steps"], args.exact_backend)
+        rows += bench_layer(n, device, preset["dtype"], preset["steps"], exact)
         logger.info("layer, context %d done", n)
     for n in preset["model_contexts"]:
-        rows += bench_model(n, device, preset["dtype"], preset["steps"], args.exact_backend)
+        rows += bench_model(n, device, preset["dtype"], preset["steps"], exact[0])
         logger.info("model, context %d done", n)
     with open(os.path.join(args.output, "bench_sorted_decode.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -7,6 +7,7 @@ import torch
 
 import hf_rbf
 import hf_rbf.attention_utils as attention_utils
+import hf_rbf.kernels_common as kernels_common
 import test_attention_gka as gka_tests
 import test_attention_hybrid as hybrid_tests
 import test_attention_rbf as rbf_tests
@@ -300,7 +301,7 @@ def test_no_keys_gives_zeros_on_naive():
 
 def test_auto_logs_its_choice_once_and_reports_it(caplog, monkeypatch):
     monkeypatch.setattr(attention_utils, "_LOGGED", set())
-    q = torch.randn(1, 2, 5, 8)
+    q = torch.randn(1, 2, 20, 8)  # more rows than DECODE_ROWS: the padding trick's order
     with caplog.at_level(logging.INFO, logger="hf_rbf"):
         hf_rbf.rbf_attention(q, q, q)
         hf_rbf.rbf_attention(q, q, q)
@@ -318,15 +319,34 @@ def test_auto_logs_its_choice_once_and_reports_it(caplog, monkeypatch):
     assert hf_rbf.last_backend()["rbf_attention"] == "naive"
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17, 64])
+def test_auto_on_cpu_decodes_naive_and_prefills_through_sdpa(rows):
+    """On the CPU the padding trick's per-call copies of every key make it 2-5x slower than the naive path for a
+    handful of query rows (see kernels_common.auto_order); from DECODE_ROWS + 1 rows on it is the faster one."""
+    h, n, d = 2, 40, 8
+    q, k, v = torch.randn(1, h, rows, d), torch.randn(1, h, n, d), torch.randn(1, h, n, d)
+    qs, ks, vg = torch.randn(1, h, rows), torch.randn(1, h, n), torch.randn(1, 1, n, d)
+    expected = "naive" if rows <= kernels_common.DECODE_ROWS else "sdpa"
+    with torch.no_grad():
+        hf_rbf.rbf_attention(q, k, v)
+        hf_rbf.gka_attention(k, torch.zeros(h), query=q)
+        hf_rbf.scalar_attention(qs, ks, vg, 0.1)
+        hf_rbf.hybrid_attention(q, k, vg, qs, ks, 0.1)
+    for op in ("rbf_attention", "gka_attention", "scalar_attention", "hybrid_attention"):
+        assert hf_rbf.last_backend(op) == expected, op
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_auto_takes_sdpa_on_cpu_and_explicit_backends_report_themselves(family):
     make, _, lib_fn, cases, _ = FAMILIES[family]
     inputs, kwargs = make(next(iter(cases.values())), seed=1)
     op = {"rbf": "rbf_attention", "gka": "gka_attention", "scalar": "scalar_attention", "hybrid": "hybrid_attention"}
     inputs = {n: t.float() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+    nq = next(t for n, t in inputs.items() if n in ("q", "qs", "query", "x")).shape[2]
     with torch.no_grad():
         lib_fn(**inputs, **kwargs)
-        assert hf_rbf.last_backend(op[family]) == "sdpa"
+        # a few query rows on the CPU (decoding) go to the naive path, more to the padding trick
+        assert hf_rbf.last_backend(op[family]) == ("naive" if nq <= kernels_common.DECODE_ROWS else "sdpa")
         for backend in ("naive", "flex", "sdpa"):
             lib_fn(**inputs, **kwargs, backend=backend)
             assert hf_rbf.last_backend(op[family]) == backend

@@ -159,3 +159,16 @@ def test_autotune_subset_times_every_config_only_for_large_buckets(monkeypatch):
     assert kernels_common.autotune_subset(configs, {"N_BUCKET": 2 * small}) == configs
     monkeypatch.setenv("HF_RBF_TRITON_AUTOTUNE", "0")
     assert kernels_common.autotune_subset(configs, {"N_BUCKET": 2 * small}) == ["a"]
+
+
+def test_auto_order_for_decoding():
+    """Decode rows: naive first on the CPU for every family, and on CUDA for a family without a split-K decode
+    kernel (scalar); prefill keeps the family's order, with triton last on the CPU."""
+    fam = {"triton": 1, "sdpa": 2, "flex": 3, "naive": 4}
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    rows = kernels_common.DECODE_ROWS
+    assert list(kernels_common.auto_order(fam, cuda, 1)) == ["triton", "sdpa", "flex", "naive"]
+    assert list(kernels_common.auto_order(fam, cuda, 1, split_k_decode=False)) == ["naive", "triton", "sdpa", "flex"]
+    assert list(kernels_common.auto_order(fam, cuda, rows + 1, split_k_decode=False)) == list(fam)
+    assert list(kernels_common.auto_order(fam, cpu, rows)) == ["naive", "sdpa", "flex", "triton"]
+    assert list(kernels_common.auto_order(fam, cpu, rows + 1)) == ["sdpa", "flex", "naive", "triton"]
