@@ -2,7 +2,7 @@
 bench_sorted_decode.py, 2026-11-21) while each SDPA kernel, forced, took under 1 ms: times one decode step per
 backend choice and prints the profiler's top operators for the slow one.
 
-    python benchmarks/probe_scalar_decode.py [--device cuda]
+    PYTHONPATH=. python benchmarks/probe_scalar_decode.py [--device cuda]
 """
 
 import argparse
@@ -12,6 +12,7 @@ import torch
 
 import hf_rbf
 from hf_rbf.attention_utils import last_backend
+from recipes.bench_sorted_decode import SDPA_KERNELS, sdpa_kernels
 
 
 def step_ms(fn, device, reps=30):
@@ -36,8 +37,6 @@ def main():
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     h, g, dv = 16, 4, 64
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     for n in (1024, 4096, 65536):
         qs = torch.randn(1, h, 1, device=device, dtype=dtype)
         ks = torch.randn(1, h, n, device=device, dtype=dtype)
@@ -50,10 +49,9 @@ def main():
                 row[name + " chose"] = last_backend("scalar_attention")
             except (RuntimeError, ValueError) as e:
                 row[name] = f"failed: {str(e).splitlines()[0][:80]}"
-        for kname, k in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                         ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):  # fmt: skip
+        for kname in SDPA_KERNELS:
             try:
-                with sdpa_kernel(k):
+                with sdpa_kernels(kname):
                     row["sdpa:" + kname] = step_ms(lambda: hf_rbf.scalar_attention(qs, ks, v, tau, backend="sdpa"), device)
             except (RuntimeError, ValueError) as e:
                 row["sdpa:" + kname] = f"failed: {str(e).splitlines()[0][:80]}"

@@ -407,9 +407,12 @@ DECODE_ROWS = 16
 
 
 def auto_order(candidates: dict, device: torch.device, num_queries: int, *, split_k_decode: bool = True) -> dict:
-    """The order "auto" tries a family's backends in: the family's own order, "triton" last on the CPU, and for a
-    handful of query rows (decoding) "naive" first on the CPU, and on CUDA too for a family without a split-K
-    decode kernel (``split_k_decode=False``: the scalar family).
+    """The order "auto" tries a family's backends in: the family's own order, with two moves.
+
+    - "triton" goes last on the CPU: there the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``,
+      for tests), far slower than the naive reference; an explicit ``backend="triton"`` still can.
+    - For a handful of query rows (decoding, at most ``DECODE_ROWS``) "naive" goes first on the CPU, and on CUDA
+      too for a family without a split-K decode kernel (``split_k_decode=False``: the scalar family).
 
     Why, measured (benchmarks/probe_scalar_decode.py, recipes/bench_sorted_decode.py):
     - CPU (this project's 2-core machine, torch 2.13, H=16, D=64, 4096 keys): the padding trick copies every key
@@ -421,21 +424,12 @@ def auto_order(candidates: dict, device: torch.device, num_queries: int, *, spli
       keys on, against 0.4-0.6 ms naive up to 64K keys (6.4 ms at 1M).  The scalar Triton kernel has no split-K
       decode path: 0.16 ms at 1K keys but 2.7 ms at 64K and 42 ms at 1M.
     """
-    ordered = triton_last_on_cpu(candidates, device)
-    decode_naive = device.type == "cpu" or not split_k_decode
-    if decode_naive and num_queries <= DECODE_ROWS and "naive" in ordered:
-        ordered = {"naive": ordered["naive"], **{n: e for n, e in ordered.items() if n != "naive"}}
-    return ordered
-
-
-def triton_last_on_cpu(candidates: dict, device: torch.device) -> dict:
-    """Backend order for a family's ``_candidates``: "triton" first on CUDA; on the CPU it goes last.
-
-    On the CPU the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``, for tests), which is far slower
-    than the naive reference, so "auto" must never pick it there; an explicit ``backend="triton"`` still can.
-    """
-    if device.type == "cuda" or "triton" not in candidates:
-        return candidates
-    ordered = {name: entry for name, entry in candidates.items() if name != "triton"}
-    ordered["triton"] = candidates["triton"]
-    return ordered
+    first, last = [], []
+    if (device.type == "cpu" or not split_k_decode) and num_queries <= DECODE_ROWS:
+        first.append("naive")
+    if device.type != "cuda":
+        last.append("triton")
+    names = [n for n in first if n in candidates]
+    names += [n for n in candidates if n not in first and n not in last]
+    names += [n for n in last if n in candidates]
+    return {n: candidates[n] for n in names}

@@ -26,9 +26,9 @@ import argparse
 import csv
 import logging
 import os
+import contextlib
 import statistics
 import sys
-import contextlib
 import time
 
 import torch
@@ -66,9 +66,29 @@ SORTED_VARIANTS = [(32, 64, "torch"), (64, 64, "torch"), (64, 256, "torch"), (64
 KERNEL_VARIANTS = [(64, 64, "triton"), (64, 256, "triton")]
 
 
+SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")
+
+
+def parse_exact_backends(spec: str) -> list[str]:
+    """``"auto,naive,sdpa:cudnn"`` -> the list, each a scalar_attention backend with an optional SDPA kernel after a
+    colon (only for "sdpa"); a bad entry raises, naming the option and the allowed values."""
+    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    if not entries:
+        raise ValueError("--exact-backends: empty; give e.g. auto,naive")
+    for entry in entries:
+        backend, colon, kernel = entry.partition(":")
+        if backend not in hf_rbf.BACKENDS:
+            raise ValueError(f"--exact-backends: unknown backend {backend!r} in {entry!r}; allowed: {', '.join(hf_rbf.BACKENDS)}")
+        if colon and (backend != "sdpa" or kernel not in SDPA_KERNELS):
+            raise ValueError(
+                f"--exact-backends: {entry!r}: a kernel after ':' is only for sdpa, one of {', '.join(SDPA_KERNELS)}"
+            )
+    return entries
+
+
 @contextlib.contextmanager
 def sdpa_kernels(name: str):
-    """Restrict torch's SDPA to one kernel ("flash", "efficient", "cudnn", "math"); "" leaves torch's choice."""
+    """Restrict torch's SDPA to one kernel (one of SDPA_KERNELS); "" leaves torch's choice."""
     if not name:
         yield
         return
@@ -76,8 +96,6 @@ def sdpa_kernels(name: str):
 
     kernels = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
-    if name not in kernels:
-        raise ValueError(f"--exact-backends: unknown SDPA kernel {name!r}; allowed: {', '.join(kernels)}")
     with sdpa_kernel(kernels[name]):
         yield
 
@@ -314,6 +332,8 @@ def main(argv=None):
     parser.add_argument("--layer-contexts", type=int, nargs="*")
     parser.add_argument("--model-contexts", type=int, nargs="*")
     parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup-steps", type=int, default=64,
+                        help="steps of the discarded first pass (compiles kernels; >= the buffer size to reach a merge)")
     parser.add_argument(
         "--exact-backends",
         help="comma-separated backends of the exact attention (scalar_attention), an SDPA kernel after a colon, "
@@ -327,11 +347,11 @@ def main(argv=None):
         if getattr(args, name) is not None:
             preset[name] = getattr(args, name)
     device = torch.device(args.device)
-    exact = (args.exact_backends or preset["exact_backends"]).split(",")
+    exact = parse_exact_backends(args.exact_backends or preset["exact_backends"])
     os.makedirs(args.output, exist_ok=True)
     # a discarded pass first: kernel compilation and autotuning (the sorted step's buffer merge included) stay out
     # of the timings
-    bench_layer(preset["layer_contexts"][0], device, preset["dtype"], 64, exact)
+    bench_layer(preset["layer_contexts"][0], device, preset["dtype"], args.warmup_steps, exact)
     rows = []
     for n in preset["layer_contexts"]:
         rows += bench_layer(n, device, preset["dtype"], preset["steps"], exact)

@@ -218,10 +218,15 @@ def post_training(cfg, trainer, tokenizer, data, final_dir, log) -> dict:
             with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
                 b = model(sample.to(device)).logits.float().cpu()
             reloaded = dict(model.named_parameters())
+            trained_params = dict(trained.named_parameters())
+            if trained_params.keys() != reloaded.keys():
+                raise RuntimeError(
+                    "the saved model's parameters differ from the trained model's: missing "
+                    f"{sorted(trained_params.keys() - reloaded.keys())}, extra {sorted(reloaded.keys() - trained_params.keys())}"
+                )
             param_diff = max(
                 (p.detach().float().cpu() - reloaded[n].detach().float().cpu()).abs().max().item()
-                for n, p in trained.named_parameters()
-                if n in reloaded
+                for n, p in trained_params.items()
             )
         trained.train(was_training)
         out["reload_max_abs_diff"] = (a - b).abs().max().item()
