@@ -414,11 +414,12 @@ def auto_order(candidates: dict, device: torch.device, num_queries: int, *, spli
     - For a handful of query rows (decoding, at most ``DECODE_ROWS``) "naive" goes first on the CPU, and on CUDA
       too for a family without a split-K decode kernel (``split_k_decode=False``: the scalar family).
 
-    Why, measured (benchmarks/probe_scalar_decode.py, recipes/bench_sorted_decode.py):
+    Why, measured (benchmarks/bench_decode_backends.py, benchmarks/probe_scalar_decode.py,
+    recipes/bench_sorted_decode.py; results under benchmarks/results/):
     - CPU (this project's 2-core machine, torch 2.13, H=16, D=64, 4096 keys): the padding trick copies every key
-      and value into padded tensors on each call, which a decode step cannot amortise; one query row took 1.7-3.1 ms
-      naive against 7.2-10.4 ms through SDPA for every family, 16 rows 4.5-6.6 ms against 5.0-16.6 ms; from 64
-      rows on SDPA wins (11-18 ms against 16-23 ms).
+      and value into padded tensors on each call, which a decode step cannot amortise; one query row took 1.1-2.5 ms
+      naive against 4.0-8.7 ms through SDPA across the four families, 16 rows 4.6-6.4 ms against 5.1-9.4 ms; at 64
+      rows SDPA wins (11-25 ms against 25-37 ms).
     - H200 (scalar, H=16, G=4, Dv=64, bf16): torch's SDPA picks cuDNN for the padded call with a mask, and cuDNN
       builds a new execution plan for every new key length: ~27 ms per generated token at any context from 4096
       keys on, against 0.4-0.6 ms naive up to 64K keys (6.4 ms at 1M).  The scalar Triton kernel has no split-K
