@@ -321,7 +321,7 @@ def test_auto_logs_its_choice_once_and_reports_it(caplog, monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 64])
 def test_auto_on_cpu_decodes_naive_and_prefills_through_sdpa(rows):
-    """On the CPU the padding trick's per-call copies of every key make it 1.5-10x slower than the naive path for a
+    """On the CPU the padding trick's per-call copies of every key make it up to 10x slower than the naive path for a
     handful of query rows (see kernels_common.auto_order); from DECODE_ROWS + 1 rows on it is the faster one."""
     h, n, d = 2, 40, 8
     q, k, v = torch.randn(1, h, rows, d), torch.randn(1, h, n, d), torch.randn(1, h, n, d)
