@@ -347,6 +347,8 @@ def main(argv=None):
         if getattr(args, name) is not None:
             preset[name] = getattr(args, name)
     device = torch.device(args.device)
+    if args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     exact = parse_exact_backends(args.exact_backends or preset["exact_backends"])
     os.makedirs(args.output, exist_ok=True)
     # a discarded pass first: kernel compilation and autotuning (the sorted step's buffer merge included) stay out
