@@ -85,8 +85,9 @@ try:
     AutoImageProcessor.register(
         GkaVitConfig, slow_image_processor_class=GkaVitImageProcessor, exist_ok=True
     )
-except ImportError as _err:  # transformers 5.17 gates AutoImageProcessor on torchvision; the class itself works
-    _logging.getLogger("hf_rbf").warning(
+except ImportError as _err:  # AutoImageProcessor is gated on PIL / torchvision; the class itself works
+    # Debug level: `import hf_rbf` prints nothing on an install without the vision extras.
+    _logging.getLogger("hf_rbf").debug(
         "GkaVitImageProcessor is not registered with AutoImageProcessor (%s); use GkaVitImageProcessor directly",
         str(_err).strip().splitlines()[0],
     )

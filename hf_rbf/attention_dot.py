@@ -20,8 +20,10 @@ from .attention_utils import (
     allowed_mask,
     check_dim,
     check_same,
+    check_return_weights,
     check_tensor,
     choose_backend,
+    choose_weights_backend,
     compute_dtype,
     masked_kernel_average,
     normalize_mask_args,
@@ -32,13 +34,20 @@ OP = "dot_attention"
 
 
 def dot_attention_naive(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: MaskArgs
-) -> torch.Tensor:
-    """Materialised reference: float32 math (float64 for float64 inputs), any mask."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: MaskArgs, return_weights: bool = False
+):
+    """Materialised reference: float32 math (float64 for float64 inputs), any mask.
+
+    With ``return_weights`` returns ``(out, weights [B, H, Nq, Nk])`` (see :func:`dot_attention`)."""
     ct = compute_dtype(q.dtype)
     scores = (q.to(ct) @ k.to(ct).transpose(-1, -2)) * scale
     if mask.key_log_weights is not None:
         scores = scores + mask.key_log_weights.to(ct).unsqueeze(-2)
+    if return_weights:
+        out, weights = masked_kernel_average(
+            scores, v.to(ct), allowed_mask(mask, q.device), normalize=True, return_weights=True
+        )
+        return out.to(q.dtype), weights.to(q.dtype)
     out = masked_kernel_average(scores, v.to(ct), allowed_mask(mask, q.device), normalize=True)
     return out.to(q.dtype)
 
@@ -91,7 +100,8 @@ def dot_attention(
     attention_mask: torch.Tensor | None = None,
     num_prefix_keys: int = 0,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_weights: bool = False,
+):
     """Softmax dot-product attention with the same mask semantics as the distance-based families.
 
     Args:
@@ -102,10 +112,15 @@ def dot_attention(
         causal, window, key_log_weights, attention_mask, num_prefix_keys: the shared mask arguments (see
             :mod:`hf_rbf.attention_utils`).
         backend: "auto" (= "sdpa"), "sdpa" or "naive".
+        return_weights: also return the attention weights, computed by the materialised reference: ``backend`` must
+            be "auto" (which then serves with "naive") or "naive".
 
     Returns:
-        ``[B, H, Nq, Dv]`` in the dtype of ``q``.
+        ``[B, H, Nq, Dv]`` in the dtype of ``q``; with ``return_weights`` ``(out, weights)``, ``weights``
+        ``[B, H, Nq, Nk]`` (the softmax weights, 0 on disallowed keys) in the dtype of ``q``, so that
+        ``out = weights @ v``.
     """
+    check_return_weights(OP, return_weights, backend)
     check_tensor(OP, "q", q, 4, "[B, H, Nq, D]")
     check_tensor(OP, "k", k, 4, "[B, H, Nk, D]")
     check_tensor(OP, "v", v, 4, "[B, H, Nk, Dv]")
@@ -135,5 +150,8 @@ def dot_attention(
         key_log_weights=key_log_weights,
         attention_mask=attention_mask,
     )
+    if return_weights:
+        choose_weights_backend(OP, backend, q.device)
+        return dot_attention_naive(q, k, v, float(scale), mask, return_weights=True)
     _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, float(scale), mask))
     return fn(q, k, v, float(scale), mask)

@@ -17,8 +17,10 @@ from .attention_utils import (
     allowed_mask,
     check_dim,
     check_same,
+    check_return_weights,
     check_tensor,
     choose_backend,
+    choose_weights_backend,
     compute_dtype,
     flex_auto_reason,
     masked_kernel_average,
@@ -37,8 +39,11 @@ def gka_attention_naive(
     log_sigma,
     eps: float,
     mask: MaskArgs,
-) -> torch.Tensor:
-    """Materialised reference (float32, or float64 for float64 inputs).  ``query`` is ``x`` itself without a cache."""
+    return_weights: bool = False,
+):
+    """Materialised reference (float32, or float64 for float64 inputs).  ``query`` is ``x`` itself without a cache.
+
+    With ``return_weights`` returns ``(out, weights [B, H, Nq, Nk])`` (see :func:`gka_attention`)."""
     ct = compute_dtype(x.dtype)
     qf, xf = query.to(ct), x.to(ct)
     if isinstance(log_sigma, float):
@@ -51,6 +56,11 @@ def gka_attention_naive(
     scores = -dist_sq * inv_two_sigma_sq
     if mask.key_log_weights is not None:
         scores = scores + mask.key_log_weights.to(ct).unsqueeze(-2)
+    if return_weights:
+        out, weights = masked_kernel_average(
+            scores, xf, allowed_mask(mask, x.device), normalize=True, eps=eps, return_weights=True
+        )
+        return out.to(x.dtype), weights.to(x.dtype)
     out = masked_kernel_average(scores, xf, allowed_mask(mask, x.device), normalize=True, eps=eps)
     return out.to(x.dtype)
 
@@ -78,7 +88,8 @@ def gka_attention(
     num_prefix_keys: int = 0,
     query: torch.Tensor | None = None,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_weights: bool = False,
+):
     """Gaussian kernel attention.
 
     Args:
@@ -90,10 +101,15 @@ def gka_attention(
         causal, window, key_log_weights, attention_mask, num_prefix_keys: the shared mask arguments (see
             :mod:`hf_rbf.attention_utils`).
         backend: "auto", "naive", "sdpa", "flex" or "triton".
+        return_weights: also return the attention weights, computed by the materialised reference: ``backend`` must
+            be "auto" (which then serves with "naive") or "naive".
 
     Returns:
-        ``[B, H, Nq, d]`` in the dtype of ``x``.
+        ``[B, H, Nq, d]`` in the dtype of ``x``; with ``return_weights`` ``(out, weights)``, ``weights``
+        ``[B, H, Nq, Nk]`` in the dtype of ``x``: ``W_ij = K_ij / (sum_j' K_ij' + eps)`` (rows sum to slightly less
+        than 1 because of ``eps``), 0 on disallowed keys, so that ``out = weights @ x``.
     """
+    check_return_weights(OP, return_weights, backend)
     check_tensor(OP, "x", x, 4, "[B, H, N, d]")
     b, h, nk, d = x.shape
     if query is None:
@@ -122,5 +138,8 @@ def gka_attention(
         attention_mask=attention_mask,
     )
     eps = float(eps)
+    if return_weights:
+        choose_weights_backend(OP, backend, x.device)
+        return gka_attention_naive(query, x, log_sigma, eps, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, x.device, _candidates(query, x, log_sigma, eps, mask, backend))
     return fn(query, x, log_sigma, eps, mask)

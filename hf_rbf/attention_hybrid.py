@@ -20,8 +20,10 @@ from .attention_utils import (
     allowed_mask,
     check_dim,
     check_same,
+    check_return_weights,
     check_tensor,
     choose_backend,
+    choose_weights_backend,
     compute_dtype,
     expand_value_groups,
     flex_auto_reason,
@@ -36,14 +38,19 @@ from .kernels_common import auto_order
 OP = "hybrid_attention"
 
 
-def hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch.Tensor:
-    """Materialised reference (float32, or float64 for float64 inputs)."""
+def hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask: MaskArgs, return_weights: bool = False):
+    """Materialised reference (float32, or float64 for float64 inputs).
+
+    With ``return_weights`` returns ``(out, weights [B, H, Nq, Nk])`` (see :func:`hybrid_attention`)."""
     ct = compute_dtype(q.dtype)
     s = scale if isinstance(scale, float) else scale.to(ct).view(1, -1, 1, 1)
     scores = s * (q.to(ct) @ k.to(ct).transpose(-1, -2)) + scalar_scores(qs, ks, tau, ct)
     if mask.key_log_weights is not None:
         scores = scores + mask.key_log_weights.to(ct).unsqueeze(-2)
     values = expand_value_groups(v.to(ct), q.shape[1])
+    if return_weights:
+        out, weights = masked_kernel_average(scores, values, allowed_mask(mask, q.device), return_weights=True)
+        return out.to(q.dtype), weights.to(q.dtype)
     out = masked_kernel_average(scores, values, allowed_mask(mask, q.device))
     return out.to(q.dtype)
 
@@ -75,7 +82,8 @@ def hybrid_attention(
     attention_mask: torch.Tensor | None = None,
     num_prefix_keys: int = 0,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_weights: bool = False,
+):
     """Hybrid attention: scaled dot product minus the scalar Gaussian penalty.
 
     Args:
@@ -87,10 +95,15 @@ def hybrid_attention(
         causal, window, key_log_weights, attention_mask, num_prefix_keys: the shared mask arguments (see
             :mod:`hf_rbf.attention_utils`).
         backend: "auto", "naive", "sdpa", "flex" or "triton".
+        return_weights: also return the attention weights, computed by the materialised reference: ``backend`` must
+            be "auto" (which then serves with "naive") or "naive".
 
     Returns:
-        ``[B, H, Nq, Dv]`` in the dtype of ``q``.
+        ``[B, H, Nq, Dv]`` in the dtype of ``q``; with ``return_weights`` ``(out, weights)``, ``weights``
+        ``[B, H, Nq, Nk]`` (the softmax weights, 0 on disallowed keys) in the dtype of ``q``, so that head ``h``'s
+        output is ``weights[:, h] @ v[:, h // (H // G)]``.
     """
+    check_return_weights(OP, return_weights, backend)
     check_tensor(OP, "q", q, 4, "[B, H, Nq, D]")
     check_tensor(OP, "k", k, 4, "[B, H, Nk, D]")
     check_tensor(OP, "v", v, 4, "[B, G, Nk, Dv]")
@@ -125,5 +138,8 @@ def hybrid_attention(
         key_log_weights=key_log_weights,
         attention_mask=attention_mask,
     )
+    if return_weights:
+        choose_weights_backend(OP, backend, q.device)
+        return hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, qs, ks, tau, scale, mask, backend))
     return fn(q, k, v, qs, ks, tau, scale, mask)

@@ -20,8 +20,10 @@ from .attention_utils import (
     allowed_mask,
     check_dim,
     check_same,
+    check_return_weights,
     check_tensor,
     choose_backend,
+    choose_weights_backend,
     compute_dtype,
     flex_auto_reason,
     masked_kernel_average,
@@ -41,8 +43,11 @@ def rbf_attention_naive(
     gamma,
     normalize: bool,
     mask: MaskArgs,
-) -> torch.Tensor:
-    """Materialised reference: float32 math (float64 for float64 inputs), any mask, any head dim."""
+    return_weights: bool = False,
+):
+    """Materialised reference: float32 math (float64 for float64 inputs), any mask, any head dim.
+
+    With ``return_weights`` returns ``(out, weights [B, H, Nq, Nk])`` (see :func:`rbf_attention`)."""
     ct = compute_dtype(q.dtype)
     qf, kf, vf = q.to(ct), k.to(ct), v.to(ct)
     g = gamma if isinstance(gamma, float) else gamma.to(ct).view(1, -1, 1, 1)
@@ -55,6 +60,11 @@ def rbf_attention_naive(
         scores = -g * (q_sq + k_sq - 2.0 * qk).clamp_min(0.0)
     if mask.key_log_weights is not None:
         scores = scores + mask.key_log_weights.to(ct).unsqueeze(-2)
+    if return_weights:
+        out, weights = masked_kernel_average(
+            scores, vf, allowed_mask(mask, q.device), normalize=normalize, return_weights=True
+        )
+        return out.to(q.dtype), weights.to(q.dtype)
     out = masked_kernel_average(scores, vf, allowed_mask(mask, q.device), normalize=normalize)
     return out.to(q.dtype)
 
@@ -83,7 +93,8 @@ def rbf_attention(
     attention_mask: torch.Tensor | None = None,
     num_prefix_keys: int = 0,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_weights: bool = False,
+):
     """Scaled RBF attention.
 
     Args:
@@ -96,10 +107,15 @@ def rbf_attention(
             :mod:`hf_rbf.attention_utils`).
         normalize: softmax over the allowed keys (True) or the softmax-free sum (False).
         backend: "auto", "naive", "sdpa", "flex" or "triton".
+        return_weights: also return the attention weights, computed by the materialised reference: ``backend`` must
+            be "auto" (which then serves with "naive") or "naive".
 
     Returns:
-        ``[B, H, Nq, Dv]`` in the dtype of ``q``.
+        ``[B, H, Nq, Dv]`` in the dtype of ``q``; with ``return_weights`` ``(out, weights)``, ``weights``
+        ``[B, H, Nq, Nk]`` in the dtype of ``q``: the softmax weights (``normalize=True``) or the unnormalised kernel
+        weights ``exp(score)`` (``normalize=False``), 0 on disallowed keys, so that ``out = weights @ v``.
     """
+    check_return_weights(OP, return_weights, backend)
     check_tensor(OP, "q", q, 4, "[B, H, Nq, D]")
     check_tensor(OP, "k", k, 4, "[B, H, Nk, D]")
     check_tensor(OP, "v", v, 4, "[B, H, Nk, Dv]")
@@ -128,5 +144,8 @@ def rbf_attention(
         key_log_weights=key_log_weights,
         attention_mask=attention_mask,
     )
+    if return_weights:
+        choose_weights_backend(OP, backend, q.device)
+        return rbf_attention_naive(q, k, v, gamma, normalize, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, gamma, normalize, mask, backend))
     return fn(q, k, v, gamma, normalize, mask)

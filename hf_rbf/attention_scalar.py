@@ -15,8 +15,10 @@ from .attention_utils import (
     allowed_mask,
     check_dim,
     check_same,
+    check_return_weights,
     check_tensor,
     choose_backend,
+    choose_weights_backend,
     compute_dtype,
     expand_value_groups,
     flex_auto_reason,
@@ -37,13 +39,18 @@ def scalar_scores(qs: torch.Tensor, ks: torch.Tensor, tau, ct: torch.dtype) -> t
     return -(diff * diff) * inv_tau
 
 
-def scalar_attention_naive(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
-    """Materialised reference (float32, or float64 for float64 inputs)."""
+def scalar_attention_naive(qs, ks, v, tau, mask: MaskArgs, return_weights: bool = False):
+    """Materialised reference (float32, or float64 for float64 inputs).
+
+    With ``return_weights`` returns ``(out, weights [B, H, Nq, Nk])`` (see :func:`scalar_attention`)."""
     ct = compute_dtype(v.dtype)
     scores = scalar_scores(qs, ks, tau, ct)
     if mask.key_log_weights is not None:
         scores = scores + mask.key_log_weights.to(ct).unsqueeze(-2)
     values = expand_value_groups(v.to(ct), qs.shape[1])
+    if return_weights:
+        out, weights = masked_kernel_average(scores, values, allowed_mask(mask, v.device), return_weights=True)
+        return out.to(v.dtype), weights.to(v.dtype)
     out = masked_kernel_average(scores, values, allowed_mask(mask, v.device))
     return out.to(v.dtype)
 
@@ -90,7 +97,8 @@ def scalar_attention(
     attention_mask: torch.Tensor | None = None,
     num_prefix_keys: int = 0,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_weights: bool = False,
+):
     """Scalar Gaussian-kernel attention.
 
     Args:
@@ -102,10 +110,15 @@ def scalar_attention(
         causal, window, key_log_weights, attention_mask, num_prefix_keys: the shared mask arguments (see
             :mod:`hf_rbf.attention_utils`).
         backend: "auto", "naive", "sdpa", "flex" or "triton".
+        return_weights: also return the attention weights, computed by the materialised reference: ``backend`` must
+            be "auto" (which then serves with "naive") or "naive".
 
     Returns:
-        ``[B, H, Nq, Dv]`` in the dtype of ``v``.
+        ``[B, H, Nq, Dv]`` in the dtype of ``v``; with ``return_weights`` ``(out, weights)``, ``weights``
+        ``[B, H, Nq, Nk]`` (the softmax weights, 0 on disallowed keys) in the same dtype, so that head ``h``'s output
+        is ``weights[:, h] @ v[:, h // (H // G)]``.
     """
+    check_return_weights(OP, return_weights, backend)
     check_tensor(OP, "qs", qs, 3, "[B, H, Nq]")
     check_tensor(OP, "ks", ks, 3, "[B, H, Nk]")
     check_tensor(OP, "v", v, 4, "[B, G, Nk, Dv]")
@@ -129,5 +142,8 @@ def scalar_attention(
         key_log_weights=key_log_weights,
         attention_mask=attention_mask,
     )
+    if return_weights:
+        choose_weights_backend(OP, backend, qs.device)
+        return scalar_attention_naive(qs, ks, v, tau, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, qs.device, _candidates(qs, ks, v, tau, mask, backend))
     return fn(qs, ks, v, tau, mask)

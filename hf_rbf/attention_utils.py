@@ -106,6 +106,24 @@ def check_backend(op: str, backend) -> str:
     return backend
 
 
+WEIGHTS_BACKENDS = ("auto", "naive")
+
+
+def check_return_weights(op: str, return_weights, backend) -> bool:
+    """Validate ``return_weights``: a bool; when True only the materialised reference ("auto" or "naive") can serve."""
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"{op}: `return_weights` must be True or False; got {return_weights!r}")
+    if return_weights:
+        check_backend(op, backend)
+        if backend not in WEIGHTS_BACKENDS:
+            raise ValueError(
+                f"{op}: `return_weights=True` needs the materialised reference path, so `backend` must be one of "
+                f"{', '.join(repr(b) for b in WEIGHTS_BACKENDS)} (\"auto\" then serves with \"naive\"); got "
+                f"backend={backend!r}"
+            )
+    return return_weights
+
+
 def normalize_mask_args(
     op: str,
     *,
@@ -306,21 +324,26 @@ def masked_kernel_average(
     *,
     normalize: bool = True,
     eps: float = 0.0,
-) -> torch.Tensor:
+    return_weights: bool = False,
+):
     """``out_i = sum_j w_ij v_j`` over the allowed ``j``, the reference core of every family.
 
     ``scores`` are log-weights ``[B, H, Nq, Nk]``; with ``normalize`` ``w_ij = exp(s_ij) / (sum_j' exp(s_ij') + eps)``
     (``eps = 0`` is the softmax); without it ``w_ij = exp(s_ij)``.  Rows without any allowed key give zeros and no NaN,
     in the output or in the gradients.
+
+    Returns ``out`` ``[B, H, Nq, Dv]``, or ``(out, weights)`` with ``return_weights``: the ``w_ij`` ``[B, H, Nq, Nk]``
+    in the dtype of ``scores``, 0 on disallowed keys (``out == weights @ values``).
     """
     if scores.shape[-1] == 0:
         # no keys at all: every row is empty; the (zero) product keeps the result in the autograd graph
-        return scores.exp() @ values
+        weights = scores.exp()
+        return (weights @ values, weights) if return_weights else weights @ values
     neg_inf = torch.finfo(scores.dtype).min
     scores = scores.masked_fill(~allowed, neg_inf)
     if not normalize:
         weights = torch.exp(scores).masked_fill(~allowed, 0.0)
-        return weights @ values
+        return (weights @ values, weights) if return_weights else weights @ values
     # The row maximum is a constant shift: exp(s - m) / (sum exp(s - m) + eps * exp(-m)) is exact for any m.
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_ok = allowed.any(dim=-1, keepdim=True) & torch.isfinite(row_max)
@@ -330,6 +353,9 @@ def masked_kernel_average(
     if eps:
         denom = denom + eps * torch.exp(-row_max)
     denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    if return_weights:
+        weights = p / denom
+        return weights @ values, weights
     return (p / denom) @ values
 
 
@@ -362,6 +388,14 @@ def flex_auto_reason(device: torch.device, requested: str) -> str | None:
     if requested == "auto" and device.type != "cuda":
         return f"auto uses flex only on CUDA (on {device.type} flex runs eagerly); ask for backend='flex' explicitly"
     return None
+
+
+def choose_weights_backend(op: str, requested: str, device: torch.device) -> str:
+    """The backend of a ``return_weights=True`` call (already validated by :func:`check_return_weights`): always
+    "naive", recorded for :func:`last_backend` like any other choice."""
+    skipped = ["return_weights=True needs the materialised weights"] if requested == "auto" else []
+    _note_choice(op, "naive", device, requested, skipped)
+    return "naive"
 
 
 def choose_backend(op: str, requested: str, device: torch.device, candidates: dict) -> tuple[str, object]:

@@ -95,7 +95,7 @@ class DecoderConfig(PreTrainedConfig):
     """
 
     model_type = ""
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # set by each family
     family_kind = ""
     allowed_layer_kinds = ()

@@ -17,6 +17,7 @@ token embedding -> N x DecoderLayer [RMSNorm -> attention -> residual, RMSNorm -
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
@@ -30,6 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .attention_dot import dot_attention
 from .attention_utils import last_backend
+from .cache_names import CACHE_NAME, cache_field, generation_cache, output_cache, resolve_cache_argument
 from .configuration_decoder import DecoderConfig
 
 
@@ -134,11 +136,23 @@ def dot_backend_for(config: DecoderConfig) -> str:
 class DecoderAttention(nn.Module):
     """Base class of every attention kind of the backbone.
 
-    ``forward(hidden_states [B, N, D], register_states [1, R, D] | None, *, position_embeddings, past_key_values,
-    attention_mask, key_log_weights)`` returns ``(text_out [B, N, D], register_out [1, R, D] | None)``: the inputs are
-    already RMS-normalised, the outputs go into the residual stream.  ``attention_mask`` ``[B, past + N]`` and
-    ``key_log_weights`` ``[B|1, (H,) past + N]`` cover text keys only; each layer slices them to the keys its cache
-    returns and prepends the registers (always visible, log-weight 0).
+    ``forward(hidden_states [B, N, D], register_states [1, R, D] | None, *, position_embeddings, cache,
+    attention_mask, key_log_weights, output_attentions=False)`` returns ``(text_out [B, N, D], register_out [1, R, D] |
+    None, weights)``: the inputs are already RMS-normalised, the outputs go into the residual stream.
+    ``attention_mask`` ``[B, past + N]`` and ``key_log_weights`` ``[B|1, (H,) past + N]`` cover text keys only; each
+    layer slices them to the keys its cache returns and prepends the registers (always visible, log-weight 0).
+
+    ``weights`` is None unless ``output_attentions``; then the text call runs the materialised reference
+    (``backend="naive", return_weights=True``, so ``last_backend`` is "naive") and ``weights`` are the text rows'
+    attention weights ``[B, H, N, P + past + N]`` in the dtype of the text call: the ``P`` prefix keys first (the
+    ``R`` registers; for scalar-sort / hybrid-sort layers the sink, then the registers), then every text key in
+    sequence order (the ``past`` cached ones, then the ``N`` new ones).  Disallowed keys (padding, future, outside the
+    window) get 0, and so do text keys the layer's cache no longer holds (a sliding layer keeps only the last
+    ``window - 1``: they are outside every current query's window).  The rows are the normalised weights (they sum to
+    1 over the allowed keys; GKA's ``eps`` makes the sum slightly less, RBF's ``rbf_normalize=False`` gives the
+    unnormalised kernel values ``exp(score)``); a row without any allowed key is all zeros.  The register rows'
+    weights are not returned.  A kind that cannot return weights for some cache says why in
+    :meth:`output_attentions_error`.
 
     A kind that needs its own cache layer overrides :meth:`make_cache_layer` and :meth:`accepts_cache_layer`.
     Subclasses own ``o_proj`` and call :meth:`_init_own_parameters` from ``_init_weights`` for their extra parameters.
@@ -158,13 +172,18 @@ class DecoderAttention(nn.Module):
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.window = config.layer_window(layer_idx)
         self.num_registers = config.num_register_tokens
-        self.backend = config.attention_backend
         self.last_backend = None  # the backend that served the last text call (set at every forward)
         if self.num_registers > 0:
             # Registers' position embedding, added in place of the text position term (zero-init: the origin).
             self.register_position = nn.Parameter(torch.zeros(self.num_registers, self.head_dim))
         else:
             self.register_position = None
+
+    @property
+    def backend(self) -> str:
+        """The backend of the text call: ``config.attention_backend``, read at every call so that
+        ``model.set_attn_implementation(...)`` and ``from_pretrained(..., attn_implementation=...)`` reach every layer."""
+        return self.config.attention_backend
 
     # -- cache ---------------------------------------------------------------------------------------------------
     def make_cache_layer(self):
@@ -206,6 +225,31 @@ class DecoderAttention(nn.Module):
         if not torch.compiler.is_compiling():
             self.last_backend = last_backend(op)
 
+    # -- output_attentions ---------------------------------------------------------------------------------------
+    def output_attentions_error(self, cache) -> str | None:
+        """Why this layer cannot return its attention weights for a forward with ``cache`` (None: it can).  The
+        backbone asks every layer before the first one runs, so a refused call leaves the cache untouched."""
+        return None
+
+    @staticmethod
+    def _text_call_options(backend: str, output_attentions: bool) -> dict:
+        """The text call's backend keywords: the materialised reference with weights when they are asked for."""
+        if output_attentions:
+            return {"backend": "naive", "return_weights": True}
+        return {"backend": backend}
+
+    def _weights_over_all_text_keys(self, weights: torch.Tensor, num_prefix: int, cache) -> torch.Tensor:
+        """``[B, H, N, P + seen]`` -> ``[B, H, N, P + past + N]``: zeros for the oldest text keys the layer's cache no
+        longer returned (a sliding layer keeps ``window - 1``), so that column ``P + j`` is always text token ``j``."""
+        if cache is None:
+            return weights
+        total = cache.layers[self.layer_idx].get_seq_length()
+        missing = total - (weights.shape[-1] - num_prefix)
+        if missing <= 0:
+            return weights
+        zeros = weights.new_zeros(*weights.shape[:-1], missing)
+        return torch.cat([weights[..., :num_prefix], zeros, weights[..., num_prefix:]], dim=-1)
+
 
 class DotAttention(DecoderAttention):
     """The "dot" kind: learned W_Q, W_K, W_V, W_O, RoPE, softmax dot product (``dot_attention``, SDPA).
@@ -222,7 +266,10 @@ class DotAttention(DecoderAttention):
         self.k_proj = nn.Linear(d, hd, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, hd, bias=config.attention_bias)
         self.o_proj = nn.Linear(hd, d, bias=config.attention_bias)
-        self.dot_backend = dot_backend_for(config)
+
+    @property
+    def dot_backend(self) -> str:
+        return dot_backend_for(self.config)
 
     def _project(self, x: torch.Tensor):
         return self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x)), self._split_heads(self.v_proj(x))
@@ -233,16 +280,17 @@ class DotAttention(DecoderAttention):
         register_states: torch.Tensor | None,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         key_log_weights: torch.Tensor | None = None,
+        output_attentions: bool = False,
     ):
         b = hidden_states.shape[0]
         q, k, v = self._project(hidden_states)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights)
 
         register_out = None
@@ -263,10 +311,14 @@ class DotAttention(DecoderAttention):
             key_log_weights=klw,
             attention_mask=am,
             num_prefix_keys=self.num_registers,
-            backend=self.dot_backend,
+            **self._text_call_options(self.dot_backend, output_attentions),
         )
         self._note_backend("dot_attention")
-        return self.o_proj(self._merge_heads(out)), register_out
+        weights = None
+        if output_attentions:
+            out, weights = out
+            weights = self._weights_over_all_text_keys(weights, self.num_registers, cache)
+        return self.o_proj(self._merge_heads(out)), register_out, weights
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,32 +351,53 @@ class DecoderLayer(GradientCheckpointingLayer):
         register_states: torch.Tensor | None = None,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         key_log_weights: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool = False,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         normed_registers = self.input_layernorm.scale_only(register_states) if register_states is not None else None
-        attn_out, register_attn_out = self.self_attn(
+        attn_out, register_attn_out, weights = self.self_attn(
             self.input_layernorm(hidden_states),
             normed_registers,
             position_embeddings=position_embeddings,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             key_log_weights=key_log_weights,
+            output_attentions=output_attentions,
         )
         hidden_states = hidden_states + attn_out
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         if register_states is not None:
             register_states = register_states + register_attn_out
             register_states = register_states + self.mlp(self.post_attention_layernorm.scale_only(register_states))
-        return hidden_states, register_states
+        return hidden_states, register_states, weights
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # pretrained-model base, model, causal LM
 # ----------------------------------------------------------------------------------------------------------------
+
+
+# transformers' `attn_implementation` names -> our `attention_backend`: "eager" is the materialised reference (as
+# transformers' eager path), "sdpa" the dimension-padding trick into F.scaled_dot_product_attention, "flex_attention"
+# FlexAttention with our score.  None (nothing asked) keeps `config.attention_backend` ("auto" by default).
+ATTN_IMPLEMENTATION_BACKENDS = {"eager": "naive", "sdpa": "sdpa", "flex_attention": "flex"}
+
+
+def backend_for_attn_implementation(attn_implementation) -> str | None:
+    """Our backend for a transformers ``attn_implementation`` request (None when nothing was asked)."""
+    if attn_implementation is None:
+        return None
+    if attn_implementation not in ATTN_IMPLEMENTATION_BACKENDS:
+        raise ValueError(
+            f"`attn_implementation` must be one of {', '.join(repr(k) for k in ATTN_IMPLEMENTATION_BACKENDS)} or "
+            f"None for hf_rbf models (they select the backends {', '.join(repr(v) for v in ATTN_IMPLEMENTATION_BACKENDS.values())}; "
+            f"`attention_backend` in the config also takes 'auto' and 'triton'); got {attn_implementation!r}"
+        )
+    return ATTN_IMPLEMENTATION_BACKENDS[attn_implementation]
 
 
 def _auto_map_name(cls) -> str:
@@ -339,7 +412,19 @@ class DecoderPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
+    # What transformers' attention switches may ask for (`attn_implementation=`, `set_attn_implementation`): "eager",
+    # "sdpa" and "flex_attention" select our "naive", "sdpa" and "flex" backends (ATTN_IMPLEMENTATION_BACKENDS).
+    # flash-attn and AttentionInterface kernels cannot compute distance scores, so those flags stay False.
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_flash_attn = False
+    _supports_attention_backend = False
+    # Sequence-parallel SDPA hooks (context parallelism) do not reach our attention functions.
+    _supports_context_parallel = False
+    # Caches are DynamicCache-based (registers recomputed, GKA features stored once): no static cache, no fullgraph.
+    _can_compile_fullgraph = False
+    _is_stateful = False
     # the attention kind -> class table of the family (set by each family's PreTrainedModel)
     attention_classes: dict[str, type[DecoderAttention]] = {}
     # Parameters that must not be weight-decayed (regexes on parameter names, read by hf_rbf.trainer.HfRbfTrainer):
@@ -353,6 +438,40 @@ class DecoderPreTrainedModel(PreTrainedModel):
         r"register_",
         r"sink_value$",
     )
+
+    # -- attn_implementation -------------------------------------------------------------------------------------
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        """``from_config(config, attn_implementation=...)``: the request also selects our backend."""
+        backend = backend_for_attn_implementation(kwargs.get("attn_implementation"))
+        if backend is not None:
+            config = copy.deepcopy(config)
+            config.attention_backend = backend
+        return super()._from_config(config, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``from_pretrained(path, attn_implementation=...)``: the request also selects our backend (a config
+        override, so the saved checkpoint is untouched)."""
+        backend = backend_for_attn_implementation(kwargs.get("attn_implementation"))
+        if backend is not None:
+            config = kwargs.get("config")
+            if isinstance(config, DecoderConfig):
+                config = copy.deepcopy(config)
+                config.attention_backend = backend
+                kwargs["config"] = config
+            else:
+                kwargs["attention_backend"] = backend
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """transformers' switch, also selecting our backend for every layer (see ``ATTN_IMPLEMENTATION_BACKENDS``)."""
+        requested = attn_implementation.get("", None) if isinstance(attn_implementation, dict) else attn_implementation
+        backend = backend_for_attn_implementation(requested)
+        result = super().set_attn_implementation(attn_implementation, *args, **kwargs)
+        if backend is not None:
+            self.config.attention_backend = backend
+        return result
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -387,6 +506,30 @@ class DecoderPreTrainedModel(PreTrainedModel):
                     auto_map[auto_class] = _auto_map_name(obj)
         self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def _check_input_tensors(input_ids, inputs_embeds, hidden_size: int) -> None:
+    """Exactly one of ``input_ids`` (integer ``[B, N]``) and ``inputs_embeds`` (floating ``[B, N, D]``), checked before
+    any op so a wrong rank or dtype is named instead of failing deep inside (e.g. an unpacking error)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"`input_ids` must be a tensor of token ids [B, N]; got {type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must have shape [B, N] (2 dims); got {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"`input_ids` must hold integer token ids (torch.long); got {input_ids.dtype}")
+    else:
+        if not isinstance(inputs_embeds, torch.Tensor):
+            raise TypeError(f"`inputs_embeds` must be a tensor [B, N, D]; got {type(inputs_embeds).__name__}")
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
+            raise ValueError(
+                f"`inputs_embeds` must have shape [B, N, D] with D = hidden_size = {hidden_size}; "
+                f"got {tuple(inputs_embeds.shape)}"
+            )
+        if not inputs_embeds.is_floating_point():
+            raise TypeError(f"`inputs_embeds` must be a floating-point tensor; got {inputs_embeds.dtype}")
 
 
 def _check_key_tensor(name: str, t, batch: int, total: int, heads: int, layout: str) -> None:
@@ -442,7 +585,7 @@ class DecoderModel(DecoderPreTrainedModel):
         layers of the wrong type, reject filled ones."""
         if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
             raise TypeError(
-                "`past_key_values` must be a transformers Cache (a DynamicCache, e.g. from a previous forward, or "
+                "`cache` (`past_key_values`) must be a transformers Cache (a DynamicCache, e.g. from a previous forward, or "
                 f"`DynamicCache()`); got {type(cache).__name__}"
             )
         for idx, layer in enumerate(self.layers):
@@ -457,7 +600,7 @@ class DecoderModel(DecoderPreTrainedModel):
                 cache.layers[idx] = attn.make_cache_layer()
                 continue
             raise TypeError(
-                f"`past_key_values` layer {idx} is a {type(existing).__name__}, which cannot serve a {attn.kind!r} "
+                f"`cache` (`past_key_values`) layer {idx} is a {type(existing).__name__}, which cannot serve a {attn.kind!r} "
                 f"attention layer (it needs a {type(attn.make_cache_layer()).__name__}); pass a DynamicCache "
                 "(static and quantized caches are not supported)"
             )
@@ -467,13 +610,14 @@ class DecoderModel(DecoderPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         key_log_weights: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         r"""
@@ -484,10 +628,11 @@ class DecoderModel(DecoderPreTrainedModel):
             position_ids (`torch.LongTensor` of shape `[B|1, N]`, *optional*): text positions (for RoPE / SuSiE);
                 default: from `attention_mask` (`cumsum - 1`, so left padding starts real tokens at 0) or from the cache
                 length.
-            past_key_values (`Cache`, *optional*): a `DynamicCache` (from a previous call, `DynamicCache()`, or
-                `model.make_cache()`); it holds text keys only, never registers.
+            cache (`Cache`, *optional*): a `DynamicCache` (from a previous call, `DynamicCache()`, or
+                `model.make_cache()`); it holds text keys only, never registers.  Also accepted as `past_key_values`
+                (its name before transformers 5.24); the output holds it under the installed name (`CACHE_NAME`).
             use_cache (`bool`, *optional*): create a cache when none is given, and return it; default: True when
-                `past_key_values` is given, else `config.use_cache` in eval mode and False in training mode.  A given
+                a cache is given, else `config.use_cache` in eval mode and False in training mode.  A given
                 cache is always extended.
             key_log_weights (`torch.Tensor` of shape `[B|1, past + N]` or `[B|1, H, past + N]`, *optional*): a
                 log-measure
@@ -495,17 +640,26 @@ class DecoderModel(DecoderPreTrainedModel):
                 samples), covering the same tokens as `attention_mask`; registers get 0.
             output_hidden_states (`bool`, *optional*): also return the text hidden states entering each layer and the
                 final normalised ones.
+            output_attentions (`bool`, *optional*): also return each layer's attention weights in `attentions`, a
+                tuple of `num_hidden_layers` tensors `[B, H, N, P + past + N]` (default: `config.output_attentions`).
+                Row `i` is text query `i` of this call; the columns are the layer's `P` prefix keys first (the `R`
+                register tokens; scalar-sort / hybrid-sort layers with a sink: the sink, then the registers, so `P`
+                can differ between layers), then every text token in order (`past` cached, then the `N` new ones).
+                Padded, future and out-of-window keys get 0; rows are normalised (sum 1 over the allowed keys, up to
+                GKA's `eps`; `rbf_normalize=False` gives the unnormalised kernel values).  Register rows are not
+                included.  The text attention then runs the materialised "naive" reference (`O(N * (P + past + N))`
+                memory per layer); the outputs equal those of the configured backend up to rounding.  Not available
+                for a decode step through a `SortedScalarCache` (it reads a window of the cache): run a forward without
+                a cache (`use_cache=False`) over the whole sequence instead.
         """
-        if output_attentions:
-            raise ValueError(
-                "`output_attentions=True` is not supported: hf_rbf attention functions never materialise the weights"
-            )
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`")
+        cache = resolve_cache_argument(cache, past_key_values)
+        _check_input_tensors(input_ids, inputs_embeds, self.config.hidden_size)
         if output_hidden_states is None:
             output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
+        if output_attentions is None:
+            output_attentions = bool(getattr(self.config, "output_attentions", False))
         if use_cache is None:
-            use_cache = past_key_values is not None or (self.config.use_cache and not self.training)
+            use_cache = cache is not None or (self.config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
 
@@ -513,11 +667,17 @@ class DecoderModel(DecoderPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         batch, seq_len = inputs_embeds.shape[:2]
 
-        if use_cache and past_key_values is None:
-            past_key_values = self.make_cache()
-        if past_key_values is not None:
-            self._prepare_cache_layers(past_key_values)
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = self.make_cache()
+        if cache is not None:
+            self._prepare_cache_layers(cache)
+        if output_attentions:
+            # before any layer runs: a refused call must not leave some cache layers extended
+            for layer in self.layers:
+                problem = layer.self_attn.output_attentions_error(cache)
+                if problem is not None:
+                    raise ValueError(problem)
+        past_len = cache.get_seq_length() if cache is not None else 0
         total = past_len + seq_len
 
         if attention_mask is not None:
@@ -569,26 +729,31 @@ class DecoderModel(DecoderPreTrainedModel):
             register_states = self.register_tokens.to(inputs_embeds.dtype).unsqueeze(0)
 
         all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, register_states = layer(
+            hidden_states, register_states, weights = layer(
                 hidden_states,
                 register_states,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
+                cache=cache,
                 attention_mask=attention_mask,
                 key_log_weights=key_log_weights,
                 use_cache=use_cache,
+                output_attentions=output_attentions,
             )
+            if output_attentions:
+                all_attentions += (weights,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
             hidden_states=all_hidden_states,
+            attentions=all_attentions,
+            **cache_field(cache),
         )
         if return_dict is False:
             return output.to_tuple()
@@ -626,7 +791,7 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
         """Create the model's own cache for ``generate`` (same signature on transformers 5.17 and 5.23)."""
-        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+        if generation_cache(model_kwargs) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         implementation = generation_config.cache_implementation
         if implementation not in (None, "dynamic"):
@@ -638,14 +803,14 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         cache = self.model.make_cache()
         if getattr(generation_config, "is_assistant", False):
             cache.activate_past_recording()
-        model_kwargs["past_key_values"] = cache
+        model_kwargs[CACHE_NAME] = cache
 
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -654,6 +819,7 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         r"""
@@ -669,7 +835,7 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=resolve_cache_argument(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             key_log_weights=key_log_weights,
@@ -687,8 +853,9 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            **cache_field(output_cache(outputs)),
         )
         if return_dict is False:
             return output.to_tuple()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 
@@ -69,16 +70,17 @@ class GkaAttention(DecoderAttention):
         register_states: torch.Tensor | None,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         key_log_weights: torch.Tensor | None = None,
+        output_attentions: bool = False,
     ):
         b = hidden_states.shape[0]
         feats = self.features(hidden_states, position_embeddings)
         keys = feats
-        if past_key_values is not None:
+        if cache is not None:
             # One copy per token: the features are the keys; the value slot holds a zero-width tensor.
-            keys, _ = past_key_values.update(feats, feats.new_empty(*feats.shape[:-1], 0), self.layer_idx)
+            keys, _ = cache.update(feats, feats.new_empty(*feats.shape[:-1], 0), self.layer_idx)
         am, klw = self._key_arguments(keys.shape[2], attention_mask, key_log_weights)
 
         register_out = None
@@ -100,10 +102,14 @@ class GkaAttention(DecoderAttention):
             attention_mask=am,
             num_prefix_keys=self.num_registers,
             query=query,
-            backend=self.backend,
+            **self._text_call_options(self.backend, output_attentions),
         )
         self._note_backend("gka_attention")
-        return self.o_proj(self._merge_heads(out)), register_out
+        weights = None
+        if output_attentions:
+            out, weights = out
+            weights = self._weights_over_all_text_keys(weights, self.num_registers, cache)
+        return self.o_proj(self._merge_heads(out)), register_out, weights
 
 
 class GkaPreTrainedModel(DecoderPreTrainedModel):
@@ -119,7 +125,7 @@ class GkaModel(GkaPreTrainedModel, DecoderModel):
     """The GKA decoder without the LM head (``AutoModel``)."""
 
 
-class GkaForCausalLM(GkaPreTrainedModel, DecoderForCausalLM):
+class GkaForCausalLM(GkaPreTrainedModel, DecoderForCausalLM, GenerationMixin):
     """The GKA decoder with its LM head (``AutoModelForCausalLM``)."""
 
     base_model_class = GkaModel

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 
 from .attention_hybrid import hybrid_attention
 from .cache_sorted_scalar import SortedScalarCache
@@ -129,7 +130,7 @@ class HybridSortModel(SortedCacheModelMixin, HybridSortPreTrainedModel, DecoderM
     """The hybrid-sort decoder without the LM head (``AutoModel``)."""
 
 
-class HybridSortForCausalLM(RegularizedCausalLMMixin, HybridSortPreTrainedModel, DecoderForCausalLM):
+class HybridSortForCausalLM(RegularizedCausalLMMixin, HybridSortPreTrainedModel, DecoderForCausalLM, GenerationMixin):
     """The hybrid-sort decoder with its LM head (``AutoModelForCausalLM``); ``generate`` uses a
     :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCache`."""
 

@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 
@@ -77,9 +78,10 @@ class RbfAttention(DecoderAttention):
         register_states: torch.Tensor | None,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         key_log_weights: torch.Tensor | None = None,
+        output_attentions: bool = False,
     ):
         b = hidden_states.shape[0]
         q, k, v = self._project(hidden_states)
@@ -89,8 +91,8 @@ class RbfAttention(DecoderAttention):
             q, k = q + pos, k + pos
         elif self.position_embedding_type == "rope":
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights)
         gamma = self._gamma()
 
@@ -116,10 +118,14 @@ class RbfAttention(DecoderAttention):
             key_log_weights=klw,
             attention_mask=am,
             num_prefix_keys=self.num_registers,
-            backend=self.backend,
+            **self._text_call_options(self.backend, output_attentions),
         )
         self._note_backend("rbf_attention")
-        return self.o_proj(self._merge_heads(out)), register_out
+        weights = None
+        if output_attentions:
+            out, weights = out
+            weights = self._weights_over_all_text_keys(weights, self.num_registers, cache)
+        return self.o_proj(self._merge_heads(out)), register_out, weights
 
 
 class RbfPreTrainedModel(DecoderPreTrainedModel):
@@ -135,7 +141,7 @@ class RbfModel(RbfPreTrainedModel, DecoderModel):
     """The RBF decoder without the LM head (``AutoModel``)."""
 
 
-class RbfForCausalLM(RbfPreTrainedModel, DecoderForCausalLM):
+class RbfForCausalLM(RbfPreTrainedModel, DecoderForCausalLM, GenerationMixin):
     """The RBF decoder with its LM head (``AutoModelForCausalLM``)."""
 
     base_model_class = RbfModel

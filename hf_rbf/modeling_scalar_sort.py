@@ -17,11 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention_scalar import scalar_attention
+from .cache_names import cache_field, output_cache, resolve_cache_argument
 from .cache_sorted_scalar import SortedScalarCache, SortedScalarCacheLayer
 from .configuration_scalar_sort import ScalarSortConfig
 from .modeling_decoder import (
@@ -91,6 +93,11 @@ class ScalarSortAttention(DecoderAttention):
     :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCacheLayer` the first forward (the prompt) and
     ``decode_window=None`` are exact; later queries with a window read through
     :func:`~hf_rbf.sorted_window_attention`.  ``last_backend`` is "sorted_window" after a windowed step.
+
+    ``output_attentions`` (see :class:`~hf_rbf.modeling_decoder.DecoderAttention`): the weights cover ``[sink;
+    registers; text]``; they are available without a cache, through sliding cache layers and for the prompt forward
+    into an empty sorted cache layer, and refused (ValueError, before any layer runs) for a later step through a sorted
+    cache layer, which reads only a window of its keys.
     """
 
     kind = "scalar"
@@ -203,7 +210,8 @@ class ScalarSortAttention(DecoderAttention):
     def attention_function(
         self, queries: _Projections, keys: _Projections, tau, backend: str | None = None, **mask_args
     ) -> torch.Tensor:
-        """The layer's exact attention over ``keys`` (``scalar_attention``); returns ``[B, H, Nq, Dv]``.
+        """The layer's exact attention over ``keys`` (``scalar_attention``); returns ``[B, H, Nq, Dv]``, or
+        ``(out, weights [B, H, Nq, Nk])`` when ``mask_args`` holds ``return_weights=True`` (with ``backend="naive"``).
 
         ``backend`` overrides ``config.attention_backend`` (the register rows use ``register_backend``).
         """
@@ -253,9 +261,10 @@ class ScalarSortAttention(DecoderAttention):
         register_states: torch.Tensor | None,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         key_log_weights: torch.Tensor | None = None,
+        output_attentions: bool = False,
     ):
         b, n, _ = hidden_states.shape
         proj = self.project(hidden_states, position_embeddings)
@@ -278,15 +287,20 @@ class ScalarSortAttention(DecoderAttention):
             register_out = self.o_proj(self._merge_heads(register_out))
         prefix, num_prefix = self._prefix(register_keys, dtype, device)
 
-        layer = None if past_key_values is None else past_key_values.layers[self.layer_idx]
+        layer = None if cache is None else cache.layers[self.layer_idx]
+        weights = None
         if isinstance(layer, SortedScalarCacheLayer):
-            out = self._attend_sorted(layer, proj, tau, prefix, num_prefix, attention_mask, key_log_weights)
+            out = self._attend_sorted(
+                layer, proj, tau, prefix, num_prefix, attention_mask, key_log_weights, output_attentions
+            )
+            if output_attentions:
+                out, weights = out
         else:
             keys = proj
             if layer is not None:
                 # sliding layers: transformers' sliding cache with the scalar key packed before the vector key
                 packed = proj.ks.unsqueeze(-1) if proj.k is None else torch.cat([proj.ks.unsqueeze(-1), proj.k], -1)
-                packed, values = past_key_values.update(packed, proj.v, self.layer_idx)
+                packed, values = cache.update(packed, proj.v, self.layer_idx)
                 keys = _Projections(
                     qs=None, ks=packed[..., 0], v=values, k=packed[..., 1:] if proj.k is not None else None
                 )
@@ -300,12 +314,40 @@ class ScalarSortAttention(DecoderAttention):
                 attention_mask=am,
                 key_log_weights=klw,
                 num_prefix_keys=num_prefix,
+                **self._text_call_options(None, output_attentions),
             )
-        return self.o_proj(self._merge_heads(out)), register_out
+            if output_attentions:
+                out, weights = out
+                weights = self._weights_over_all_text_keys(weights, num_prefix, cache)
+        return self.o_proj(self._merge_heads(out)), register_out, weights
 
-    def _attend_sorted(self, layer, proj, tau, prefix, num_prefix, attention_mask, key_log_weights):
+    def output_attentions_error(self, cache) -> str | None:
+        """Weights need every key: a decode step through a filled sorted cache layer reads only a window of it."""
+        layers = getattr(cache, "layers", None) or []
+        layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
+        return self._sorted_decode_weights_error(layer)
+
+    def _sorted_decode_weights_error(self, layer) -> str | None:
+        if isinstance(layer, SortedScalarCacheLayer) and layer.get_seq_length() > 0:
+            return (
+                f"output_attentions=True is not available with the sorted cache during decoding: layer "
+                f"{self.layer_idx} ({self.kind!r}) reads its {layer.get_seq_length()} cached tokens through a "
+                "SortedScalarCacheLayer, whose decode step sees only a window of the cached keys (decode_window; "
+                "merged or evicted under max_cache_tokens), so there are no weights over all keys to return.  To get "
+                "the attention weights run a forward without a cache (use_cache=False) over the whole sequence "
+                "(prompt and generated tokens), or ask for them on the prompt forward into an empty cache"
+            )
+        return None
+
+    def _attend_sorted(
+        self, layer, proj, tau, prefix, num_prefix, attention_mask, key_log_weights, output_attentions=False
+    ):
+        """The text call through a sorted cache layer; ``(out, weights)`` with ``output_attentions`` (the prompt
+        only: see :meth:`output_attentions_error`), else ``out``."""
         b, h, n = proj.qs.shape
         first = layer.get_seq_length() == 0
+        if output_attentions and not first:
+            raise ValueError(self._sorted_decode_weights_error(layer))
         valid = attention_mask[:, -n:].to(torch.bool) if attention_mask is not None else None
         log_weight = None
         if key_log_weights is not None:
@@ -317,7 +359,7 @@ class ScalarSortAttention(DecoderAttention):
         if first or layer.decode_window is None or layer.decode_window >= layer.num_slots:
             # the prompt, exact mode, or a window covering every cached key: the exact function (same numerics as a
             # forward without cache)
-            out = self._exact_over_cache(layer, proj, tau, prefix, num_prefix)
+            out = self._exact_over_cache(layer, proj, tau, prefix, num_prefix, output_attentions)
         else:
             out = layer.attend(
                 proj.qs,
@@ -339,7 +381,7 @@ class ScalarSortAttention(DecoderAttention):
         layer.end_step(proj.qs, valid)
         return out
 
-    def _exact_over_cache(self, layer, proj, tau, prefix, num_prefix):
+    def _exact_over_cache(self, layer, proj, tau, prefix, num_prefix, output_attentions=False):
         b = proj.qs.shape[0]
         ks, v, k, valid, log_weight = layer.slot_view()
         cached = _Projections(qs=None, ks=ks, v=v, k=k)
@@ -355,6 +397,7 @@ class ScalarSortAttention(DecoderAttention):
             attention_mask=am,
             key_log_weights=klw,
             num_prefix_keys=num_prefix,
+            **self._text_call_options(None, output_attentions),
         )
 
     # -- cache plug points ---------------------------------------------------------------------------------------
@@ -525,7 +568,7 @@ class SortedCacheModelMixin:
     def _prepare_cache_layers(self, cache) -> None:
         if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
             raise TypeError(
-                "`past_key_values` must be a transformers Cache (a SortedScalarCache, e.g. from a previous forward or "
+                "`cache` (`past_key_values`) must be a transformers Cache (a SortedScalarCache, e.g. from a previous forward or "
                 f"`SortedScalarCache(...)`, or a DynamicCache); got {type(cache).__name__}"
             )
         settings = None
@@ -537,7 +580,7 @@ class SortedCacheModelMixin:
                     continue
                 if not (type(existing) is DynamicLayer and not existing.is_initialized):
                     raise TypeError(
-                        f"`past_key_values` layer {idx} is a {type(existing).__name__}, which cannot serve a "
+                        f"`cache` (`past_key_values`) layer {idx} is a {type(existing).__name__}, which cannot serve a "
                         f"{attn.kind!r} attention layer; pass a SortedScalarCache (or a DynamicCache, completed with "
                         "sorted layers on the first forward)"
                     )
@@ -584,7 +627,7 @@ class RegularizedCausalLMMixin:
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -593,6 +636,7 @@ class RegularizedCausalLMMixin:
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> ScalarSortCausalLMOutput:
         r"""
@@ -601,11 +645,8 @@ class RegularizedCausalLMMixin:
         tau_loss_weight * L_tau`` and the terms are returned in ``align_loss``, ``spread_loss``, ``tau_loss``.
         """
         cfg = self.config
-        collect = (
-            labels is not None
-            and cfg.regularizers_enabled
-            and (past_key_values is None or past_key_values.get_seq_length() == 0)
-        )
+        cache = resolve_cache_argument(cache, past_key_values)
+        collect = labels is not None and cfg.regularizers_enabled and (cache is None or cache.get_seq_length() == 0)
         layers = self.model.layers
         if collect:
             for layer in layers:
@@ -615,7 +656,7 @@ class RegularizedCausalLMMixin:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache,
                 inputs_embeds=inputs_embeds,
                 labels=labels,
                 use_cache=use_cache,
@@ -635,8 +676,9 @@ class RegularizedCausalLMMixin:
             loss=out.loss,
             lm_loss=out.loss,
             logits=out.logits,
-            past_key_values=out.past_key_values,
             hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            **cache_field(output_cache(out)),
         )
         if collect:
             means = self._regularizer_means(captured)
@@ -684,7 +726,7 @@ class RegularizedCausalLMMixin:
         return {name: torch.stack(values).mean() for name, values in per_layer.items() if values}
 
 
-class ScalarSortForCausalLM(RegularizedCausalLMMixin, ScalarSortPreTrainedModel, DecoderForCausalLM):
+class ScalarSortForCausalLM(RegularizedCausalLMMixin, ScalarSortPreTrainedModel, DecoderForCausalLM, GenerationMixin):
     """The scalar-sort decoder with its LM head (``AutoModelForCausalLM``); ``generate`` uses a
     :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCache`."""
 

@@ -222,14 +222,14 @@ def bench_model(n: int, device, dtype, steps: int, exact_backend: str = "auto") 
     for window, backend in variants:
         cache = model.make_cache(decode_window=None, decode_backend=backend)
         for start in range(0, n, 1024):  # exact chunked prefill (no n x n matrix)
-            model(ids[:, start : min(n, start + 1024)], past_key_values=cache, use_cache=True)
+            model(ids[:, start : min(n, start + 1024)], cache=cache, use_cache=True)
         for layer in cache.layers:
             layer.decode_window = window
         pos = [n]
 
         def step():
             i = pos[0]
-            model(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+            model(ids[:, i : i + 1], cache=cache, use_cache=True)
             pos[0] = i + 1
 
         ms = _median_ms(step, device, steps)

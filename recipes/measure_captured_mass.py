@@ -238,7 +238,7 @@ def layer_inputs(model, ids: torch.Tensor, chunk: int) -> list[tuple]:
     try:
         cache = model.make_cache(decode_window=None)
         for start in range(0, ids.shape[1], chunk):
-            model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+            model(ids[:, start : start + chunk], cache=cache, use_cache=True)
     finally:
         for h in hooks:
             h.remove()

@@ -158,7 +158,7 @@ def _latest_checkpoint(output_dir: str):
     return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
 
 
-def generate_story(model, tokenizer, gen_cfg: dict, device) -> str:
+def generate_story(model, tokenizer, gen_cfg: dict, device, *, use_cache: bool = True) -> str:
     """``model.generate`` from ``gen_cfg["prompt"]`` (BOS first, as in training after a document separator)."""
     prompt = gen_cfg.get("prompt", "Once upon a time")
     ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -171,6 +171,7 @@ def generate_story(model, tokenizer, gen_cfg: dict, device) -> str:
             attention_mask=torch.ones_like(input_ids),
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            use_cache=use_cache,
             **kwargs,
         )
     return tokenizer.decode(out[0, 1:], skip_special_tokens=True)
@@ -262,6 +263,14 @@ def post_training(cfg, trainer, tokenizer, data, final_dir, log) -> dict:
         story = generate_story(model, tokenizer, gen_cfg, device)
         out["story"] = story
         log("[generate] " + gen_cfg.get("prompt", "") + " ->\n" + story + "\n")
+        # The same seed without the KV cache must give the same story: a cache the model silently ignores (as with
+        # transformers 5.24's rename of `past_key_values`) makes cached decoding diverge after a few tokens.
+        uncached = generate_story(model, tokenizer, gen_cfg, device, use_cache=False)
+        out["story_cache_check"] = {"ok": uncached == story, "story_without_cache": uncached}
+        if uncached == story:
+            log("[check] the story generated without the KV cache is identical")
+        else:
+            log("[check] generate with the KV cache DIFFERS from generate without it:\n" + uncached + "\n")
 
     if ev.get("remote_code_check", True):
         ids = sample[:, : min(64, sample.shape[1])]
@@ -272,7 +281,8 @@ def post_training(cfg, trainer, tokenizer, data, final_dir, log) -> dict:
         if check["ok"]:
             log(
                 f"[check] {final_dir} loads with trust_remote_code=True without hf_rbf ({check['model_module']}."
-                f"{check['model_class']}); same logits (max |diff| {check['max_abs_diff']:.3g})"
+                f"{check['model_class']}); same logits (max |diff| {check['max_abs_diff']:.3g}) and the same greedy "
+                f"tokens with and without the cache"
             )
         else:
             log(f"[check] remote-code load FAILED: {json.dumps(check)[:2000]}")
@@ -473,6 +483,10 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _check_word(check) -> str:
+    return "not checked" if not check else "ok" if check.get("ok") else "FAILED"
+
+
 def print_summary(s: dict, log=print) -> None:
     tps = f"{s['tokens_per_second']:,.0f}" if s.get("tokens_per_second") else "n/a"
     bpb = f"{s['bits_per_byte']:.4f}" if s.get("bits_per_byte") is not None else "n/a"
@@ -493,7 +507,9 @@ def print_summary(s: dict, log=print) -> None:
         ),
         f"bits per byte  {bpb}",
         f"attention      {', '.join(s.get('attention_backends') or []) or 'n/a'} (kind:backend)",
-        f"remote code    {'ok' if check.get('ok') else 'not checked' if not check else 'FAILED'}",
+        f"remote code    {'ok' if check.get('ok') else 'not checked' if not check else 'FAILED'}"
+        + (f" (logits and greedy generate with / without cache)" if check.get("ok") else ""),
+        f"cached story   {_check_word(s.get('story_cache_check'))} (identical with and without the KV cache)",
         f"saved          {s['final_dir']}",
         f"total time     {s['total_seconds']:.0f}s",
         "=" * 78,
@@ -506,9 +522,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides, output_dir=args.output_dir)
     summary = run(cfg, resume=args.resume, stop_at_step=args.stop_at_step, prepare_only=args.prepare_only)
-    check = summary.get("remote_code_check")
-    if check is not None and not check.get("ok"):
-        return 1
+    for name in ("remote_code_check", "story_cache_check"):
+        check = summary.get(name)
+        if check is not None and not check.get("ok"):
+            return 1
     return 0
 
 

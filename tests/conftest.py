@@ -7,6 +7,7 @@ cache or another process's.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -27,6 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import transformers.utils.logging  # noqa: E402,F401  (installs Logger.warning_once, cleared per test below)
 
 
 # Without CUDA the Triton kernels can only run in Triton's CPU interpreter, and the flag is read when triton is first
@@ -136,6 +138,38 @@ def family_case(request):
 def core_case(request):
     """(case id, family, config overrides) for the smaller CORE_CASES set."""
     return request.param
+
+
+class _DeprecationRecords(logging.Handler):
+    """Collects transformers' deprecation messages: transformers announces renames (``past_key_values`` -> ``cache``
+    in 5.24) through its logger, with ``warning_once``, not through the warnings module."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "deprecat" in message.lower():
+            self.messages.append(f"{record.name}: {message}")
+
+
+@pytest.fixture(autouse=True)
+def fail_on_transformers_deprecations(request):
+    """Every test fails when transformers logs a deprecation while it runs: a deprecated name used by our code (or by
+    a test) is the warning that announced the 5.24 cache rename.  ``warning_once``'s memory is cleared first, so a
+    message already logged by an earlier test is seen again.  Python's DeprecationWarning / FutureWarning are errors
+    through setup.cfg's ``filterwarnings``."""
+    logging.Logger.warning_once.cache_clear()
+    handler = _DeprecationRecords()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    if handler.messages and request.node.get_closest_marker("allows_deprecations") is None:
+        pytest.fail("transformers logged a deprecation during the test:\n" + "\n".join(handler.messages))
 
 
 @pytest.fixture

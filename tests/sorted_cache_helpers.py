@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-TOL = 1e-5
+# float32 logits through two summation orders (sorted cache vs recomputation): ~1e-5 relative to logits of O(1)
+TOL = 3e-5
 PAD = 0
 
 # (id, family, overrides): both families, every tau mode, sink on / off, registers 0 / 1 / 2, G < H and G = H, per-head

@@ -16,6 +16,10 @@ from conftest import FAMILY_CASES, build_model, make_config
 import hf_rbf  # noqa: F401
 
 
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
+
+
 def _inputs(vocab: int):
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(1, vocab, (2, 7), generator=gen)

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_rbf.cache_names import output_cache
 from conftest import build_model
 from transformers import DynamicCache
+
+
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
 
 
 TOL = 1e-5
@@ -30,9 +35,9 @@ def _decode_in_chunks(model, ids, mask, chunks: list[int], cache=None):
     logits, start = [], 0
     for size in chunks:
         end = start + size
-        out = model(ids[:, start:end], attention_mask=mask[:, :end], past_key_values=cache, use_cache=True)
+        out = model(ids[:, start:end], attention_mask=mask[:, :end], cache=cache, use_cache=True)
         logits.append(out.logits)
-        cache = out.past_key_values
+        cache = output_cache(out)
         start = end
     assert start == ids.shape[1]
     return torch.cat(logits, dim=1), cache
@@ -113,19 +118,19 @@ def test_cache_created_inside_forward():
     ids = torch.randint(1, 128, (2, 5))
     with torch.no_grad():
         out = model(ids, use_cache=True)
-        nxt = model(ids[:, -1:], past_key_values=out.past_key_values).logits
+        nxt = model(ids[:, -1:], past_key_values=output_cache(out)).logits
         full = model(torch.cat([ids, ids[:, -1:]], 1)).logits
-    assert isinstance(out.past_key_values, DynamicCache)
+    assert isinstance(output_cache(out), DynamicCache)
     assert (nxt[:, -1] - full[:, -1]).abs().max().item() < TOL
     model.train()
-    assert model(ids).past_key_values is None  # no cache in training mode unless asked
+    assert output_cache(model(ids)) is None  # no cache in training mode unless asked
 
 
 def test_gka_cache_stores_features_once():
     model = build_model("gka", dict(num_register_tokens=2))
     ids = torch.randint(1, 128, (3, 6))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = output_cache(model(ids, use_cache=True))
     heads, head_dim = model.config.num_attention_heads, model.config.head_dim
     for layer in cache.layers:
         assert tuple(layer.keys.shape) == (3, heads, 6, head_dim)
@@ -133,7 +138,7 @@ def test_gka_cache_stores_features_once():
     # an RBF layer stores keys and values
     rbf = build_model("rbf", {})
     with torch.no_grad():
-        rbf_cache = rbf(ids, use_cache=True).past_key_values
+        rbf_cache = output_cache(rbf(ids, use_cache=True))
     assert rbf_cache.layers[0].values.shape == rbf_cache.layers[0].keys.shape
 
 
@@ -157,7 +162,7 @@ def test_bad_attention_mask_length_names_the_argument():
     model = build_model("rbf", {})
     ids = torch.randint(1, 128, (2, 4))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = output_cache(model(ids, use_cache=True))
         with pytest.raises(ValueError, match="attention_mask"):
             model(ids[:, :1], attention_mask=torch.ones(2, 1), past_key_values=cache)
         with pytest.raises(ValueError, match="attention_mask"):

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_rbf.cache_names import CACHE_NAME
 from conftest import build_model
 from transformers import DynamicCache
+
+
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
 
 
 TOL = 1e-5
@@ -106,7 +111,7 @@ def test_generate_with_user_cache_and_continuation():
         first = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            past_key_values=cache,
+            **{CACHE_NAME: cache},
             max_new_tokens=3,
             do_sample=False,
             pad_token_id=PAD,
@@ -115,7 +120,7 @@ def test_generate_with_user_cache_and_continuation():
         second = model.generate(
             input_ids=first,
             attention_mask=mask2,
-            past_key_values=cache,
+            **{CACHE_NAME: cache},
             max_new_tokens=3,
             do_sample=False,
             pad_token_id=PAD,

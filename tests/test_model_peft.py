@@ -7,6 +7,10 @@ import torch
 from conftest import build_model
 
 
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
+
+
 PEFT_CASES = [
     ("rbf", dict(num_register_tokens=2), ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     ("gka", dict(), ["o_proj", "gate_proj", "up_proj", "down_proj"]),

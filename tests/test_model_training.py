@@ -11,6 +11,10 @@ from conftest import build_model, make_config
 from hf_rbf import GkaForCausalLM, RbfForCausalLM
 
 
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
+
+
 def _examples(vocab: int, seed: int = 0):
     """Four examples of different lengths with different numbers of ignored labels."""
     gen = torch.Generator().manual_seed(seed)

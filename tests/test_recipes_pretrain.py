@@ -14,6 +14,10 @@ import sys
 import pytest
 import torch
 
+
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_TEST = os.path.join(REPO, "recipes", "configs", "cpu_test.yaml")
 NO_EXTRAS = [

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_rbf.cache_names import output_cache
 from conftest import build_model
 from sorted_cache_helpers import CORE_SORT_CASES, PAD, SORT_CASES, TOL, check_layer_invariants, left_padded
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_rbf import SortedScalarCache, SortedScalarCacheLayer
+
+
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
 
 
 @pytest.fixture(params=SORT_CASES, ids=[c[0] for c in SORT_CASES])
@@ -29,13 +34,13 @@ def _chunked(model, ids, mask, chunks, cache):
     logits, start = [], 0
     for size in chunks:
         end = start + size
-        out = model(ids[:, start:end], attention_mask=mask[:, :end], past_key_values=cache, use_cache=True)
+        out = model(ids[:, start:end], attention_mask=mask[:, :end], cache=cache, use_cache=True)
         logits.append(out.logits)
-        for layer in out.past_key_values.layers:
+        for layer in output_cache(out).layers:
             if isinstance(layer, SortedScalarCacheLayer):
                 check_layer_invariants(layer)
         start = end
-    return torch.cat(logits, dim=1), out.past_key_values
+    return torch.cat(logits, dim=1), output_cache(out)
 
 
 @pytest.mark.parametrize("window", [None, 64])
@@ -67,11 +72,11 @@ def test_cache_created_in_forward_and_by_generate(core_sort_case):
     with torch.no_grad():
         out = model(ids, use_cache=True)
         gen = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=PAD, return_dict_in_generate=True)
-    for cache in (out.past_key_values, gen.past_key_values):
+    for cache in (output_cache(out), output_cache(gen)):
         assert isinstance(cache, SortedScalarCache)
         assert all(isinstance(layer, SortedScalarCacheLayer) and layer.decode_window == 8 for layer in cache.layers)
     model.train()
-    assert model(ids).past_key_values is None
+    assert output_cache(model(ids)) is None
 
 
 @pytest.mark.parametrize("kind", ["sorted", "dynamic", "dynamic-config"])
@@ -140,7 +145,7 @@ def test_generation_never_exceeds_the_bound(policy):
     seen = []
 
     def record(module, args, kwargs, output):
-        cache = output.past_key_values
+        cache = output_cache(output)
         for layer in cache.layers:
             if isinstance(layer, SortedScalarCacheLayer):
                 check_layer_invariants(layer)
@@ -166,6 +171,6 @@ def test_a_prompt_longer_than_the_bound_is_exact_then_reduced():
         full = model(ids, use_cache=False).logits
         out = model(ids, use_cache=True)
     assert (out.logits - full).abs().max().item() < TOL
-    for layer in out.past_key_values.layers:
+    for layer in output_cache(out).layers:
         check_layer_invariants(layer)
         assert int(layer.valid_counts().max()) <= 6 and layer.get_seq_length() == 12

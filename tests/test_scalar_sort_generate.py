@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_rbf.cache_names import CACHE_NAME, output_cache
 from conftest import build_model
 from sorted_cache_helpers import CORE_SORT_CASES, PAD, SORT_CASES, TOL, check_layer_invariants, left_padded
 
 from hf_rbf import SortedScalarCache, SortedScalarCacheLayer
+
+
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
 
 MODES = {
     "greedy": dict(do_sample=False),
@@ -46,7 +51,7 @@ def test_generate_at_full_window_equals_no_cache(mode, window):
         kwargs = dict(MODES[mode], max_new_tokens=6, min_new_tokens=6)
         uncached = _generate(model, ids, mask, use_cache=False, **kwargs)
         cache = SortedScalarCache(decode_window=None if window == "none" else 64, cache_buffer_size=2)
-        cached = _generate(model, ids, mask, past_key_values=cache, **kwargs)
+        cached = _generate(model, ids, mask, **{CACHE_NAME: cache}, **kwargs)
         assert torch.equal(cached.sequences, uncached.sequences), family
         assert _max_logit_diff(cached, uncached) < TOL, family
         for layer in cache.layers:
@@ -55,7 +60,7 @@ def test_generate_at_full_window_equals_no_cache(mode, window):
         if window == "none" and mode == "greedy":
             # the default cache (built by generate) is the exact sorted cache too
             default = _generate(model, ids, mask, **kwargs)
-            assert isinstance(default.past_key_values, SortedScalarCache)
+            assert isinstance(output_cache(default), SortedScalarCache)
             assert torch.equal(default.sequences, uncached.sequences)
 
 
@@ -83,7 +88,7 @@ def test_prompt_lookup_decoding_equals_greedy(window):
         assert torch.equal(lookup.sequences, greedy.sequences), family
         assert _max_logit_diff(lookup, greedy) < TOL
         assert crops and any(n < 0 for n in crops)  # rejected candidates were cropped away
-        for layer in lookup.past_key_values.layers:
+        for layer in output_cache(lookup).layers:
             check_layer_invariants(layer)
 
 
@@ -97,7 +102,7 @@ def test_user_cache_continues_across_generate_calls():
         first = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            past_key_values=cache,
+            **{CACHE_NAME: cache},
             max_new_tokens=3,
             do_sample=False,
             pad_token_id=PAD,
@@ -106,7 +111,7 @@ def test_user_cache_continues_across_generate_calls():
         second = model.generate(
             input_ids=first,
             attention_mask=mask2,
-            past_key_values=cache,
+            **{CACHE_NAME: cache},
             max_new_tokens=3,
             do_sample=False,
             pad_token_id=PAD,
@@ -124,7 +129,7 @@ def test_windowed_generation_runs_every_mode():
     ids, mask = left_padded(model.config.vocab_size, [9, 6])
     for mode in MODES.values():
         cache = SortedScalarCache()
-        out = _generate(model, ids, mask, past_key_values=cache, max_new_tokens=5, min_new_tokens=5, **mode)
+        out = _generate(model, ids, mask, **{CACHE_NAME: cache}, max_new_tokens=5, min_new_tokens=5, **mode)
         assert out.sequences.shape[1] == ids.shape[1] + 5
         for layer in cache.layers:
             check_layer_invariants(layer)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from hf_rbf.cache_names import output_cache
 from conftest import build_model
 from sorted_cache_helpers import PAD, SORT_CASES, left_padded
 
@@ -69,6 +70,10 @@ sys.meta_path.insert(0, BlockHfRbf())
 import torch
 from transformers import AutoModelForCausalLM
 
+
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
+
 ckpt, data = sys.argv[1], sys.argv[2]
 ref = torch.load(data)
 model = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True).eval()
@@ -79,7 +84,7 @@ with torch.no_grad():
 print(json.dumps({
     "logits_equal": bool((logits - ref["logits"]).abs().max() < 1e-5),
     "tokens_equal": bool(torch.equal(out.sequences, ref["tokens"])),
-    "cache": type(out.past_key_values).__name__,
+    "cache": type(output_cache(out)).__name__,
     "model_module": type(model).__module__,
     "hf_rbf_loaded": any(m == "hf_rbf" or m.startswith("hf_rbf.") for m in sys.modules),
 }))
