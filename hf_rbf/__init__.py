@@ -15,6 +15,7 @@ from transformers import (
     AutoModelForImageClassification,
 )
 
+from .cache_names import CACHE_NAME
 from .attention_dot import dot_attention
 from .attention_gka import gka_attention
 from .attention_hybrid import hybrid_attention
@@ -94,6 +95,7 @@ except ImportError as _err:  # AutoImageProcessor is gated on PIL / torchvision;
 
 __all__ = [
     "BACKENDS",
+    "CACHE_NAME",
     "DecoderAttention",
     "DecoderConfig",
     "DecoderForCausalLM",

@@ -660,8 +660,11 @@ class DecoderModel(DecoderPreTrainedModel):
             output_attentions = bool(getattr(self.config, "output_attentions", False))
         if use_cache is None:
             use_cache = cache is not None or (self.config.use_cache and not self.training)
-        if self.gradient_checkpointing and self.training and use_cache:
-            use_cache = False
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and (use_cache or cache is not None):
+            # A checkpointed layer runs twice (forward, then the backward's replay), so it must not write a cache.
+            # transformers' GradientCheckpointingLayer drops the cache argument itself, but under the name of the
+            # installed version (`past_key_values` before 5.24, `cache` after): dropped here, for both.
+            use_cache, cache = False, None
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -790,7 +793,8 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         return self.model.make_cache()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
-        """Create the model's own cache for ``generate`` (same signature on transformers 5.17 and 5.23)."""
+        """Create the model's own cache for ``generate`` (same signature from transformers 5.17 to 5.24); it goes into
+        ``model_kwargs`` under the installed cache name only (5.24 warns at every step when both names are there)."""
         if generation_cache(model_kwargs) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         implementation = generation_config.cache_implementation

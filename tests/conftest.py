@@ -128,6 +128,24 @@ def build_model(family: str, overrides: dict, seed: int = 0, randomize: bool = T
     return model.eval()
 
 
+def enable_activation_checkpointing(model, **checkpoint_kwargs) -> None:
+    """Gradient (activation) checkpointing under the installed transformers' name: ``activation_checkpointing_enable``
+    from 5.24 on, ``gradient_checkpointing_enable`` (deprecated there) before."""
+    kwargs = checkpoint_kwargs or None
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_activation_checkpointing(model) -> None:
+    """The inverse of :func:`enable_activation_checkpointing`, under the installed name."""
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
 @pytest.fixture(params=FAMILY_CASES, ids=[c[0] for c in FAMILY_CASES])
 def family_case(request):
     """(case id, family, config overrides) for every configuration in FAMILY_CASES."""

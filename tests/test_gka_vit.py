@@ -25,6 +25,7 @@ RECIPES = os.path.join(REPO, "recipes")
 sys.path.insert(0, RECIPES)
 
 import vit_accounting  # noqa: E402
+from conftest import enable_activation_checkpointing  # noqa: E402
 import vit_data  # noqa: E402
 import vit_pictures  # noqa: E402
 
@@ -257,7 +258,7 @@ def test_stochastic_depth_and_gradient_checkpointing():
 
     ref = tiny_model("gka").train()
     ck = tiny_model("gka").train()
-    ck.gradient_checkpointing_enable()
+    enable_activation_checkpointing(ck)
     assert all(layer.gradient_checkpointing for layer in ck.vit.layers)
     for model in (ref, ck):
         model(pixel_values=images(4), labels=torch.tensor([1, 2, 3, 4])).loss.backward()

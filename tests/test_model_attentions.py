@@ -34,6 +34,10 @@ from transformers import DynamicCache
 import hf_rbf
 
 
+# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
+pytestmark = pytest.mark.contract
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the functions
 # ----------------------------------------------------------------------------------------------------------------

@@ -357,3 +357,17 @@ def test_import_prints_nothing_without_the_vision_extras():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "" and proc.stderr == ""
+
+
+def test_gradient_checkpointing_training_with_a_cache_given(family):
+    """A checkpointed layer replays its forward in the backward, so no cache may be written in training: the model
+    drops a given cache itself (transformers' layer wrapper drops it only under the installed version's name)."""
+    from conftest import enable_activation_checkpointing
+
+    model = _model(family).train()
+    enable_activation_checkpointing(model)
+    ids = torch.randint(1, 128, (2, 6))
+    out = model(ids, labels=ids, cache=model.make_cache(), use_cache=True)
+    out.loss.backward()
+    assert output_cache(out) is None
+    assert all(p.grad is not None for p in model.model.layers[0].mlp.parameters())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_model, make_config
+from conftest import build_model, disable_activation_checkpointing, enable_activation_checkpointing, make_config
 
 from hf_rbf import GkaForCausalLM, RbfForCausalLM
 
@@ -109,10 +109,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(core_case, reentrant):
     model.train()
     batch = _collate(_examples(model.config.vocab_size))
     plain = _grads(model, batch)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_activation_checkpointing(model, use_reentrant=reentrant)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = _grads(model, batch)
-    model.gradient_checkpointing_disable()
+    disable_activation_checkpointing(model)
     for name, g in plain.items():
         assert checkpointed[name] is not None and torch.allclose(checkpointed[name], g, atol=1e-6, rtol=1e-5), name
 

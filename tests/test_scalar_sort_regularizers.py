@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_model
+from conftest import build_model, disable_activation_checkpointing, enable_activation_checkpointing
 from sorted_cache_helpers import left_padded
 
 from hf_rbf import hybrid_attention, scalar_attention
@@ -194,9 +194,9 @@ def test_gradient_checkpointing_keeps_the_regularizer_gradients(reentrant):
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_activation_checkpointing(model, use_reentrant=reentrant)
     checkpointed = grads()
-    model.gradient_checkpointing_disable()
+    disable_activation_checkpointing(model)
     assert set(plain) == set(checkpointed)
     for name, g in plain.items():
         assert torch.allclose(checkpointed[name], g, atol=1e-6, rtol=1e-5), name

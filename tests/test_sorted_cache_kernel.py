@@ -19,11 +19,7 @@ import textwrap
 
 import pytest
 import torch
-from hf_rbf.cache_names import CACHE_NAME
 
-
-# transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
-pytestmark = pytest.mark.contract
 
 pytest.importorskip("triton")
 
@@ -91,7 +87,7 @@ CHECKS = textwrap.dedent(
     for backend in ("torch", "triton"):
         cache = hf_rbf.SortedScalarCache(decode_backend=backend)
         with torch.no_grad():
-            out = model.generate(ids, **{CACHE_NAME: cache}, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+            out = model.generate(ids, **{hf_rbf.CACHE_NAME: cache}, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         outs[backend] = out
         results.append(dict(name=f"generate-{backend}-served", rel_err=0.0 if cache.layers[0].last_decode_backend == backend else 1.0, tol=0.5))
