@@ -53,6 +53,36 @@ def _contig(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def _forward_impl(
+    q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize, qnorm,
+    knorm, kv_same, eps,
+):
+    """Launch the key-bias pass and the flash forward: ``(out, lse, kb | None, kn | None)``."""
+    bsz, heads, nq, _ = q.shape
+    nk = k.shape[2]
+    b32 = b.float()
+    kb, kn = key_bias(k, b32.contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm)
+    out, lse = distance_forward(
+        q,
+        k,
+        v,
+        kb,
+        qs,
+        ks,
+        beta,
+        (a.float() * LOG2E).contiguous(),
+        (b32 * LOG2E).contiguous(),
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        normalize=normalize,
+        qnorm=qnorm,
+        kv_same=kv_same,
+        eps=eps,
+    )
+    return out, lse, kb, kn
+
+
 @torch.library.custom_op(f"{_NS}::distance_fwd", mutates_args=())
 def distance_fwd(
     q: Tensor,
@@ -74,27 +104,9 @@ def distance_fwd(
     kv_same: bool,
     eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    bsz, heads, nq, _ = q.shape
-    nk = k.shape[2]
-    a32, b32 = a.float(), b.float()
-    kb, kn = key_bias(k, b32.contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm)
-    out, lse = distance_forward(
-        q,
-        k,
-        v,
-        kb,
-        qs,
-        ks,
-        beta,
-        (a32 * LOG2E).contiguous(),
-        (b32 * LOG2E).contiguous(),
-        causal=causal,
-        window=window,
-        num_prefix_keys=num_prefix_keys,
-        normalize=normalize,
-        qnorm=qnorm,
-        kv_same=kv_same,
-        eps=eps,
+    out, lse, kb, kn = _forward_impl(
+        q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize,
+        qnorm, knorm, kv_same, eps,
     )
     # empty placeholders: a custom op returns tensors, and its outputs must not alias each other
     kb = torch.empty(0, device=q.device, dtype=torch.float32) if kb is None else kb
@@ -133,6 +145,36 @@ def _(
     return out, lse, kb, kn
 
 
+def _backward_impl(
+    dout, q, k, v, qs, ks, beta, a, b, kb, out, lse, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same,
+    eps, need_dbeta,
+):
+    """The backward kernels: ``(dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta)`` (see ``distance_backward``)."""
+    return distance_backward(
+        dout,
+        q,
+        k,
+        v,
+        kb,
+        qs,
+        ks,
+        beta,
+        (a.float() * LOG2E).contiguous(),
+        (b.float() * LOG2E).contiguous(),
+        out,
+        lse,
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        normalize=normalize,
+        qnorm=qnorm,
+        knorm=knorm,
+        kv_same=kv_same,
+        eps=eps,
+        need_dbeta=need_dbeta,
+    )
+
+
 @torch.library.custom_op(f"{_NS}::distance_bwd", mutates_args=())
 def distance_bwd(
     dout: Tensor,
@@ -157,29 +199,9 @@ def distance_bwd(
     eps: float,
     need_dbeta: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    a32, b32 = a.float(), b.float()
-    return distance_backward(
-        dout,
-        q,
-        k,
-        v,
-        kb if kb.numel() else None,
-        qs,
-        ks,
-        beta,
-        (a32 * LOG2E).contiguous(),
-        (b32 * LOG2E).contiguous(),
-        out,
-        lse,
-        causal=causal,
-        window=window,
-        num_prefix_keys=num_prefix_keys,
-        normalize=normalize,
-        qnorm=qnorm,
-        knorm=knorm,
-        kv_same=kv_same,
-        eps=eps,
-        need_dbeta=need_dbeta,
+    return _backward_impl(
+        dout, q, k, v, qs, ks, beta, a, b, kb if kb.numel() else None, out, lse, causal, window, num_prefix_keys,
+        normalize, qnorm, knorm, kv_same, eps, need_dbeta,
     )
 
 
@@ -245,11 +267,14 @@ def _reduce_to(grad: Tensor, shape) -> Tensor:
     return grad.sum(dim=dims, keepdim=True) if dims else grad
 
 
-def _backward(ctx, dout, _dlse, _dkb, _dkn):
+def _gradients(ctx, dout, run_backward):
+    """The input gradients from the backward kernels' outputs; shared by the custom op's autograd (traced under
+    ``torch.compile``) and :class:`_DistanceFunction` (eager).  ``run_backward`` is ``distance_bwd`` (the op) or
+    ``_backward_impl`` (the same kernels without the op's dispatch)."""
     q, k, v, qs, ks, beta, a, b, out, lse, kb, kn = ctx.saved_tensors
     causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps = ctx.flags
     need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
-    dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta = distance_bwd(
+    dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta = run_backward(
         dout,
         q,
         k,
@@ -294,7 +319,67 @@ def _backward(ctx, dout, _dlse, _dkb, _dkn):
     return tuple(grads.get(name) for name in _FWD_ARGS) + (None,) * 8
 
 
+def _backward(ctx, dout, _dlse, _dkb, _dkn):
+    return _gradients(ctx, dout, distance_bwd)
+
+
 distance_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _DistanceFunction(torch.autograd.Function):
+    """The same kernels and gradients as ``distance_fwd`` for eager mode, without the custom op's dispatch.
+
+    Measured on an H100 (``benchmarks/profile_training.py``, ``benchmarks/results/h100-profile-2026-11-25``): through
+    the custom op one forward+backward of ``rbf_attention`` cost 2.4 ms of host time against 0.36 ms for SDPA; a
+    d256 model was host-bound (9 ms of GPU work in a 37-53 ms step), the op's Python autograd wrapper and the
+    backward op's dispatch taking about 2 ms per layer and step.  ``torch.compile`` still traces the custom op
+    (:func:`distance_attention` picks it while compiling), so graphs keep their fake implementations.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, qs, ks, beta, a, b, klw, am, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps):
+        out, lse, kb, kn = _forward_impl(
+            q, k, v, qs, ks, beta, a, b, klw, am, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same,
+            eps,
+        )
+        ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, kn)
+        ctx.flags = (causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps)
+        ctx.klw_shape = None if klw is None else tuple(klw.shape)
+        ctx.klw_dtype = None if klw is None else klw.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _gradients(ctx, dout, _backward_impl)
+
+
+def _decode_impl(
+    q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize, qnorm,
+    knorm, kv_same, eps,
+):
+    bsz, heads, nq, _ = q.shape
+    nk = k.shape[2]
+    # key norms inside the decode kernel (knorm): only the weights / padding go through the key-bias pass
+    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
+    return distance_decode(
+        q,
+        k,
+        v,
+        kb,
+        qs,
+        ks,
+        beta,
+        (a.float() * LOG2E).contiguous(),
+        (b.float() * LOG2E).contiguous(),
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+        normalize=normalize,
+        qnorm=qnorm,
+        knorm=knorm,
+        kv_same=kv_same,
+        eps=eps,
+    )
 
 
 @torch.library.custom_op(f"{_NS}::distance_decode", mutates_args=())
@@ -318,29 +403,9 @@ def distance_decode_op(
     kv_same: bool,
     eps: float,
 ) -> Tensor:
-    bsz, heads, nq, _ = q.shape
-    nk = k.shape[2]
-    a32, b32 = a.float(), b.float()
-    # key norms inside the decode kernel (knorm): only the weights / padding go through the key-bias pass
-    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
-    return distance_decode(
-        q,
-        k,
-        v,
-        kb,
-        qs,
-        ks,
-        beta,
-        (a32 * LOG2E).contiguous(),
-        (b32 * LOG2E).contiguous(),
-        causal=causal,
-        window=window,
-        num_prefix_keys=num_prefix_keys,
-        normalize=normalize,
-        qnorm=qnorm,
-        knorm=knorm,
-        kv_same=kv_same,
-        eps=eps,
+    return _decode_impl(
+        q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize,
+        qnorm, knorm, kv_same, eps,
     )
 
 
@@ -416,6 +481,11 @@ def distance_attention(
     )
     differentiable = (q, k, v, qs, ks, beta, a, b, mask.key_log_weights)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    compiling = torch.compiler.is_compiling()
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
-        return distance_decode_op(*args)
-    return distance_fwd(*args)[0]
+        return distance_decode_op(*args) if compiling else _decode_impl(*args)
+    if compiling:
+        return distance_fwd(*args)[0]
+    if needs_grad:
+        return _DistanceFunction.apply(*args)
+    return _forward_impl(*args)[0]

@@ -31,6 +31,15 @@ _NS = (
 )
 
 
+def _forward_impl(qs, ks, v, beta, key_log_weights, attention_mask, causal, window, num_prefix_keys):
+    """The key-bias pass and the forward kernel: ``(out, lse, kb | None)``."""
+    bsz, heads, nq = qs.shape
+    nk = ks.shape[2]
+    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
+    out, lse = scalar_forward(qs, ks, v, kb, beta, causal=causal, window=window, num_prefix_keys=num_prefix_keys)
+    return out, lse, kb
+
+
 @torch.library.custom_op(f"{_NS}::scalar_fwd", mutates_args=())
 def scalar_fwd(
     qs: Tensor,
@@ -43,10 +52,7 @@ def scalar_fwd(
     window: Optional[int],
     num_prefix_keys: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    bsz, heads, nq = qs.shape
-    nk = ks.shape[2]
-    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
-    out, lse = scalar_forward(qs, ks, v, kb, beta, causal=causal, window=window, num_prefix_keys=num_prefix_keys)
+    out, lse, kb = _forward_impl(qs, ks, v, beta, key_log_weights, attention_mask, causal, window, num_prefix_keys)
     if kb is None:
         kb = torch.empty(0, device=v.device, dtype=torch.float32)
     return out, lse, kb
@@ -78,12 +84,16 @@ def scalar_bwd(
     num_prefix_keys: int,
     need_dbeta: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _backward_impl(dout, qs, ks, v, beta, kb if kb.numel() else None, lse, causal, window, num_prefix_keys, need_dbeta)
+
+
+def _backward_impl(dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, need_dbeta):
     return scalar_backward(
         dout,
         qs,
         ks,
         v,
-        kb if kb.numel() else None,
+        kb,
         beta,
         lse,
         causal=causal,
@@ -122,11 +132,13 @@ def _reduce_to(grad: Tensor, shape) -> Tensor:
     return grad.sum(dim=dims, keepdim=True) if dims else grad
 
 
-def _backward(ctx, dout, _dlse, _dkb):
+def _gradients(ctx, dout, run_backward):
+    """Input gradients from the backward kernel; ``run_backward`` is ``scalar_bwd`` (the op, traced under
+    ``torch.compile``) or ``_backward_impl`` (eager, :class:`_ScalarFunction`)."""
     qs, ks, v, beta, lse, kb = ctx.saved_tensors
     causal, window, num_prefix_keys = ctx.flags
     need_qs, need_ks, need_v, need_beta, need_klw = ctx.needs_input_grad[:5]
-    dqs, dks, dv, dkb, dbeta = scalar_bwd(
+    dqs, dks, dv, dkb, dbeta = run_backward(
         dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, bool(need_beta)
     )
     return (
@@ -142,7 +154,29 @@ def _backward(ctx, dout, _dlse, _dkb):
     )
 
 
+def _backward(ctx, dout, _dlse, _dkb):
+    return _gradients(ctx, dout, scalar_bwd)
+
+
 scalar_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _ScalarFunction(torch.autograd.Function):
+    """``scalar_fwd`` with its gradients for eager mode, without the custom op's dispatch (see
+    ``attention_distance_triton._DistanceFunction`` for the measurement that motivated it)."""
+
+    @staticmethod
+    def forward(ctx, qs, ks, v, beta, klw, am, causal, window, num_prefix_keys):
+        out, lse, kb = _forward_impl(qs, ks, v, beta, klw, am, causal, window, num_prefix_keys)
+        ctx.save_for_backward(qs, ks, v, beta, lse, kb)
+        ctx.flags = (causal, window, num_prefix_keys)
+        ctx.klw_shape = None if klw is None else tuple(klw.shape)
+        ctx.klw_dtype = None if klw is None else klw.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _gradients(ctx, dout, _backward_impl)
 
 
 def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
@@ -152,9 +186,13 @@ def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
     else:
         beta = torch.full((1, 1, 1), 1.0 / float(tau), device=v.device, dtype=torch.float32)
     v = v if v.stride(-1) == 1 else v.contiguous()
-    return scalar_fwd(
-        qs, ks, v, beta, mask.key_log_weights, mask.attention_mask, mask.causal, mask.window, mask.num_prefix_keys
-    )[0]
+    args = (qs, ks, v, beta, mask.key_log_weights, mask.attention_mask, mask.causal, mask.window, mask.num_prefix_keys)
+    if torch.compiler.is_compiling():
+        return scalar_fwd(*args)[0]
+    differentiable = (qs, ks, v, beta, mask.key_log_weights)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
+        return _ScalarFunction.apply(*args)
+    return _forward_impl(*args)[0]
 
 
 def scalar_triton_reason(qs, ks, v, tau, mask) -> str | None:

@@ -1,0 +1,403 @@
+"""Where training time goes: host cost per attention call, a torch.profiler view of whole training steps, and the
+kernels' share, for every family against dot-product SDPA and ``LlamaForCausalLM`` in one process on one GPU.
+
+    PYTHONPATH=. python benchmarks/profile_training.py --out benchmarks/results/<name> [--quick]
+
+1. Host cost per call: milliseconds of CPU time spent in one forward call (and one forward+backward) of each
+   attention function with its default CUDA backend, at a tiny shape (B1 H4 N128 D64) where the GPU finishes every
+   kernel long before the host issues the next, so wall time per call over a loop without synchronisation is the
+   host's cost.  The same for ``F.scaled_dot_product_attention``.
+2. Training steps (bf16 autocast, fused AdamW, weights in float32 as Trainer keeps them, random tokens): ms per step
+   and tokens/s of each family's default model (rbf with 1 register and SuSiE, rbf without registers with RoPE, gka,
+   scalar_sort, hybrid_sort) against Llama (SDPA) of the same width, at d256 L4 H4 T256 B64 and d768 L12 H12 T1024
+   B16.  For rbf-default, gka and Llama at d256, a torch.profiler trace of 3 steps summarised: CPU self time and CUDA
+   time of the top operators, kernel launches per step, GPU busy time against step time (the host-bound gap).
+3. Kernel time per pass (forward, backward) of the fused kernels at N 1024 and 8192 from the profiler.
+
+Writes ``profile.md`` (tables and the summary) and ``profile.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _sync():
+    torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. host cost per call
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def attention_calls(b, h, n, d, dtype, grad):
+    """name -> (zero-argument call, leaves): one call per family through its public function (default backend)."""
+    import hf_rbf
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", dtype).requires_grad_(grad)
+
+    def par(x):
+        return x.to("cuda").requires_grad_(grad)
+
+    q, k, v = rnd(b, h, n, d), rnd(b, h, n, d), rnd(b, h, n, d)
+    qs, ks = rnd(b, h, n), rnd(b, h, n)
+    vg = rnd(b, h, n, d)
+    tau = par(torch.full((h,), 0.3))
+    log_sigma = par(torch.full((h,), 0.25 * math.log(d)))
+    gamma = par(torch.full((h,), 1.0 / math.sqrt(d)))
+    calls = {
+        "sdpa (dot product)": (
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+            [q, k, v],
+        ),
+        "rbf_attention": (lambda: hf_rbf.rbf_attention(q, k, v, gamma=gamma, causal=True), [q, k, v, gamma]),
+        "rbf_attention + 1 prefix key": (
+            lambda: hf_rbf.rbf_attention(q, k, v, gamma=gamma, causal=True, num_prefix_keys=1),
+            [q, k, v, gamma],
+        ),
+        "gka_attention": (lambda: hf_rbf.gka_attention(q, log_sigma, causal=True), [q, log_sigma]),
+        "scalar_attention": (lambda: hf_rbf.scalar_attention(qs, ks, vg, tau, causal=True), [qs, ks, vg, tau]),
+        "scalar_attention (triton)": (
+            lambda: hf_rbf.scalar_attention(qs, ks, vg, tau, causal=True, backend="triton"),
+            [qs, ks, vg, tau],
+        ),
+        "hybrid_attention": (
+            lambda: hf_rbf.hybrid_attention(q, k, vg, qs, ks, tau, causal=True),
+            [q, k, vg, qs, ks, tau],
+        ),
+    }
+    return calls
+
+
+class _CustomOpPath:
+    """Within the block the fused kernels run through their ``torch.library`` custom ops in eager mode too (the path
+    before the eager ``autograd.Function`` went in), so both are timed in one process."""
+
+    def __enter__(self):
+        from hf_rbf import attention_distance_triton as adt
+        from hf_rbf import attention_scalar_triton as ast
+
+        self.saved = (adt._DistanceFunction.apply, ast._ScalarFunction.apply)
+        adt._DistanceFunction.apply = staticmethod(lambda *args: adt.distance_fwd(*args)[0])
+        ast._ScalarFunction.apply = staticmethod(lambda *args: ast.scalar_fwd(*args)[0])
+        return self
+
+    def __exit__(self, *exc):
+        from hf_rbf import attention_distance_triton as adt
+        from hf_rbf import attention_scalar_triton as ast
+
+        adt._DistanceFunction.apply, ast._ScalarFunction.apply = self.saved
+
+
+def host_cost(reps: int = 200) -> list[dict]:
+    rows = []
+    for path in ("autograd.Function", "custom op"):
+        with (_CustomOpPath() if path == "custom op" else _NoOp()):
+            rows += _host_cost(path, reps)
+    return rows
+
+
+class _NoOp:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _host_cost(path: str, reps: int) -> list[dict]:
+    rows = []
+    for grad in (False, True):
+        calls = attention_calls(1, 4, 128, 64, torch.bfloat16, grad)
+        for name, (fn, leaves) in calls.items():
+            if path == "custom op" and name.startswith("sdpa"):
+                continue
+
+            def step():
+                out = fn()
+                if grad:
+                    out.float().sum().backward()
+                return out
+
+            for _ in range(10):
+                step()
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                step()
+            t_host = (time.perf_counter() - t0) / reps
+            _sync()
+            t_all = (time.perf_counter() - t0) / reps
+            backend = None
+            op = name.split(" ")[0]
+            if op != "sdpa":
+                import hf_rbf
+
+                backend = hf_rbf.last_backend(op)
+            rows.append(
+                dict(
+                    call=name,
+                    path=path,
+                    backward=grad,
+                    host_ms=1e3 * t_host,
+                    wall_ms_synced=1e3 * t_all,
+                    backend=backend,
+                )
+            )
+            print(f"[host] {path:18s} {name:32s} {'fwd+bwd' if grad else 'fwd':7s} {1e3 * t_host:7.3f} ms  ({backend})", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. training steps
+# ----------------------------------------------------------------------------------------------------------------
+
+VARIANTS = {
+    "llama": None,
+    "rbf (1 register, SuSiE)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
+    "rbf (no registers, RoPE)": ("rbf", dict(num_register_tokens=0, position_embedding_type="rope")),
+    "gka": ("gka", dict()),
+    "scalar_sort": ("scalar_sort", dict()),
+    "hybrid_sort": ("hybrid_sort", dict()),
+}
+
+SIZES = {
+    "d256": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=688, seq=256, batch=64),
+    "d768": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048, seq=1024, batch=16),
+}
+
+
+def build(variant: str, size: dict):
+    import hf_rbf  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    common = dict(
+        vocab_size=8192,
+        hidden_size=size["hidden_size"],
+        num_hidden_layers=size["num_hidden_layers"],
+        num_attention_heads=size["num_attention_heads"],
+        intermediate_size=size["intermediate_size"],
+        max_position_embeddings=size["seq"],
+    )
+    if VARIANTS[variant] is None:
+        model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
+    else:
+        family, extra = VARIANTS[variant]
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **common, **extra))
+    return model.cuda().train()
+
+
+def train_steps(model, size, steps: int, warmup: int, profile_steps: int = 0):
+    b, t = size["batch"], size["seq"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, 8192, (b, t), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    step()
+    _sync()
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    _sync()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync()
+    ms = 1e3 * (time.perf_counter() - t0) / steps
+    result = dict(
+        ms_per_step=ms,
+        tokens_per_s=b * t / (ms / 1e3),
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+        first_step_s=first_s,
+    )
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(profile_steps):
+                step()
+            _sync()
+        result["profile"] = summarise_profile(prof, profile_steps, ms)
+    del opt
+    return result
+
+
+def summarise_profile(prof, steps: int, step_ms: float) -> dict:
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in kernels)
+    launches = sum(e.count for e in kernels)
+    cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+    gpu_top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:20]
+    return dict(
+        gpu_busy_ms_per_step=gpu_us / 1e3 / steps,
+        step_ms=step_ms,
+        kernel_launches_per_step=launches / steps,
+        cpu_top=[
+            dict(name=e.key[:90], calls_per_step=e.count / steps, self_cpu_ms_per_step=e.self_cpu_time_total / 1e3 / steps)
+            for e in cpu_top
+        ],
+        gpu_top=[
+            dict(name=e.key[:90], calls_per_step=e.count / steps, ms_per_step=e.self_device_time_total / 1e3 / steps)
+            for e in gpu_top
+        ],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. kernel time per pass
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def kernel_passes(n_values, d: int = 64) -> list[dict]:
+    import hf_rbf
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for n in n_values:
+        b, h = max(1, 32768 // n), 16
+        for name in ("rbf_attention", "sdpa (dot product)"):
+            fn, leaves = attention_calls(b, h, n, d, torch.bfloat16, True)[name]
+            for _ in range(3):
+                fn().float().sum().backward()
+            _sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn().float().sum().backward()
+                _sync()
+            for e in prof.key_averages():
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+                    rows.append(
+                        dict(n=n, d=d, call=name, kernel=e.key[:80], calls=e.count / 5, ms=e.self_device_time_total / 1e3 / 5)
+                    )
+        _ = hf_rbf
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def write_markdown(res: dict, path: Path) -> None:
+    lines = ["# Training-time profile", "", f"GPU: {res['gpu']}; torch {res['torch']}; triton {res['triton']}; "
+             f"transformers {res['transformers']}", ""]
+    lines += ["## Host cost per attention call (B1 H4 N128 D64, bf16; no synchronisation)", "",
+              "| call | path | pass | host ms | backend |", "|---|---|---|---|---|"]
+    for r in res["host"]:
+        lines.append(
+            f"| {r['call']} | {r.get('path', '')} | {'fwd+bwd' if r['backward'] else 'fwd'} | {r['host_ms']:.3f} | "
+            f"{r['backend'] or ''} |"
+        )
+    for size, rows in res["steps"].items():
+        base = rows.get("llama", {}).get("tokens_per_s")
+        lines += ["", f"## Training steps, {size}", "",
+                  "| model | ms/step | tokens/s | vs Llama | peak GiB | first step s | GPU busy ms/step | launches/step |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, r in rows.items():
+            if "error" in r:
+                lines.append(f"| {name} | error: {r['error'][:120]} | | | | | | |")
+                continue
+            p = r.get("profile", {})
+            ratio = r["tokens_per_s"] / base if base else float("nan")
+            lines.append(
+                f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {ratio:.2f}x | {r['peak_gib']:.2f} | "
+                f"{r['first_step_s']:.1f} | {p.get('gpu_busy_ms_per_step', float('nan')):.1f} | "
+                f"{p.get('kernel_launches_per_step', float('nan')):.0f} |"
+            )
+        for name, r in rows.items():
+            p = r.get("profile")
+            if not p:
+                continue
+            lines += ["", f"### {size} {name}: top CPU self time per step", "", "| op | calls/step | self CPU ms/step |", "|---|---|---|"]
+            lines += [f"| `{e['name']}` | {e['calls_per_step']:.0f} | {e['self_cpu_ms_per_step']:.2f} |" for e in p["cpu_top"]]
+            lines += ["", f"### {size} {name}: top GPU kernels per step", "", "| kernel | calls/step | ms/step |", "|---|---|---|"]
+            lines += [f"| `{e['name']}` | {e['calls_per_step']:.0f} | {e['ms_per_step']:.2f} |" for e in p["gpu_top"]]
+    lines += ["", "## Kernel time per pass (fwd+bwd, B = 32768/N, H16, D64, bf16, causal)", "",
+              "| N | call | kernel | calls | ms |", "|---|---|---|---|---|"]
+    for r in res["kernels"]:
+        lines.append(f"| {r['n']} | {r['call']} | `{r['kernel']}` | {r['calls']:.0f} | {r['ms']:.3f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="d256 only, fewer steps")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--first-steps",
+        action="store_true",
+        help="only the first training step of every model at d256 (run it in a second process after a full run: "
+        "the first step on a warm machine, where the autotuner's choices are cached on disk)",
+    )
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.first_steps:
+        firsts = {}
+        for variant in VARIANTS:
+            model = build(variant, SIZES["d256"])
+            firsts[variant] = train_steps(model, SIZES["d256"], steps=1, warmup=0)["first_step_s"]
+            print(f"[first step, warm machine] {variant:26s} {firsts[variant]:.1f} s", flush=True)
+            del model
+        (out / "first_steps.json").write_text(json.dumps(firsts, indent=1))
+        return 0
+    import transformers
+    import triton
+
+    res = dict(
+        gpu=torch.cuda.get_device_name(0),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        transformers=transformers.__version__,
+    )
+    res["host"] = host_cost()
+    res["steps"] = {}
+    sizes = ["d256"] if args.quick else ["d256", "d768"]
+    for size_name in sizes:
+        size = SIZES[size_name]
+        rows = {}
+        for variant in VARIANTS:
+            profile = 3 if size_name == "d256" and variant in ("llama", "rbf (1 register, SuSiE)", "gka") else 0
+            try:
+                model = build(variant, size)
+                rows[variant] = train_steps(model, size, steps=args.steps, warmup=5, profile_steps=profile)
+                del model
+            except Exception as err:  # a failing family must not hide the others' numbers
+                rows[variant] = dict(error=f"{type(err).__name__}: {err}")
+            torch.cuda.empty_cache()
+            r = rows[variant]
+            print(f"[step] {size_name} {variant:26s} " + (f"{r['ms_per_step']:.1f} ms" if "ms_per_step" in r else r["error"][:200]), flush=True)
+        res["steps"][size_name] = rows
+        (out / "profile.json").write_text(json.dumps(res, indent=1))
+    res["kernels"] = kernel_passes([1024, 8192])
+    (out / "profile.json").write_text(json.dumps(res, indent=1))
+    write_markdown(res, out / "profile.md")
+    print((out / "profile.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
