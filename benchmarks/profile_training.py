@@ -347,6 +347,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="d256 only, fewer steps")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument(
+        "--variants",
+        type=lambda x: x.split(","),
+        default=None,
+        help=f"comma-separated subset of: {', '.join(VARIANTS)}",
+    )
+    ap.add_argument(
         "--first-steps",
         action="store_true",
         help="only the first training step of every model at d256 (run it in a second process after a full run: "
@@ -379,7 +385,7 @@ def main() -> int:
     for size_name in sizes:
         size = SIZES[size_name]
         rows = {}
-        for variant in VARIANTS:
+        for variant in args.variants or VARIANTS:
             profile = 3 if size_name == "d256" and variant in ("llama", "rbf (1 register, SuSiE)", "gka") else 0
             try:
                 model = build(variant, size)

@@ -34,6 +34,7 @@ from .kernels_common import (
     autotune_enabled,
     autotune_subset,
     dot_precision,
+    launch_tuned,
     make_configs,
     n_bucket,
     padded_dim,
@@ -1010,7 +1011,9 @@ def distance_backward(
     hpg = heads // groups
     nb = n_bucket(max(nq, nk))
     grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
-    _distance_bwd_dq[grid_q](
+    launch_tuned(
+        _distance_bwd_dq,
+        grid_q,
         *ins,
         dq,
         qr,
@@ -1041,7 +1044,9 @@ def distance_backward(
         bsz * groups,
     )
     dvt = dv if not kv_same else dk
-    _distance_bwd_dkdv[grid_kv](
+    launch_tuned(
+        _distance_bwd_dkdv,
+        grid_kv,
         *ins,
         dk,
         dvt,

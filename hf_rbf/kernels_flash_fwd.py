@@ -34,6 +34,7 @@ from .kernels_common import (
     autotune_subset,
     ceil_div,
     dot_precision,
+    launch_tuned,
     make_configs,
     n_bucket,
     next_pow2,
@@ -608,7 +609,9 @@ def distance_forward(
     if nq == 0:
         return out, lse
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
-    _distance_fwd[grid](
+    launch_tuned(
+        _distance_fwd,
+        grid,
         *tensors,
         out,
         lse,
@@ -663,7 +666,9 @@ def distance_decode(
     erow = torch.empty(bsz * heads, nq, device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, n_split)  # noqa: E731
     flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=knorm)
-    _distance_decode[grid](
+    launch_tuned(
+        _distance_decode,
+        grid,
         *tensors,
         acc,
         mp,

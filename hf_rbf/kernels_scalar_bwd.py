@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels_common import HAS_TRITON, autotune, dot_precision, make_configs, n_bucket, padded_dim
+from .kernels_common import HAS_TRITON, autotune, dot_precision, launch_tuned, make_configs, n_bucket, padded_dim
 from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, strides3
 
 if HAS_TRITON:
@@ -728,7 +728,9 @@ def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefi
     )
     kbt = kb if kb is not None else lse
     grid_q = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
-    _scalar_bwd_dq[grid_q](
+    launch_tuned(
+        _scalar_bwd_dq,
+        grid_q,
         qs,
         ks,
         v,
@@ -749,7 +751,9 @@ def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefi
         triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
         bsz * groups,
     )
-    _scalar_bwd_dkv[grid_kv](
+    launch_tuned(
+        _scalar_bwd_dkv,
+        grid_kv,
         qs,
         ks,
         v,

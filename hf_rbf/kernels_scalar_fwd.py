@@ -25,6 +25,7 @@ from .kernels_common import (
     autotune,
     autotune_subset,
     dot_precision,
+    launch_tuned,
     make_configs,
     n_bucket,
     padded_dim,
@@ -389,7 +390,9 @@ def scalar_forward(qs, ks, v, kb, beta, *, causal, window, num_prefix_keys):
     if nq == 0:
         return out, lse
     grid = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
-    _scalar_fwd[grid](
+    launch_tuned(
+        _scalar_fwd,
+        grid,
         qs,
         ks,
         v,

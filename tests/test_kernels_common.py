@@ -172,3 +172,65 @@ def test_auto_order_for_decoding():
     assert list(kernels_common.auto_order(fam, cuda, rows + 1, split_k_decode=False)) == list(fam)
     assert list(kernels_common.auto_order(fam, cpu, rows)) == ["naive", "sdpa", "flex", "triton"]
     assert list(kernels_common.auto_order(fam, cpu, rows + 1)) == ["sdpa", "flex", "naive", "triton"]
+
+
+class _FakeConfig:
+    def __init__(self, block):
+        self.kwargs = {"BLOCK": block}
+        self.pre_hook = None
+
+    def all_kwargs(self):
+        return dict(self.kwargs)
+
+
+class _FakeAutotuned:
+    """The parts of triton's Autotuner that ``launch_tuned`` reads; records which path served each launch."""
+
+    def __init__(self, configs):
+        self.configs = configs
+        self.arg_names = ["x", "y", "n", "N_BUCKET", "FLAG"]
+        self.keys = ["N_BUCKET", "FLAG"]
+        self.cache = {}
+        self.launches = []
+        outer = self
+
+        class _Fn:
+            def run(self, *args, grid, warmup, **kwargs):
+                outer.launches.append(("direct", kwargs.get("BLOCK")))
+
+        self.fn = _Fn()
+
+    def __getitem__(self, grid):
+        def tune_and_launch(*args, **kwargs):
+            # what Autotuner.run keys its cache on: the key arguments' values, then the tensor arguments' dtypes
+            named = dict(zip(self.arg_names, args), **kwargs)
+            key = [named[k] for k in self.keys if k in named] + [str(a.dtype) for a in named.values() if hasattr(a, "dtype")]
+            self.cache[tuple(key)] = self.configs[-1]
+            self.launches.append(("autotuner", self.configs[-1].kwargs["BLOCK"]))
+
+        return tune_and_launch
+
+
+def test_launch_tuned_asks_the_autotuner_once_per_key():
+    """After the autotuner chose a config for a key (dtypes included), launches with that key go straight to the
+    kernel with the chosen config; a new key (another N bucket, another dtype) goes through the autotuner again."""
+    from hf_rbf.kernels_common import launch_tuned
+
+    kernel = _FakeAutotuned([_FakeConfig(32), _FakeConfig(64)])
+    x, y = torch.zeros(2), torch.zeros(2)
+    for _ in range(3):
+        launch_tuned(kernel, (1,), x, y, 5, 256, FLAG=True)
+    launch_tuned(kernel, (1,), x, y, 5, 512, FLAG=True)  # another bucket
+    launch_tuned(kernel, (1,), x.half(), y, 5, 256, FLAG=True)  # another dtype
+    launch_tuned(kernel, (1,), x, y, 5, 256, FLAG=False)  # another constexpr
+    assert kernel.launches == [
+        ("autotuner", 64),
+        ("direct", 64),
+        ("direct", 64),
+        ("autotuner", 64),
+        ("autotuner", 64),
+        ("autotuner", 64),
+    ]
+    single = _FakeAutotuned([_FakeConfig(16)])
+    launch_tuned(single, (1,), x, y, 5, 256, FLAG=True)
+    assert single.launches == [("direct", 16)]
