@@ -348,9 +348,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument(
         "--variants",
-        type=lambda x: x.split(","),
+        type=lambda x: x.split(";"),
         default=None,
-        help=f"comma-separated subset of: {', '.join(VARIANTS)}",
+        help=f"semicolon-separated subset of: {'; '.join(VARIANTS)}",
     )
     ap.add_argument(
         "--first-steps",

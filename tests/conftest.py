@@ -128,6 +128,21 @@ def build_model(family: str, overrides: dict, seed: int = 0, randomize: bool = T
     return model.eval()
 
 
+def generate_with_logits(model, ids, mask, *, use_cache: bool, seed: int = 0, pad: int = 0, **kwargs):
+    """``model.generate`` with the step logits returned (``return_dict_in_generate``), seeded, without gradients."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            use_cache=use_cache,
+            pad_token_id=pad,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
+        )
+
+
 def enable_activation_checkpointing(model, **checkpoint_kwargs) -> None:
     """Gradient (activation) checkpointing under the installed transformers' name: ``activation_checkpointing_enable``
     from 5.24 on, ``gradient_checkpointing_enable`` (deprecated there) before."""

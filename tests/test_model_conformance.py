@@ -17,14 +17,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import build_model, make_config
+from conftest import build_model, generate_with_logits, make_config
 from hf_rbf.cache_names import CACHE_NAME, OTHER_CACHE_NAME, output_cache
+from sorted_cache_helpers import PAD, left_padded
 from transformers import AutoModelForCausalLM, GenerationMixin
 
 
 pytestmark = pytest.mark.contract
 
-PAD = 0
 # Every family with its default attention, one register token (the prefix path) and an "SSL" window pattern on three
 # layers (sliding cache layers next to full ones).
 FAMILIES = {
@@ -41,29 +41,8 @@ def _model(family: str, seed: int = 0, **extra):
     return build_model(family, {**FAMILIES[family], **extra}, seed=seed)
 
 
-def _left_padded(vocab: int, lengths, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    n = max(lengths)
-    ids = torch.full((len(lengths), n), PAD, dtype=torch.long)
-    mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for b, length in enumerate(lengths):
-        ids[b, n - length :] = torch.randint(1, vocab, (length,), generator=gen)
-        mask[b, n - length :] = 1
-    return ids, mask
-
-
 def _generate(model, ids, mask, *, use_cache: bool, seed: int = 0, **kwargs):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        return model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            use_cache=use_cache,
-            pad_token_id=PAD,
-            return_dict_in_generate=True,
-            output_logits=True,
-            **kwargs,
-        )
+    return generate_with_logits(model, ids, mask, use_cache=use_cache, seed=seed, pad=PAD, **kwargs)
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -116,7 +95,7 @@ def test_no_deprecation_warning_in_normal_use(family):
     """Forward, cached generate and a user's cache through ``generate`` (under the installed name) trigger neither a
     Python deprecation warning nor transformers' logged one (the autouse fixture in conftest.py fails on those)."""
     model = _model(family)
-    ids, mask = _left_padded(128, [5, 3])
+    ids, mask = left_padded(128, [5, 3])
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         warnings.simplefilter("error", FutureWarning)
@@ -147,7 +126,7 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 def test_cached_generate_equals_uncached_on_a_left_padded_batch(family, mode):
     model = _model(family)
-    ids, mask = _left_padded(model.config.vocab_size, [7, 3, 5])
+    ids, mask = left_padded(model.config.vocab_size, [7, 3, 5])
     kwargs = dict(MODES[mode], max_new_tokens=8, min_new_tokens=8)
     cached = _generate(model, ids, mask, use_cache=True, **kwargs)
     uncached = _generate(model, ids, mask, use_cache=False, **kwargs)
@@ -216,7 +195,7 @@ def _recomputed(model, ids, mask):
 
 def test_cache_lengths(family):
     model = _model(family)
-    ids, mask = _left_padded(128, [6, 4])
+    ids, mask = left_padded(128, [6, 4])
     cache = _prefill(model, ids, mask)
     assert cache.get_seq_length() == 6
     for idx in range(model.config.num_hidden_layers):
@@ -227,7 +206,7 @@ def test_cache_lengths(family):
 
 def test_reorder_cache_for_beam_search(family):
     model = _model(family)
-    ids, mask = _left_padded(128, [6, 4, 5], seed=4)
+    ids, mask = left_padded(128, [6, 4, 5], seed=4)
     nxt = torch.randint(1, 128, (3, 1), generator=torch.Generator().manual_seed(5))
     order = torch.tensor([2, 0, 0])
     cache = _prefill(model, ids, mask)
@@ -239,7 +218,7 @@ def test_reorder_cache_for_beam_search(family):
 
 def test_batch_repeat_interleave_and_select_indices(family):
     model = _model(family)
-    ids, mask = _left_padded(128, [5, 3], seed=6)
+    ids, mask = left_padded(128, [5, 3], seed=6)
     cache = _prefill(model, ids, mask)
     cache.batch_repeat_interleave(2)  # [a, a, b, b]
     cache.batch_select_indices(torch.tensor([1, 2]))  # [a, b]
@@ -296,7 +275,7 @@ def test_attn_implementation_eager_and_sdpa_compute_the_same(family):
     eager = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     sdpa = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     sdpa.load_state_dict(eager.state_dict())
-    ids, mask = _left_padded(128, [6, 4])
+    ids, mask = left_padded(128, [6, 4])
     with torch.no_grad():
         a = eager(ids, attention_mask=mask).logits
         b = sdpa(ids, attention_mask=mask).logits

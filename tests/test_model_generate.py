@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_rbf.cache_names import CACHE_NAME
-from conftest import build_model
+from conftest import build_model, generate_with_logits
 from transformers import DynamicCache
 
 
@@ -30,17 +30,7 @@ def _prompts(vocab: int, lengths, seed: int = 0):
 
 
 def _generate(model, ids, mask, use_cache: bool, seed: int = 0, **kwargs):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        return model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            use_cache=use_cache,
-            pad_token_id=PAD,
-            return_dict_in_generate=True,
-            output_logits=True,
-            **kwargs,
-        )
+    return generate_with_logits(model, ids, mask, use_cache=use_cache, seed=seed, pad=PAD, **kwargs)
 
 
 def _full_recompute_logits(model, sequences, prompt_mask):
