@@ -15,6 +15,7 @@ from transformers import (
     AutoModelForImageClassification,
 )
 
+from .attention_interface import RBF_ATTENTION_IMPLEMENTATIONS, register_attention_functions
 from .cache_names import CACHE_NAME
 from .attention_dot import dot_attention
 from .attention_gka import gka_attention
@@ -93,8 +94,13 @@ except ImportError as _err:  # AutoImageProcessor is gated on PIL / torchvision;
         str(_err).strip().splitlines()[0],
     )
 
+# attn_implementation="rbf" / "rbf_softmax_free" for stock transformers models (hf_rbf/attention_interface.py)
+register_attention_functions()
+
 __all__ = [
     "BACKENDS",
+    "RBF_ATTENTION_IMPLEMENTATIONS",
+    "register_attention_functions",
     "CACHE_NAME",
     "DecoderAttention",
     "DecoderConfig",
