@@ -1,7 +1,8 @@
 """The sorted scalar KV cache: a transformers ``Cache`` whose scalar / hybrid layers keep their keys sortable.
 
 :class:`SortedScalarCache` is what scalar-sort and hybrid-sort models build for ``generate`` (and in ``forward`` when
-``use_cache`` is set); a user can pass one too (``past_key_values=SortedScalarCache(decode_window=32)``).  Its
+``use_cache`` is set); a user can pass one too (``cache=SortedScalarCache(decode_window=32)`` to a forward, or
+``**{hf_rbf.CACHE_NAME: SortedScalarCache(...)}`` to ``generate``: transformers 5.24 renamed ``past_key_values``).  Its
 layers are :class:`SortedScalarCacheLayer` for full-attention "scalar" / "hybrid" layers and transformers' own
 ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` for "dot" layers and sliding-window layers.
 

@@ -26,7 +26,7 @@ def test_conversion_recipe_runs_and_reports_every_stage(tmp_path):
     )
     assert rc == 0
     result = json.loads((out / "conversion.json").read_text())
-    for key in ("loss_original", "loss_after_switch", "loss_after_lora", "loss_after_full"):
+    for key in ("loss_original", "loss_after_switch", "loss_after_lora", "loss_after_full", "loss_control_full"):
         assert math.isfinite(result[key]) and 0 < result[key] < 10, key
     # the switch changes the attention (the key-norm penalty), so the loss moves, and both recoveries train something
     assert result["loss_after_switch"] != result["loss_original"]
