@@ -137,32 +137,23 @@ def convert(cfg: dict, model_dir: str, *, steps: int, learning_rate: float, lora
         r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
         task_type="CAUSAL_LM",
     )
-    lora = peft.get_peft_model(switched, lora_config)
-    result["lora_trainable_parameters"] = sum(p.numel() for p in lora.parameters() if p.requires_grad)
-    t0 = time.time()
-    fine_tune(lora, data["train"], steps=steps, learning_rate=learning_rate, batch_size=batch,
-              output_dir=os.path.join(output, "lora"), seed=seed)
-    result["lora_seconds"] = time.time() - t0
-    result["loss_after_lora"] = validation_loss(lora, val_blocks)
+    def recover(model, stage: str) -> float:
+        """Fine-tune ``model`` with the shared settings; record its trainable parameters and seconds; its loss."""
+        result[f"{stage}_trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        t0 = time.time()
+        fine_tune(model, data["train"], steps=steps, learning_rate=learning_rate, batch_size=batch,
+                  output_dir=os.path.join(output, stage), seed=seed)
+        result[f"{stage}_seconds"] = time.time() - t0
+        return validation_loss(model, val_blocks)
+
+    result["loss_after_lora"] = recover(peft.get_peft_model(switched, lora_config), "lora")
     log(f"[convert] after LoRA (rank {lora_rank}, {steps} steps): {result['loss_after_lora']:.4f}")
-    del lora, switched
-
-    full = load("rbf")
-    result["full_trainable_parameters"] = sum(p.numel() for p in full.parameters() if p.requires_grad)
-    t0 = time.time()
-    fine_tune(full, data["train"], steps=steps, learning_rate=learning_rate, batch_size=batch,
-              output_dir=os.path.join(output, "full"), seed=seed)
-    result["full_seconds"] = time.time() - t0
-    result["loss_after_full"] = validation_loss(full, val_blocks)
+    del switched
+    result["loss_after_full"] = recover(load("rbf"), "full")
     log(f"[convert] after full fine-tuning ({steps} steps): {result['loss_after_full']:.4f}")
-    del full
-
     # The control: the dot-product model fine-tuned the same way, so the recoveries are compared with what the extra
     # steps alone give.
-    control = load("sdpa")
-    fine_tune(control, data["train"], steps=steps, learning_rate=learning_rate, batch_size=batch,
-              output_dir=os.path.join(output, "control"), seed=seed)
-    result["loss_control_full"] = validation_loss(control, val_blocks)
+    result["loss_control_full"] = recover(load("sdpa"), "control")
     log(f"[convert] control: the dot-product model fine-tuned the same {steps} steps: {result['loss_control_full']:.4f}")
     return result
 
@@ -178,7 +169,7 @@ def markdown(result: dict) -> str:
         f"{r['lora_trainable_parameters']:,} | |\n"
         f"| + full fine-tuning, {r['steps']} steps | {r['loss_after_full']:.4f} | {r['full_trainable_parameters']:,} | |\n"
         f"| control: dot product fine-tuned the same {r['steps']} steps | {r['loss_control_full']:.4f} | "
-        f"{r['full_trainable_parameters']:,} | |\n"
+        f"{r['control_trainable_parameters']:,} | |\n"
     )
 
 
