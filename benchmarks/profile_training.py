@@ -107,7 +107,7 @@ class _CustomOpPath:
 def host_cost(reps: int = 200) -> list[dict]:
     rows = []
     for path in ("autograd.Function", "custom op"):
-        with (_CustomOpPath() if path == "custom op" else _NoOp()):
+        with _CustomOpPath() if path == "custom op" else _NoOp():
             rows += _host_cost(path, reps)
     return rows
 
@@ -159,7 +159,10 @@ def _host_cost(path: str, reps: int) -> list[dict]:
                     backend=backend,
                 )
             )
-            print(f"[host] {path:18s} {name:32s} {'fwd+bwd' if grad else 'fwd':7s} {1e3 * t_host:7.3f} ms  ({backend})", flush=True)
+            print(
+                f"[host] {path:18s} {name:32s} {'fwd+bwd' if grad else 'fwd':7s} {1e3 * t_host:7.3f} ms  ({backend})",
+                flush=True,
+            )
     return rows
 
 
@@ -178,7 +181,9 @@ VARIANTS = {
 
 SIZES = {
     "d256": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=688, seq=256, batch=64),
-    "d768": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048, seq=1024, batch=16),
+    "d768": dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048, seq=1024, batch=16
+    ),
 }
 
 
@@ -241,7 +246,6 @@ def train_steps(model, size, steps: int, warmup: int, profile_steps: int = 0):
                 step()
             _sync()
         result["profile"] = summarise_profile(prof, profile_steps, ms)
-    del opt
     return result
 
 
@@ -257,7 +261,11 @@ def summarise_profile(prof, steps: int, step_ms: float) -> dict:
         step_ms=step_ms,
         kernel_launches_per_step=launches / steps,
         cpu_top=[
-            dict(name=e.key[:90], calls_per_step=e.count / steps, self_cpu_ms_per_step=e.self_cpu_time_total / 1e3 / steps)
+            dict(
+                name=e.key[:90],
+                calls_per_step=e.count / steps,
+                self_cpu_ms_per_step=e.self_cpu_time_total / 1e3 / steps,
+            )
             for e in cpu_top
         ],
         gpu_top=[
@@ -291,7 +299,14 @@ def kernel_passes(n_values, d: int = 64) -> list[dict]:
             for e in prof.key_averages():
                 if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
                     rows.append(
-                        dict(n=n, d=d, call=name, kernel=e.key[:80], calls=e.count / 5, ms=e.self_device_time_total / 1e3 / 5)
+                        dict(
+                            n=n,
+                            d=d,
+                            call=name,
+                            kernel=e.key[:80],
+                            calls=e.count / 5,
+                            ms=e.self_device_time_total / 1e3 / 5,
+                        )
                     )
         _ = hf_rbf
     return rows
@@ -301,10 +316,18 @@ def kernel_passes(n_values, d: int = 64) -> list[dict]:
 
 
 def write_markdown(res: dict, path: Path) -> None:
-    lines = ["# Training-time profile", "", f"GPU: {res['gpu']}; torch {res['torch']}; triton {res['triton']}; "
-             f"transformers {res['transformers']}", ""]
-    lines += ["## Host cost per attention call (B1 H4 N128 D64, bf16; no synchronisation)", "",
-              "| call | path | pass | host ms | backend |", "|---|---|---|---|---|"]
+    lines = [
+        "# Training-time profile",
+        "",
+        f"GPU: {res['gpu']}; torch {res['torch']}; triton {res['triton']}; transformers {res['transformers']}",
+        "",
+    ]
+    lines += [
+        "## Host cost per attention call (B1 H4 N128 D64, bf16; no synchronisation)",
+        "",
+        "| call | path | pass | host ms | backend |",
+        "|---|---|---|---|---|",
+    ]
     for r in res["host"]:
         lines.append(
             f"| {r['call']} | {r.get('path', '')} | {'fwd+bwd' if r['backward'] else 'fwd'} | {r['host_ms']:.3f} | "
@@ -312,9 +335,13 @@ def write_markdown(res: dict, path: Path) -> None:
         )
     for size, rows in res["steps"].items():
         base = rows.get("llama", {}).get("tokens_per_s")
-        lines += ["", f"## Training steps, {size}", "",
-                  "| model | ms/step | tokens/s | vs Llama | peak GiB | first step s | GPU busy ms/step | launches/step |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Training steps, {size}",
+            "",
+            "| model | ms/step | tokens/s | vs Llama | peak GiB | first step s | GPU busy ms/step | launches/step |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for name, r in rows.items():
             if "error" in r:
                 lines.append(f"| {name} | error: {r['error'][:120]} | | | | | | |")
@@ -330,12 +357,31 @@ def write_markdown(res: dict, path: Path) -> None:
             p = r.get("profile")
             if not p:
                 continue
-            lines += ["", f"### {size} {name}: top CPU self time per step", "", "| op | calls/step | self CPU ms/step |", "|---|---|---|"]
-            lines += [f"| `{e['name']}` | {e['calls_per_step']:.0f} | {e['self_cpu_ms_per_step']:.2f} |" for e in p["cpu_top"]]
-            lines += ["", f"### {size} {name}: top GPU kernels per step", "", "| kernel | calls/step | ms/step |", "|---|---|---|"]
+            lines += [
+                "",
+                f"### {size} {name}: top CPU self time per step",
+                "",
+                "| op | calls/step | self CPU ms/step |",
+                "|---|---|---|",
+            ]
+            lines += [
+                f"| `{e['name']}` | {e['calls_per_step']:.0f} | {e['self_cpu_ms_per_step']:.2f} |" for e in p["cpu_top"]
+            ]
+            lines += [
+                "",
+                f"### {size} {name}: top GPU kernels per step",
+                "",
+                "| kernel | calls/step | ms/step |",
+                "|---|---|---|",
+            ]
             lines += [f"| `{e['name']}` | {e['calls_per_step']:.0f} | {e['ms_per_step']:.2f} |" for e in p["gpu_top"]]
-    lines += ["", "## Kernel time per pass (fwd+bwd, B = 32768/N, H16, D64, bf16, causal)", "",
-              "| N | call | kernel | calls | ms |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Kernel time per pass (fwd+bwd, B = 32768/N, H16, D64, bf16, causal)",
+        "",
+        "| N | call | kernel | calls | ms |",
+        "|---|---|---|---|---|",
+    ]
     for r in res["kernels"]:
         lines.append(f"| {r['n']} | {r['call']} | `{r['kernel']}` | {r['calls']:.0f} | {r['ms']:.3f} |")
     path.write_text("\n".join(lines) + "\n")
@@ -395,7 +441,11 @@ def main() -> int:
                 rows[variant] = dict(error=f"{type(err).__name__}: {err}")
             torch.cuda.empty_cache()
             r = rows[variant]
-            print(f"[step] {size_name} {variant:26s} " + (f"{r['ms_per_step']:.1f} ms" if "ms_per_step" in r else r["error"][:200]), flush=True)
+            print(
+                f"[step] {size_name} {variant:26s} "
+                + (f"{r['ms_per_step']:.1f} ms" if "ms_per_step" in r else r["error"][:200]),
+                flush=True,
+            )
         res["steps"][size_name] = rows
         (out / "profile.json").write_text(json.dumps(res, indent=1))
     res["kernels"] = kernel_passes([1024, 8192])

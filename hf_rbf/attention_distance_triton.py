@@ -54,8 +54,24 @@ def _contig(t):
 
 
 def _forward_impl(
-    q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize, qnorm,
-    knorm, kv_same, eps,
+    q,
+    k,
+    v,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    key_log_weights,
+    attention_mask,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
 ):
     """Launch the key-bias pass and the flash forward: ``(out, lse, kb | None, kn | None)``."""
     bsz, heads, nq, _ = q.shape
@@ -105,8 +121,24 @@ def distance_fwd(
     eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out, lse, kb, kn = _forward_impl(
-        q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize,
-        qnorm, knorm, kv_same, eps,
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        b,
+        key_log_weights,
+        attention_mask,
+        causal,
+        window,
+        num_prefix_keys,
+        normalize,
+        qnorm,
+        knorm,
+        kv_same,
+        eps,
     )
     # empty placeholders: a custom op returns tensors, and its outputs must not alias each other
     kb = torch.empty(0, device=q.device, dtype=torch.float32) if kb is None else kb
@@ -146,8 +178,27 @@ def _(
 
 
 def _backward_impl(
-    dout, q, k, v, qs, ks, beta, a, b, kb, out, lse, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same,
-    eps, need_dbeta,
+    dout,
+    q,
+    k,
+    v,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    kb,
+    out,
+    lse,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
+    need_dbeta,
 ):
     """The backward kernels: ``(dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta)`` (see ``distance_backward``)."""
     return distance_backward(
@@ -200,8 +251,27 @@ def distance_bwd(
     need_dbeta: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _backward_impl(
-        dout, q, k, v, qs, ks, beta, a, b, kb if kb.numel() else None, out, lse, causal, window, num_prefix_keys,
-        normalize, qnorm, knorm, kv_same, eps, need_dbeta,
+        dout,
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        b,
+        kb if kb.numel() else None,
+        out,
+        lse,
+        causal,
+        window,
+        num_prefix_keys,
+        normalize,
+        qnorm,
+        knorm,
+        kv_same,
+        eps,
+        need_dbeta,
     )
 
 
@@ -337,9 +407,45 @@ class _DistanceFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, qs, ks, beta, a, b, klw, am, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        b,
+        klw,
+        am,
+        causal,
+        window,
+        num_prefix_keys,
+        normalize,
+        qnorm,
+        knorm,
+        kv_same,
+        eps,
+    ):
         out, lse, kb, kn = _forward_impl(
-            q, k, v, qs, ks, beta, a, b, klw, am, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same,
+            q,
+            k,
+            v,
+            qs,
+            ks,
+            beta,
+            a,
+            b,
+            klw,
+            am,
+            causal,
+            window,
+            num_prefix_keys,
+            normalize,
+            qnorm,
+            knorm,
+            kv_same,
             eps,
         )
         ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, kn)
@@ -354,8 +460,24 @@ class _DistanceFunction(torch.autograd.Function):
 
 
 def _decode_impl(
-    q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize, qnorm,
-    knorm, kv_same, eps,
+    q,
+    k,
+    v,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    key_log_weights,
+    attention_mask,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
 ):
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2]
@@ -404,8 +526,24 @@ def distance_decode_op(
     eps: float,
 ) -> Tensor:
     return _decode_impl(
-        q, k, v, qs, ks, beta, a, b, key_log_weights, attention_mask, causal, window, num_prefix_keys, normalize,
-        qnorm, knorm, kv_same, eps,
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        b,
+        key_log_weights,
+        attention_mask,
+        causal,
+        window,
+        num_prefix_keys,
+        normalize,
+        qnorm,
+        knorm,
+        kv_same,
+        eps,
     )
 
 

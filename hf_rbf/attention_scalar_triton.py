@@ -84,7 +84,9 @@ def scalar_bwd(
     num_prefix_keys: int,
     need_dbeta: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _backward_impl(dout, qs, ks, v, beta, kb if kb.numel() else None, lse, causal, window, num_prefix_keys, need_dbeta)
+    return _backward_impl(
+        dout, qs, ks, v, beta, kb if kb.numel() else None, lse, causal, window, num_prefix_keys, need_dbeta
+    )
 
 
 def _backward_impl(dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, need_dbeta):

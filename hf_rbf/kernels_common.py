@@ -196,7 +196,9 @@ def launch_tuned(kernel, grid, *args, **kwargs):
     if len(configs) == 1:
         return kernel.fn.run(*args, grid=grid, warmup=False, **kwargs, **configs[0].all_kwargs())
     n = len(args)
-    key = [args[i] if 0 <= i < n else kwargs[name] for name, i in _key_positions(kernel) if 0 <= i < n or name in kwargs]
+    key = [
+        args[i] if 0 <= i < n else kwargs[name] for name, i in _key_positions(kernel) if 0 <= i < n or name in kwargs
+    ]
     for arg in args:
         if hasattr(arg, "dtype"):
             key.append(str(arg.dtype))

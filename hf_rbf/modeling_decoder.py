@@ -660,7 +660,12 @@ class DecoderModel(DecoderPreTrainedModel):
             output_attentions = bool(getattr(self.config, "output_attentions", False))
         if use_cache is None:
             use_cache = cache is not None or (self.config.use_cache and not self.training)
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and (use_cache or cache is not None):
+        if (
+            self.gradient_checkpointing
+            and self.training
+            and torch.is_grad_enabled()
+            and (use_cache or cache is not None)
+        ):
             # A checkpointed layer runs twice (forward, then the backward's replay), so it must not write a cache.
             # transformers' GradientCheckpointingLayer drops the cache argument itself, but under the name of the
             # installed version (`past_key_values` before 5.24, `cache` after): dropped here, for both.

@@ -118,8 +118,14 @@ def convert(cfg: dict, model_dir: str, *, steps: int, learning_rate: float, lora
         model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=implementation, dtype=torch.float32)
         return model.to("cuda" if torch.cuda.is_available() else "cpu")
 
-    result = {"model": os.path.abspath(model_dir), "steps": steps, "learning_rate": learning_rate,
-              "lora_rank": lora_rank, "batch_size": batch, "validation_blocks": len(val_blocks)}
+    result = {
+        "model": os.path.abspath(model_dir),
+        "steps": steps,
+        "learning_rate": learning_rate,
+        "lora_rank": lora_rank,
+        "batch_size": batch,
+        "validation_blocks": len(val_blocks),
+    }
     original = load("sdpa")
     result["loss_original"] = validation_loss(original, val_blocks)
     switched = load("sdpa")
@@ -129,20 +135,33 @@ def convert(cfg: dict, model_dir: str, *, steps: int, learning_rate: float, lora
     speed = forward_tokens_per_second({"original": original, "rbf": switched}, val_blocks)
     result["tokens_per_s_original"], result["tokens_per_s_rbf"] = speed["original"], speed["rbf"]
     result["rbf_backend"] = hf_rbf.last_backend("rbf_attention")
-    log(f"[convert] validation loss: original {result['loss_original']:.4f}, right after the switch "
-        f"{result['loss_after_switch']:.4f}")
+    log(
+        f"[convert] validation loss: original {result['loss_original']:.4f}, right after the switch "
+        f"{result['loss_after_switch']:.4f}"
+    )
     del original
 
     lora_config = peft.LoraConfig(
-        r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
+        r=lora_rank,
+        lora_alpha=2 * lora_rank,
+        lora_dropout=0.0,
+        target_modules=list(LORA_TARGETS),
         task_type="CAUSAL_LM",
     )
+
     def recover(model, stage: str) -> float:
         """Fine-tune ``model`` with the shared settings; record its trainable parameters and seconds; its loss."""
         result[f"{stage}_trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         t0 = time.time()
-        fine_tune(model, data["train"], steps=steps, learning_rate=learning_rate, batch_size=batch,
-                  output_dir=os.path.join(output, stage), seed=seed)
+        fine_tune(
+            model,
+            data["train"],
+            steps=steps,
+            learning_rate=learning_rate,
+            batch_size=batch,
+            output_dir=os.path.join(output, stage),
+            seed=seed,
+        )
         result[f"{stage}_seconds"] = time.time() - t0
         return validation_loss(model, val_blocks)
 
@@ -154,7 +173,9 @@ def convert(cfg: dict, model_dir: str, *, steps: int, learning_rate: float, lora
     # The control: the dot-product model fine-tuned the same way, so the recoveries are compared with what the extra
     # steps alone give.
     result["loss_control_full"] = recover(load("sdpa"), "control")
-    log(f"[convert] control: the dot-product model fine-tuned the same {steps} steps: {result['loss_control_full']:.4f}")
+    log(
+        f"[convert] control: the dot-product model fine-tuned the same {steps} steps: {result['loss_control_full']:.4f}"
+    )
     return result
 
 
@@ -163,7 +184,7 @@ def markdown(result: dict) -> str:
     return (
         "| stage | validation loss | trainable parameters | forward tokens/s |\n|---|---|---|---|\n"
         f"| dot product (SDPA), as trained | {r['loss_original']:.4f} | | {r['tokens_per_s_original']:,.0f} |\n"
-        f"| switched to `attn_implementation=\"rbf\"` | {r['loss_after_switch']:.4f} | | "
+        f'| switched to `attn_implementation="rbf"` | {r["loss_after_switch"]:.4f} | | '
         f"{r['tokens_per_s_rbf']:,.0f} ({r['rbf_backend']}) |\n"
         f"| + LoRA r{r['lora_rank']} on q/k/v/o, {r['steps']} steps | {r['loss_after_lora']:.4f} | "
         f"{r['lora_trainable_parameters']:,} | |\n"
@@ -196,8 +217,9 @@ def main(argv=None) -> int:
         summary = run(cfg)
         model_dir = summary["final_dir"]
     os.makedirs(args.output, exist_ok=True)
-    result = convert(cfg, model_dir, steps=args.steps, learning_rate=args.learning_rate,
-                     lora_rank=args.lora_rank, output=args.output)
+    result = convert(
+        cfg, model_dir, steps=args.steps, learning_rate=args.learning_rate, lora_rank=args.lora_rank, output=args.output
+    )
     with open(os.path.join(args.output, "conversion.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     table = markdown(result)

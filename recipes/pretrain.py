@@ -508,7 +508,7 @@ def print_summary(s: dict, log=print) -> None:
         f"bits per byte  {bpb}",
         f"attention      {', '.join(s.get('attention_backends') or []) or 'n/a'} (kind:backend)",
         f"remote code    {'ok' if check.get('ok') else 'not checked' if not check else 'FAILED'}"
-        + (f" (logits and greedy generate with / without cache)" if check.get("ok") else ""),
+        + (" (logits and greedy generate with / without cache)" if check.get("ok") else ""),
         f"cached story   {_check_word(s.get('story_cache_check'))} (identical with and without the KV cache)",
         f"saved          {s['final_dir']}",
         f"total time     {s['total_seconds']:.0f}s",

@@ -211,7 +211,10 @@ def test_reorder_cache_for_beam_search(family):
     order = torch.tensor([2, 0, 0])
     cache = _prefill(model, ids, mask)
     cache.reorder_cache(order)
-    full_ids, full_mask = torch.cat([ids[order], nxt], 1), torch.cat([mask[order], torch.ones(3, 1, dtype=mask.dtype)], 1)
+    full_ids, full_mask = (
+        torch.cat([ids[order], nxt], 1),
+        torch.cat([mask[order], torch.ones(3, 1, dtype=mask.dtype)], 1),
+    )
     got = _next_logits(model, cache, nxt, full_mask)
     assert (got - _recomputed(model, full_ids, full_mask)).abs().max().item() < TOL
 

@@ -32,7 +32,7 @@ def test_conversion_recipe_runs_and_reports_every_stage(tmp_path):
     assert result["loss_after_switch"] != result["loss_original"]
     assert 0 < result["lora_trainable_parameters"] < result["full_trainable_parameters"]
     assert result["rbf_backend"] in ("naive", "sdpa", "flex", "triton")
-    assert "switched to `attn_implementation=\"rbf\"`" in (out / "conversion.md").read_text()
+    assert 'switched to `attn_implementation="rbf"`' in (out / "conversion.md").read_text()
 
 
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--lora-rank", "-1"], ["--learning-rate", "0"]])
