@@ -53,6 +53,11 @@ def _contig(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def _log2_units(coefficient: Tensor) -> Tensor:
+    """A per-head score coefficient in the kernels' base-2 units (they use ``exp2``): fp32, times ``log2(e)``."""
+    return (coefficient.float() * LOG2E).contiguous()
+
+
 def _forward_impl(
     q,
     k,
@@ -86,8 +91,8 @@ def _forward_impl(
         qs,
         ks,
         beta,
-        (a.float() * LOG2E).contiguous(),
-        (b32 * LOG2E).contiguous(),
+        _log2_units(a),
+        _log2_units(b32),
         causal=causal,
         window=window,
         num_prefix_keys=num_prefix_keys,
@@ -210,8 +215,8 @@ def _backward_impl(
         qs,
         ks,
         beta,
-        (a.float() * LOG2E).contiguous(),
-        (b.float() * LOG2E).contiguous(),
+        _log2_units(a),
+        _log2_units(b),
         out,
         lse,
         causal=causal,
@@ -407,49 +412,12 @@ class _DistanceFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        q,
-        k,
-        v,
-        qs,
-        ks,
-        beta,
-        a,
-        b,
-        klw,
-        am,
-        causal,
-        window,
-        num_prefix_keys,
-        normalize,
-        qnorm,
-        knorm,
-        kv_same,
-        eps,
-    ):
-        out, lse, kb, kn = _forward_impl(
-            q,
-            k,
-            v,
-            qs,
-            ks,
-            beta,
-            a,
-            b,
-            klw,
-            am,
-            causal,
-            window,
-            num_prefix_keys,
-            normalize,
-            qnorm,
-            knorm,
-            kv_same,
-            eps,
-        )
+    def forward(ctx, *args):
+        """``args``: those of ``distance_fwd`` (tensors ``q .. attention_mask``, then the flags)."""
+        out, lse, kb, kn = _forward_impl(*args)
+        q, k, v, qs, ks, beta, a, b, klw = args[:9]
         ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, kn)
-        ctx.flags = (causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps)
+        ctx.flags = tuple(args[10:])  # causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
         ctx.klw_shape = None if klw is None else tuple(klw.shape)
         ctx.klw_dtype = None if klw is None else klw.dtype
         return out
@@ -491,8 +459,8 @@ def _decode_impl(
         qs,
         ks,
         beta,
-        (a.float() * LOG2E).contiguous(),
-        (b.float() * LOG2E).contiguous(),
+        _log2_units(a),
+        _log2_units(b),
         causal=causal,
         window=window,
         num_prefix_keys=num_prefix_keys,

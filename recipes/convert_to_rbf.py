@@ -209,6 +209,10 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.learning_rate <= 0:
         parser.error("--learning-rate must be positive")
+    if not os.path.isfile(args.config):
+        parser.error(f"--config must be a recipe file; {args.config!r} does not exist")
+    if args.model is not None and not os.path.isdir(args.model) and (os.sep in args.model or args.model[:1] == "."):
+        parser.error(f"--model must be a checkpoint directory (or a hub name); {args.model!r} does not exist")
     cfg = load_config(args.config, args.overrides)
     model_dir = args.model
     if model_dir is None:

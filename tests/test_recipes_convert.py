@@ -35,8 +35,19 @@ def test_conversion_recipe_runs_and_reports_every_stage(tmp_path):
     assert 'switched to `attn_implementation="rbf"`' in (out / "conversion.md").read_text()
 
 
-@pytest.mark.parametrize("bad", [["--steps", "0"], ["--lora-rank", "-1"], ["--learning-rate", "0"]])
-def test_bad_arguments_are_refused(bad, capsys):
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (["--steps", "0"], "--steps"),
+        (["--lora-rank", "-1"], "--lora-rank"),
+        (["--learning-rate", "0"], "--learning-rate"),
+        (["--config", "no/such/recipe.yaml"], "--config"),
+        (["--model", "no/such/checkpoint"], "--model"),
+    ],
+)
+def test_bad_arguments_are_refused(bad, named, capsys):
+    config = os.path.join(REPO, "tests", "data", "convert_tiny.yaml")
     with pytest.raises(SystemExit):
-        convert_to_rbf.main(["--config", "x.yaml", *bad])
-    assert "must be" in capsys.readouterr().err
+        convert_to_rbf.main(["--config", config, *bad])
+    err = capsys.readouterr().err
+    assert named in err and "must be" in err
