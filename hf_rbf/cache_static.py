@@ -1,0 +1,216 @@
+"""Fixed-capacity ("static") KV cache for the rbf / gka / dot layers: ``generate(..., cache_implementation="static")``.
+
+Why a cache of our own and not transformers' ``StaticCache``: register tokens are a constant prefix that every forward
+recomputes (they never enter the cache), GKA stores each token's feature once (keys = values), and our attention
+functions take per-key masks (``attention_mask [B, Nk]``) rather than transformers' 4-D masks.  The layer keeps
+transformers' ``StaticLayer`` contract (buffers allocated once, written in place with ``index_copy_`` at a device-side
+``cumulative_length``, ``is_compileable = True``), so ``generate`` treats the cache as compileable and
+``torch.compile(model.forward, fullgraph=True)`` of a decode step has no data-dependent shape and no host
+synchronisation.
+
+Two ways through a layer (chosen by the number of new tokens, a Python int known at trace time)
+--------------------------------------------------------------------------------------------
+* decode (1 new token, what is compiled): the token is written at its slot and the *whole* buffer is returned,
+  ``[B, H, C, D]``; :meth:`StaticKeyValueLayer.slot_mask` ``[B, C]`` says which slots the query may see (written, not
+  padding; for sliding layers the ring holds exactly the window).  With one query at the last key position, the
+  attention functions' causal rule (bottom-right aligned) allows every slot, so the mask alone decides: exact.
+* prefill (N > 1 new tokens, eager): the tokens are written and the keys are returned *in sequence order*, sliced
+  to the tokens that exist (full layers: the first ``past + N`` slots; sliding layers: the last ``window - 1``
+  cached tokens, gathered in order, then the new ones), so the usual causal / window / padding masks apply as in a
+  ``DynamicCache``.  This is also the path of chunked prefill (``generate(..., prefill_chunk_size=...)``).
+
+Sliding-window layers keep a ring of ``min(window, max_cache_len)`` slots (token ``t`` at slot ``t % C``); full
+layers keep ``max_cache_len`` slots.  Memory per cached token and layer: ``2 * H * head_dim * bytes`` (rbf / dot:
+keys and values), ``H * head_dim * bytes`` (gka: one feature), plus one byte of slot mask per row.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class StaticKeyValueLayer(CacheLayerMixin):
+    """One layer's fixed-capacity keys ``[B, H, C, Dk]`` and values ``[B, H, C, Dv]`` (``Dv = 0`` for GKA, whose
+    values are its keys), the slot validity ``[B, C]`` and the token index of every slot ``[C]`` (-1 when empty).
+
+    Args:
+        max_cache_len: the most tokens one sequence may hold (prompt + generated), the capacity of full layers.
+        sliding_window: the layer's window ``W`` (None: full attention); the layer then keeps a ring of
+            ``min(W, max_cache_len)`` slots, enough for a query that sees its last ``W`` tokens (itself included).
+    """
+
+    is_compileable = True
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, max_cache_len: int, sliding_window: int | None = None):
+        super().__init__()
+        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 1:
+            raise ValueError(f"StaticKeyValueLayer: `max_cache_len` must be an int >= 1; got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.capacity = max_cache_len if sliding_window is None else min(sliding_window, max_cache_len)
+        self.is_ring = self.capacity < max_cache_len
+        # device-side length, as transformers' StaticLayer: a tensor so a compiled step does not specialise on it
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+        self.decode_mode = False  # whether the last update returned the whole buffer (then read `slot_mask`)
+        self.slot_mask = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, dk = key_states.shape
+        dv = value_states.shape[-1]
+        self.dtype, self.device = key_states.dtype, key_states.device
+        c = self.capacity
+        self.keys = torch.zeros(b, h, c, dk, dtype=key_states.dtype, device=self.device)
+        self.values = torch.zeros(b, value_states.shape[1], c, dv, dtype=value_states.dtype, device=self.device)
+        self.valid = torch.zeros(b, c, dtype=torch.bool, device=self.device)
+        self.token_index = torch.full((c,), -1, dtype=torch.long, device=self.device)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not _compiling():
+            for t in (self.keys, self.values, self.valid, self.token_index, self.cumulative_length):
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def _write(self, slots: torch.Tensor, positions: torch.Tensor, keys, values, valid) -> None:
+        self.keys.index_copy_(2, slots, keys)
+        if values.shape[-1] > 0:
+            self.values.index_copy_(2, slots, values)
+        self.valid.index_copy_(1, slots, valid)
+        self.token_index.index_copy_(0, slots, positions)
+
+    def update(self, key_states, value_states, cache_kwargs: dict | None = None, *args, **kwargs):
+        """Write ``N`` new tokens (``cache_kwargs["valid"] [B, N]``: False = padding) and return the keys / values the
+        attention reads: the whole buffer for ``N == 1`` (see :attr:`slot_mask`), else the tokens in sequence order."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        b = key_states.shape[0]
+        valid = (cache_kwargs or {}).get("valid")
+        if valid is None:
+            valid = torch.ones(b, n, dtype=torch.bool, device=self.device)
+        valid = valid.to(device=self.device, dtype=torch.bool).expand(b, n)
+        positions = torch.arange(n, device=self.device) + self.cumulative_length
+        if n == 1:
+            slots = positions % self.capacity if self.is_ring else positions
+            self._write(slots, positions, key_states, value_states, valid)
+            self.cumulative_length.add_(1)
+            self.decode_mode = True
+            self.slot_mask = self.valid & (self.token_index >= 0)
+            return self.keys, self.values
+        # prefill (eager): host-side lengths are fine here
+        past = int(self.cumulative_length)
+        if not self.is_ring and past + n > self.capacity:
+            raise ValueError(
+                f"static cache: {past} cached + {n} new tokens exceed `max_cache_len` = {self.capacity}; build the "
+                "cache with a larger `max_cache_len` (generate sizes it from `max_length`)"
+            )
+        self.decode_mode = False
+        self.slot_mask = None
+        if not self.is_ring:
+            self._write(positions, positions, key_states, value_states, valid)
+            self.cumulative_length.add_(n)
+            return self.keys[:, :, : past + n], self.values[:, :, : past + n]
+        # ring: the cached tokens the new ones may see (the last capacity - 1 at most), in order, then the new ones
+        keep = min(past, self.capacity - 1)
+        old_slots = torch.arange(past - keep, past, device=self.device) % self.capacity
+        keys = torch.cat([self.keys.index_select(2, old_slots), key_states], dim=2)
+        values = torch.cat([self.values.index_select(2, old_slots), value_states], dim=2)
+        last = min(n, self.capacity)
+        tail = positions[-last:]
+        self._write(tail % self.capacity, tail, key_states[:, :, -last:], value_states[:, :, -last:], valid[:, -last:])
+        self.cumulative_length.add_(n)
+        return keys, values
+
+    def get_seq_length(self):
+        """Tokens seen: a Python int in eager mode, the device tensor while compiling (no host synchronisation)."""
+        if not self.is_initialized:
+            return 0
+        return self.cumulative_length if _compiling() else int(self.cumulative_length)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+            self.valid.zero_()
+            self.token_index.fill_(-1)
+            self.cumulative_length.zero_()
+        self.decode_mode = False
+        self.slot_mask = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            idx = beam_idx.to(self.device)
+            for name in ("keys", "values", "valid"):
+                getattr(self, name).copy_(getattr(self, name).index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            for name in ("keys", "values", "valid"):
+                setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            for name in ("keys", "values", "valid"):
+                setattr(self, name, getattr(self, name)[indices].contiguous())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "StaticKeyValueLayer cannot be cropped (assisted / prompt-lookup decoding): use the dynamic cache "
+            "(cache_implementation=None)"
+        )
+
+    def __repr__(self) -> str:
+        return f"StaticKeyValueLayer(capacity={self.capacity}, sliding_window={self.sliding_window})"
+
+
+class StaticDecoderCache(Cache):
+    """The fixed-capacity cache of an hf_rbf model (``model.make_static_cache(max_cache_len)`` or
+    ``generate(..., cache_implementation="static")``).
+
+    Layers are built by the model (each attention module's :meth:`make_static_cache_layer`); the backbone calls
+    :meth:`begin_step` with the padding flags of the step's tokens before the layers run, so every layer records which
+    of its slots are padding.
+    """
+
+    def __init__(self, layers: list, max_cache_len: int):
+        super().__init__(layers=list(layers))
+        self.max_cache_len_value = max_cache_len
+        self._step_valid = None
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.max_cache_len_value
+
+    def begin_step(self, step_valid: torch.Tensor | None) -> None:
+        """``step_valid [B, N]`` bool (False = padding) or None (all real) for the tokens of the coming forward."""
+        self._step_valid = step_valid
+
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs: dict | None = None, *args, **kwargs):
+        kwargs_ = dict(cache_kwargs or {})
+        kwargs_.setdefault("valid", self._step_valid)
+        return self.layers[layer_idx].update(key_states, value_states, kwargs_)
+
+    def get_seq_length(self, layer_idx: int = 0):
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot be cropped (assisted / prompt-lookup decoding): use the dynamic cache"
+        )
+
+
+__all__ = ["StaticDecoderCache", "StaticKeyValueLayer"]
