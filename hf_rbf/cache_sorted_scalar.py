@@ -55,16 +55,20 @@ _LOGGED_DECODE: set = set()
 _INF = float("inf")
 
 
-def _merge_pairs_(t: torch.Tensor, a, c, survivor, frac_a, chosen) -> None:
-    """In place: for every chosen pair (slots ``a``, ``c`` of each row, ``[B, P]``), write
-    ``frac_a * t[a] + (1 - frac_a) * t[c]`` at the ``survivor`` slot of ``t`` (slot axis 2: ``[B, X, C, ...]``)."""
-    b, pairs = a.shape
-    view = [b, 1, pairs] + [1] * (t.dim() - 3)
-    shape = list(t.shape[:2]) + [pairs] + list(t.shape[3:])
-    fa = frac_a.view(view).to(t.dtype)
-    merged = fa * t.gather(2, a.view(view).expand(shape)) + (1 - fa) * t.gather(2, c.view(view).expand(shape))
-    idx_s = survivor.view(view).expand(shape)
-    t.scatter_(2, idx_s, torch.where(chosen.view(view), merged, t.gather(2, idx_s)))
+def _merge_groups_(t: torch.Tensor, members, survivor, weights, chosen) -> None:
+    """In place: for every chosen group (slots ``members [B, P, m]`` of each row), write the weighted average
+    ``sum_i weights[..., i] * t[members[..., i]]`` (``weights [B, P, m]``, summing to 1) at the ``survivor [B, P]`` slot
+    of ``t`` (slot axis 2: ``[B, X, C, ...]``)."""
+    b, groups, size = members.shape
+    trail = [1] * (t.dim() - 3)
+    shape = list(t.shape[:2]) + [groups * size] + list(t.shape[3:])
+    gathered = t.gather(2, members.reshape(b, 1, groups * size, *trail).expand(shape))
+    gathered = gathered.view(*t.shape[:2], groups, size, *t.shape[3:])
+    w = weights.to(t.dtype).view(b, 1, groups, size, *trail)
+    merged = (w * gathered).sum(3)  # [B, X, P, ...]
+    idx_s = survivor.view(b, 1, groups, *trail).expand(list(t.shape[:2]) + [groups] + list(t.shape[3:]))
+    keep = chosen.view(b, 1, groups, *trail)
+    t.scatter_(2, idx_s, torch.where(keep, merged, t.gather(2, idx_s)))
 
 
 class SortedScalarCacheLayer(CacheLayerMixin):
@@ -75,8 +79,8 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         scalar_heads (`list[bool]`, *optional*): which heads have a scalar term (hybrid layers' "dot" heads do not;
             they are ignored by geometric eviction, the sink zone and density merging).  Default: all.
         decode_window, sort_scheme, sort_head, cache_buffer_size, max_cache_tokens, cache_eviction, eviction_radius,
-            eviction_recent_queries, eviction_batch, sink_zone, decode_backend: as in
-            :class:`~hf_rbf.ScalarSortConfig`.
+            eviction_recent_queries, eviction_batch, sink_zone, decode_backend, density_merge_weighting,
+            density_merge_size: as in :class:`~hf_rbf.ScalarSortConfig`.
 
     The attention module calls :meth:`append` (before attending, so a token sees itself), then either
     :meth:`slot_view` (exact attention over every cached token) or :meth:`attend` (the window), then
@@ -106,6 +110,8 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         eviction_batch: int | None = None,
         sink_zone: list[float] | None = None,
         decode_backend: str = "torch",
+        density_merge_weighting: str = "multiplicity",
+        density_merge_size: int = 2,
     ):
         super().__init__()
         name = type(self).__name__
@@ -131,6 +137,8 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             eviction_batch=eviction_batch,
             sink_zone=sink_zone,
             decode_backend=decode_backend,
+            density_merge_weighting=density_merge_weighting,
+            density_merge_size=density_merge_size,
         )
         if scalar_heads is not None and len(scalar_heads) != num_heads:
             raise ValueError(f"{name}: `scalar_heads` must have {num_heads} entries; got {len(scalar_heads)}")
@@ -154,6 +162,8 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         else:
             self.order_head_list = [grp * heads_per_group + sort_head for grp in range(num_value_groups)]
         self.decode_backend = decode_backend
+        self.density_merge_weighting = density_merge_weighting
+        self.density_merge_size = density_merge_size
         self.last_decode_backend = None  # "torch" or "triton": what served the last windowed step
         self.record_past = False
         self._clear()
@@ -176,6 +186,9 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.recent_qs = None  # [B, H, Q] the last queries (geometric eviction)
         self.recent_valid = None  # [B, Q] bool
         self.recent_token_index = None  # [B, Q] int64
+        self.recent_tau = None  # [B, H, Q] the recent queries' temperatures (attention-weighted density merging)
+        self.recent_q = None  # [B, H, Q, D] the recent vector queries (hybrid layers)
+        self.recent_scale = None  # the dot-product scale of the recent queries (float or [H]; hybrid layers)
         self.num_slots = 0  # S
         self.num_sorted = 0  # M
         self.seen_tokens = 0
@@ -226,7 +239,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
     def _per_row_tensors(self) -> list[str]:
         return [
             "keys", "values", "vector_keys", "log_weight", "multiplicity", "valid", "token_index", "sorted_keys",
-            "sorted_slots", "sorted_count", "recent_qs", "recent_valid", "recent_token_index",
+            "sorted_slots", "sorted_count", "recent_qs", "recent_valid", "recent_token_index", "recent_tau", "recent_q",
         ]  # fmt: skip
 
     def _slot_tensors(self) -> list[tuple[str, int]]:
@@ -381,18 +394,43 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             prefix_k=prefix_k,
         )
 
-    def end_step(self, qs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Record the step's queries ``[B, H, N]`` (``valid [B, N]``) for geometric eviction; enforce the bound when a
-        prompt longer than ``max_cache_tokens`` was just inserted."""
+    def end_step(
+        self,
+        qs: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        tau: torch.Tensor | float | None = None,
+        q: torch.Tensor | None = None,
+        scale=None,
+    ) -> None:
+        """Record the step's queries ``[B, H, N]`` (``valid [B, N]``) for geometric eviction and, with their
+        temperature ``tau`` (``[H]`` or ``[B, H, N]``), vector queries ``q [B, H, N, D]`` and dot-product ``scale``
+        (hybrid layers), for attention-weighted density merging; enforce the bound when a prompt longer than
+        ``max_cache_tokens`` was just inserted."""
         if not self.is_initialized:
             return
-        n = qs.shape[-1]
-        q = self.eviction_recent_queries
-        new_valid = torch.ones(qs.shape[0], n, dtype=torch.bool, device=qs.device) if valid is None else valid.bool()
-        new_index = torch.arange(self.seen_tokens - n, self.seen_tokens, device=qs.device).expand(qs.shape[0], n)
-        self.recent_qs = torch.cat([self.recent_qs, qs.to(self.recent_qs.dtype)], dim=-1)[..., -q:]
-        self.recent_valid = torch.cat([self.recent_valid, new_valid], dim=-1)[..., -q:]
-        self.recent_token_index = torch.cat([self.recent_token_index, new_index], dim=-1)[..., -q:]
+        b, h, n = qs.shape
+        keep = self.eviction_recent_queries
+        new_valid = torch.ones(b, n, dtype=torch.bool, device=qs.device) if valid is None else valid.bool()
+        new_index = torch.arange(self.seen_tokens - n, self.seen_tokens, device=qs.device).expand(b, n)
+        if tau is not None or self.recent_tau is not None:
+            # queries recorded without a temperature have tau = NaN: attention weighting ignores them
+            if tau is None:
+                tau = torch.full((b, h, n), float("nan"), device=qs.device)
+            tau = torch.as_tensor(tau, dtype=torch.float32, device=qs.device)
+            tau = (tau.view(1, -1, 1) if tau.dim() == 1 else tau).expand(b, h, n).float()
+            if self.recent_tau is None:
+                self.recent_tau = torch.full((b, h, self.recent_qs.shape[-1]), float("nan"), device=qs.device)
+            self.recent_tau = torch.cat([self.recent_tau, tau], dim=-1)[..., -keep:]
+        if q is not None and self.vector_keys is not None:
+            if self.recent_q is None:
+                self.recent_q = torch.zeros(
+                    b, h, self.recent_qs.shape[-1], q.shape[-1], dtype=self.dtype, device=qs.device
+                )
+            self.recent_q = torch.cat([self.recent_q, q.to(self.dtype)], dim=2)[:, :, -keep:]
+            self.recent_scale = scale
+        self.recent_qs = torch.cat([self.recent_qs, qs.to(self.recent_qs.dtype)], dim=-1)[..., -keep:]
+        self.recent_valid = torch.cat([self.recent_valid, new_valid], dim=-1)[..., -keep:]
+        self.recent_token_index = torch.cat([self.recent_token_index, new_index], dim=-1)[..., -keep:]
         self._enforce_bound()
 
     def _enforce_bound(self) -> None:
@@ -507,56 +545,109 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         )
         return valid & ~(rank < excess)
 
+    def _token_log_importance(self, s: int) -> torch.Tensor:
+        """``[B, S]``: the log of the attention mass the recent queries give each cached token, averaged over the
+        queries and heads: per head and query ``softmax_j(-(qs - ks_j)^2 / tau + log w_j (+ scale q.k_j))`` over the
+        valid cached tokens the query could see (token index ``<=`` its own), the sink and registers left out (they
+        are never merged).  ``-inf`` for tokens no recent query sees.  ``O(H Q S)`` for ``Q`` recent queries."""
+        if self.recent_tau is None:
+            raise ValueError(
+                "SortedScalarCacheLayer: density_merge_weighting='attention' needs the recent queries' temperatures: "
+                "pass `tau` to end_step (the scalar-sort and hybrid-sort attention layers do)"
+            )
+        f32 = torch.float32
+        ks = self.keys[:, :, :s].to(f32)  # [B, H, S]
+        tau = self.recent_tau  # [B, H, Q]
+        query_ok = self.recent_valid.unsqueeze(1) & torch.isfinite(tau)  # [B, H, Q]
+        safe_tau = torch.where(query_ok, tau, torch.ones_like(tau))
+        scores = -((self.recent_qs.to(f32).unsqueeze(-1) - ks.unsqueeze(-2)) ** 2) / safe_tau.unsqueeze(-1)
+        if self.log_weight is not None:
+            scores = scores + self.log_weight[:, :, :s].to(f32).unsqueeze(-2)
+        if self.recent_q is not None and self.vector_keys is not None:
+            scale = self.recent_scale
+            scale = scale.to(f32).view(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else float(scale)
+            dots = self.recent_q.to(f32) @ self.vector_keys[:, :, :s].to(f32).transpose(-1, -2)
+            scores = scores + scale * dots
+        sees = self.valid[:, :s].view(-1, 1, 1, s) & (
+            self.token_index[:, :s].view(-1, 1, 1, s)
+            <= self.recent_token_index.view(-1, 1, self.recent_qs.shape[-1], 1)
+        )
+        allowed = sees & query_ok.unsqueeze(-1)  # [B, H, Q, S]
+        scores = scores.masked_fill(~allowed, -_INF)
+        log_z = torch.logsumexp(scores, dim=-1, keepdim=True)
+        log_w = (scores - torch.where(torch.isfinite(log_z), log_z, torch.zeros_like(log_z))).masked_fill(
+            ~allowed, -_INF
+        )
+        return torch.logsumexp(log_w.flatten(1, 2), dim=1)  # [B, S]: log of the summed mass (a constant off the mean)
+
     def _density_merge(self, target: int) -> None:
-        """Merge pairs of tokens adjacent in the first order with the smallest key distance (over all scalar heads)
-        into one entry: keys and values are multiplicity-weighted averages, the log-weight the log of the summed
-        weights, so a merged entry carries the mass of both.  Rounds until each row holds ``<= target``."""
+        """Merge groups of ``density_merge_size`` (``m``) entries adjacent in the first order into one entry, the
+        groups with the smallest key range first (the Euclidean norm over the scalar heads of each head's range: the
+        densest stretches of the scalar axis), until each row holds ``<= target`` (a group frees ``m - 1`` entries).
+
+        The merged entry: keys, values and vector keys are averages of the group's entries weighted by
+        ``density_merge_weighting``: ``"multiplicity"`` (the tokens each entry already stands for) or ``"attention"``
+        (:meth:`_token_log_importance`, normalised inside the group; a group no recent query sees falls back to the
+        multiplicities, as it has no attention to weigh by); the log-weight is the log of the summed weights
+        (``logsumexp``), so the entry carries the kernel mass of every token it replaces; the multiplicities add up;
+        the entry keeps the newest token's slot and index."""
         self._ensure_log_weight()
         self._ensure_multiplicity()
-        rounds = math.ceil(math.log2(max(self.num_slots, 2) / max(target, 1))) + 1
-        b = self.keys.shape[0]
+        size = self.density_merge_size
+        rounds = math.ceil(math.log(max(self.num_slots, 2) / max(target, 1)) / math.log(size)) + 1
+        b, h = self.keys.shape[:2]
+        head_mask = self._scalar_head_mask.view(1, -1, 1, 1)
         for _ in range(rounds):
             self._merge_buffer()
             s, m = self.num_slots, self.num_sorted
-            pairs = m // 2
-            if pairs == 0:
+            groups = m // size
+            if groups == 0:
                 break
             excess = (self.valid[:, :s].sum(-1, keepdim=True) - target).clamp_min(0)  # [B, 1]
-            order0 = self.sorted_slots[:, 0]
-            a, c = order0[:, 0 : 2 * pairs : 2], order0[:, 1 : 2 * pairs : 2]  # [B, P]
-            pair_ok = (torch.arange(pairs, device=self.device) * 2 + 1) < self.sorted_count[:, :1]
-            ka = self.keys.gather(2, a.unsqueeze(1).expand(-1, self.num_heads, -1)).float()
-            kc = self.keys.gather(2, c.unsqueeze(1).expand(-1, self.num_heads, -1)).float()
-            head_mask = self._scalar_head_mask.view(1, -1, 1)
-            gap = ((ka - kc) ** 2).masked_fill(~head_mask, 0.0).sum(1).sqrt()
-            protected = self._protected(s)
-            blocked = ~pair_ok | protected.gather(1, a) | protected.gather(1, c)
+            needed = torch.div(excess + size - 2, size - 1, rounding_mode="floor")  # groups to merge
+            members = self.sorted_slots[:, 0, : groups * size].reshape(b, groups, size)  # [B, P, m]
+            flat = members.reshape(b, groups * size)
+            last = torch.arange(groups, device=self.device) * size + size - 1
+            group_ok = last < self.sorted_count[:, :1]  # every member is a valid sorted entry
+            keys = self.keys.gather(2, flat.unsqueeze(1).expand(-1, h, -1)).view(b, h, groups, size).float()
+            spread = (keys.amax(-1, keepdim=True) - keys.amin(-1, keepdim=True)).masked_fill(~head_mask, 0.0)
+            gap = (spread.squeeze(-1) ** 2).sum(1).sqrt()  # [B, P]
+            protected = self._protected(s).gather(1, flat).view(b, groups, size).any(-1)
+            blocked = ~group_ok | protected
             gap = gap.masked_fill(blocked, _INF)
-            rank = torch.empty_like(a).scatter_(
-                1, torch.sort(gap, dim=-1, stable=True).indices, torch.arange(pairs, device=self.device).expand(b, -1)
+            rank = torch.empty_like(gap, dtype=torch.long).scatter_(
+                1, torch.sort(gap, dim=-1, stable=True).indices, torch.arange(groups, device=self.device).expand(b, -1)
             )
-            chosen = (rank < excess) & ~blocked  # [B, P]
-            ta, tc = self.token_index.gather(1, a), self.token_index.gather(1, c)
-            keep_c = tc >= ta
-            survivor, victim = torch.where(keep_c, c, a), torch.where(keep_c, a, c)
-            wa = self.multiplicity.gather(1, a)
-            wc = self.multiplicity.gather(1, c)
-            frac_a = (wa / (wa + wc)).to(self.keys.dtype)  # [B, P]
+            chosen = (rank < needed) & ~blocked  # [B, P]
+
+            multiplicity = self.multiplicity.gather(1, flat).view(b, groups, size)
+            weights = multiplicity / multiplicity.sum(-1, keepdim=True)
+            if self.density_merge_weighting == "attention":
+                importance = self._token_log_importance(s).gather(1, flat).view(b, groups, size)
+                seen = torch.isfinite(importance).any(-1, keepdim=True)
+                by_attention = torch.softmax(torch.where(seen, importance, torch.zeros_like(importance)), dim=-1)
+                weights = torch.where(seen, by_attention, weights)
+            tokens = self.token_index.gather(1, flat).view(b, groups, size)
+            newest = tokens.argmax(-1, keepdim=True)  # [B, P, 1]
+            survivor = members.gather(2, newest).squeeze(-1)  # [B, P]
+            is_victim = torch.ones_like(members, dtype=torch.bool).scatter_(2, newest, False) & chosen.unsqueeze(-1)
 
             for name in ("keys", "values", "vector_keys"):
                 t = getattr(self, name)
                 if t is not None:
-                    _merge_pairs_(t, a, c, survivor, frac_a, chosen)
-            la = self.log_weight.gather(2, a.unsqueeze(1).expand(-1, self.num_heads, -1))
-            lc = self.log_weight.gather(2, c.unsqueeze(1).expand(-1, self.num_heads, -1))
-            idx_s = survivor.unsqueeze(1).expand(-1, self.num_heads, -1)
-            old = self.log_weight.gather(2, idx_s)
-            self.log_weight.scatter_(2, idx_s, torch.where(chosen.unsqueeze(1), torch.logaddexp(la, lc), old))
-            self.multiplicity.scatter_(1, survivor, torch.where(chosen, wa + wc, self.multiplicity.gather(1, survivor)))
-            self.token_index.scatter_(
-                1, survivor, torch.where(chosen, torch.maximum(ta, tc), self.token_index.gather(1, survivor))
+                    _merge_groups_(t, members, survivor, weights, chosen)
+            lw = self.log_weight.gather(2, flat.unsqueeze(1).expand(-1, h, -1)).view(b, h, groups, size)
+            idx_s = survivor.unsqueeze(1).expand(-1, h, -1)
+            self.log_weight.scatter_(
+                2, idx_s, torch.where(chosen.unsqueeze(1), torch.logsumexp(lw, -1), self.log_weight.gather(2, idx_s))
             )
-            self.valid.scatter_(1, victim, self.valid.gather(1, victim) & ~chosen)
+            self.multiplicity.scatter_(
+                1, survivor, torch.where(chosen, multiplicity.sum(-1), self.multiplicity.gather(1, survivor))
+            )
+            self.token_index.scatter_(
+                1, survivor, torch.where(chosen, tokens.amax(-1), self.token_index.gather(1, survivor))
+            )
+            self.valid.scatter_(1, flat, self.valid.gather(1, flat) & ~is_victim.view(b, groups * size))
             self._rebuild_sorted()
 
     def _evict_to(self, target: int) -> None:
@@ -724,8 +815,8 @@ class SortedScalarCache(Cache):
     Args:
         decode_window (`int` or None): the window ``k`` (None = exact).
         sort_scheme, sort_head, cache_buffer_size, max_cache_tokens, cache_eviction, eviction_radius,
-            eviction_recent_queries, eviction_batch, sink_zone, decode_backend: see
-            :class:`~hf_rbf.ScalarSortConfig`.
+            eviction_recent_queries, eviction_batch, sink_zone, decode_backend, density_merge_weighting,
+            density_merge_size: see :class:`~hf_rbf.ScalarSortConfig`.
         layers (`list`, *optional*): pre-built layers.
     """
 
@@ -743,6 +834,8 @@ class SortedScalarCache(Cache):
         eviction_batch=_FROM_CONFIG,
         sink_zone=_FROM_CONFIG,
         decode_backend=_FROM_CONFIG,
+        density_merge_weighting=_FROM_CONFIG,
+        density_merge_size=_FROM_CONFIG,
         layers: list | None = None,
     ):
         given = dict(
@@ -757,6 +850,8 @@ class SortedScalarCache(Cache):
             eviction_batch=eviction_batch,
             sink_zone=sink_zone,
             decode_backend=decode_backend,
+            density_merge_weighting=density_merge_weighting,
+            density_merge_size=density_merge_size,
         )
         self.settings = {k: v for k, v in given.items() if v is not _FROM_CONFIG}
         self._check_given(self.settings)
@@ -769,7 +864,7 @@ class SortedScalarCache(Cache):
         defaults = dict(
             decode_window=None, sort_scheme="per_head", sort_head=0, cache_buffer_size=64, max_cache_tokens=None,
             cache_eviction="geometric", eviction_radius=0.5, eviction_recent_queries=16, eviction_batch=None,
-            sink_zone=None, decode_backend="torch",
+            sink_zone=None, decode_backend="torch", density_merge_weighting="multiplicity", density_merge_size=2,
         )  # fmt: skip
         merged = dict(defaults, **settings)
         sort_head = merged["sort_head"]

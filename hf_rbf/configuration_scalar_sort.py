@@ -14,6 +14,9 @@ TAU_MODES = ("global", "per_head", "per_token")
 SORT_SCHEMES = ("per_head", "sort_head")
 EVICTION_POLICIES = ("oldest", "geometric", "density")
 DECODE_BACKENDS = ("torch", "triton", "auto")
+DENSITY_MERGE_WEIGHTINGS = ("multiplicity", "attention")
+ALIGN_GRADIENTS = ("upstream", "scalar_projections")
+REGULARIZERS = ("align", "spread", "tau")
 
 
 def default_value_groups(heads: int) -> int:
@@ -58,6 +61,8 @@ def check_sorted_cache_settings(
     eviction_batch,
     sink_zone,
     decode_backend="torch",
+    density_merge_weighting="multiplicity",
+    density_merge_size=2,
 ) -> list[float] | None:
     """Validate the sorted-cache settings; every error names the argument and the allowed values.
 
@@ -86,7 +91,20 @@ def check_sorted_cache_settings(
     if sink_zone is not None:
         sink_zone = _check_pair(name, "sink_zone", sink_zone, positive=False, ordered="<=")
     check_choice(name, "decode_backend", decode_backend, DECODE_BACKENDS)
+    check_choice(name, "density_merge_weighting", density_merge_weighting, DENSITY_MERGE_WEIGHTINGS)
+    check_int(name, "density_merge_size", density_merge_size, minimum=2)
     return sink_zone
+
+
+def regularizer_schedule_factor(step: int, start: int, warmup: int) -> float:
+    """The factor on a regularizer's weight at optimizer step ``step``: 0 before ``start``; ``(step - start) /
+    warmup`` during the warmup (0 at ``start``, as transformers' linear warmup of the learning rate); 1 from ``start +
+    warmup`` on (from ``start`` on when ``warmup`` is 0)."""
+    if step < start:
+        return 0.0
+    if warmup == 0:
+        return 1.0
+    return min(1.0, (step - start) / warmup)
 
 
 class ScalarSortConfig(DecoderConfig):
@@ -122,6 +140,20 @@ class ScalarSortConfig(DecoderConfig):
         align_loss_weight, spread_loss_weight, tau_loss_weight (`float`, default 0 = off): weights of the gist's
             regularizers ``L_align``, ``L_spread`` and ``L_tau`` (see :mod:`hf_rbf.scalar_regularizers`), added to the
             loss when ``labels`` are given and reported separately in the output.
+        align_loss_start_step, spread_loss_start_step, tau_loss_start_step (`int`, defaults to 0) and
+            align_loss_warmup_steps, spread_loss_warmup_steps, tau_loss_warmup_steps (`int`, defaults to 0): the
+            schedule of each regularizer's weight over the optimizer step ``s`` (the gist's tuning advice: ``L_align``
+            first, ``L_spread`` after initial convergence): 0 before ``start``, then ``weight * (s - start) /
+            warmup`` rising linearly to ``weight`` at ``start + warmup`` (at once when ``warmup`` is 0).  The step
+            comes from :class:`~hf_rbf.trainer.HfRbfTrainer` (``Trainer``'s ``state.global_step``) or
+            ``model.set_regularizer_step(step)`` in a loop of one's own; a scheduled model in training mode refuses a
+            regularized forward without a step, and in eval mode uses the full weights (the trained objective).
+        align_gradient (`str`, defaults to "upstream"): where ``L_align``'s gradient goes.  ``"upstream"`` (the gist's
+            code: ``sq_dist`` is built from the model's own ``qs`` / ``ks``) lets it flow through ``qs`` / ``ks`` into
+            ``qs_proj`` / ``ks_proj`` and everything below them (norms, earlier layers, embeddings);
+            ``"scalar_projections"`` recomputes ``qs`` / ``ks`` from the detached layer input so that only the
+            ``qs_proj`` / ``ks_proj`` weights (and biases) learn from it (the gist's text: "gradient flows only to the
+            scalar projections").  The attention weights are detached in both.
         spread_range (`list[float]` or `"adaptive"`, defaults to [-3.0, 3.0]): the target range of ``L_spread``:
             fixed ``[a, b]`` or per sequence and head ``mean(ks) +- spread_adaptive_width * std(ks)``.
         spread_adaptive_width (`float`, defaults to 3.0): the width (in standard deviations) of the adaptive range.
@@ -147,6 +179,13 @@ class ScalarSortConfig(DecoderConfig):
         eviction_batch (`int`, *optional*): when the bound is reached, this many extra tokens are freed at once so
             eviction runs every ``eviction_batch`` steps instead of every step (default ``max(1, max_cache_tokens
             // 16)``).
+        density_merge_weighting (`str`, defaults to "multiplicity"): how ``"density"`` eviction averages a group of
+            adjacent keys: ``"multiplicity"`` (each entry weighted by the tokens it already stands for) or
+            ``"attention"`` (the gist's "value = weighted average": each entry weighted by the attention mass the
+            recent queries give it, ``eviction_recent_queries`` of them, with their own temperature, log-weights and,
+            in hybrid layers, dot-product term).
+        density_merge_size (`int`, defaults to 2): how many entries adjacent in the first order are merged into one
+            (the gist's ``k``; at least 2).
         sink_zone (`list[float]`, *optional*): a reserved scalar range ``[a, b]``: tokens whose key (in any scalar
             head) lies inside it are evicted only when nothing else is left.
         decode_backend (`str`, defaults to "torch"): the windowed decode step: ``"torch"``
@@ -191,6 +230,15 @@ class ScalarSortConfig(DecoderConfig):
         eviction_batch: int | None = None,
         sink_zone: list[float] | None = None,
         decode_backend: str = "torch",
+        density_merge_weighting: str = "multiplicity",
+        density_merge_size: int = 2,
+        align_gradient: str = "upstream",
+        align_loss_start_step: int = 0,
+        align_loss_warmup_steps: int = 0,
+        spread_loss_start_step: int = 0,
+        spread_loss_warmup_steps: int = 0,
+        tau_loss_start_step: int = 0,
+        tau_loss_warmup_steps: int = 0,
         **kwargs,
     ):
         name = type(self).__name__
@@ -230,6 +278,17 @@ class ScalarSortConfig(DecoderConfig):
             ("tau_loss_weight", tau_loss_weight),
         ):
             check_float(name, field, value, minimum=0.0)
+        check_choice(name, "align_gradient", align_gradient, ALIGN_GRADIENTS)
+        schedule = {
+            "align_loss_start_step": align_loss_start_step,
+            "align_loss_warmup_steps": align_loss_warmup_steps,
+            "spread_loss_start_step": spread_loss_start_step,
+            "spread_loss_warmup_steps": spread_loss_warmup_steps,
+            "tau_loss_start_step": tau_loss_start_step,
+            "tau_loss_warmup_steps": tau_loss_warmup_steps,
+        }
+        for field, value in schedule.items():
+            check_int(name, field, value, minimum=0)
         if isinstance(spread_range, str):
             check_choice(name, "spread_range", spread_range, ("adaptive",))
         else:
@@ -250,6 +309,8 @@ class ScalarSortConfig(DecoderConfig):
             eviction_batch=eviction_batch,
             sink_zone=sink_zone,
             decode_backend=decode_backend,
+            density_merge_weighting=density_merge_weighting,
+            density_merge_size=density_merge_size,
         )
 
         self.num_value_groups = num_value_groups
@@ -276,6 +337,11 @@ class ScalarSortConfig(DecoderConfig):
         self.eviction_batch = eviction_batch
         self.sink_zone = sink_zone
         self.decode_backend = decode_backend
+        self.density_merge_weighting = density_merge_weighting
+        self.density_merge_size = density_merge_size
+        self.align_gradient = align_gradient
+        for field, value in schedule.items():
+            setattr(self, field, value)
         super().__init__(**kwargs)
         if value_head_dim is None:
             self.value_head_dim = self.head_dim
@@ -288,6 +354,26 @@ class ScalarSortConfig(DecoderConfig):
     def regularizers_enabled(self) -> bool:
         """Whether any of ``L_align``, ``L_spread``, ``L_tau`` has a non-zero weight."""
         return self.align_loss_weight > 0 or self.spread_loss_weight > 0 or self.tau_loss_weight > 0
+
+    @property
+    def regularizer_schedule_enabled(self) -> bool:
+        """Whether any regularizer's weight follows a schedule (a start step or a warmup)."""
+        return any(
+            getattr(self, f"{name}_loss_start_step") > 0 or getattr(self, f"{name}_loss_warmup_steps") > 0
+            for name in REGULARIZERS
+        )
+
+    def regularizer_weight(self, name: str, step: int | None) -> float:
+        """The weight of regularizer ``name`` ("align", "spread" or "tau") at optimizer step ``step``: its
+        ``{name}_loss_weight`` times the schedule factor (:func:`regularizer_schedule_factor`); ``step=None`` means
+        the schedule is over (the full weight)."""
+        check_choice(type(self).__name__, "name", name, REGULARIZERS)
+        weight = getattr(self, f"{name}_loss_weight")
+        if step is None:
+            return weight
+        start = getattr(self, f"{name}_loss_start_step")
+        warmup = getattr(self, f"{name}_loss_warmup_steps")
+        return weight * regularizer_schedule_factor(step, start, warmup)
 
     def sorted_cache_settings(self) -> dict:
         """The sorted-cache fields, as keyword arguments of :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCache`."""
@@ -303,7 +389,9 @@ class ScalarSortConfig(DecoderConfig):
             eviction_batch=self.eviction_batch,
             sink_zone=self.sink_zone,
             decode_backend=self.decode_backend,
+            density_merge_weighting=self.density_merge_weighting,
+            density_merge_size=self.density_merge_size,
         )
 
 
-__all__ = ["ScalarSortConfig"]
+__all__ = ["ScalarSortConfig", "regularizer_schedule_factor"]

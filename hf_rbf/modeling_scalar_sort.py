@@ -25,6 +25,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .attention_scalar import scalar_attention
 from .cache_names import cache_field, output_cache, resolve_cache_argument
 from .cache_sorted_scalar import SortedScalarCache, SortedScalarCacheLayer
+from .cache_sorted_static import StaticSortedLayer
+from .cache_static import StaticDecoderCache, StaticKeyValueLayer
 from .configuration_scalar_sort import ScalarSortConfig
 from .modeling_decoder import (
     DecoderAttention,
@@ -289,9 +291,19 @@ class ScalarSortAttention(DecoderAttention):
 
         layer = None if cache is None else cache.layers[self.layer_idx]
         weights = None
-        if isinstance(layer, SortedScalarCacheLayer):
+        if isinstance(layer, StaticSortedLayer):
+            out = self._attend_static_sorted(layer, proj, tau, prefix, num_prefix, attention_mask)
+        elif isinstance(layer, SortedScalarCacheLayer):
             out = self._attend_sorted(
-                layer, proj, tau, prefix, num_prefix, attention_mask, key_log_weights, output_attentions
+                layer,
+                proj,
+                tau,
+                prefix,
+                num_prefix,
+                attention_mask,
+                key_log_weights,
+                output_attentions,
+                prefill=getattr(cache, "prefilling", False),
             )
             if output_attentions:
                 out, weights = out
@@ -305,6 +317,11 @@ class ScalarSortAttention(DecoderAttention):
                     qs=None, ks=packed[..., 0], v=values, k=packed[..., 1:] if proj.k is not None else None
                 )
             am, klw = self._mask_args(keys.ks.shape[-1], num_prefix, attention_mask, key_log_weights)
+            if isinstance(layer, StaticKeyValueLayer) and layer.decode_mode:
+                # a static sliding layer's decode step returns its whole ring: its slot mask says what is visible
+                am = layer.slot_mask
+                if num_prefix:
+                    am = torch.cat([am.new_ones(b, num_prefix), am], dim=1)
             out = self.attention_function(
                 proj,
                 self._cat_keys([prefix, keys], b),
@@ -340,10 +357,20 @@ class ScalarSortAttention(DecoderAttention):
         return None
 
     def _attend_sorted(
-        self, layer, proj, tau, prefix, num_prefix, attention_mask, key_log_weights, output_attentions=False
+        self,
+        layer,
+        proj,
+        tau,
+        prefix,
+        num_prefix,
+        attention_mask,
+        key_log_weights,
+        output_attentions=False,
+        prefill=False,
     ):
         """The text call through a sorted cache layer; ``(out, weights)`` with ``output_attentions`` (the prompt
-        only: see :meth:`output_attentions_error`), else ``out``."""
+        only: see :meth:`output_attentions_error`), else ``out``.  ``prefill`` (``generate``'s prefill, possibly in
+        chunks): exact attention for every chunk, like an unchunked prompt."""
         b, h, n = proj.qs.shape
         first = layer.get_seq_length() == 0
         if output_attentions and not first:
@@ -356,7 +383,7 @@ class ScalarSortAttention(DecoderAttention):
                 log_weight = log_weight.unsqueeze(1)
             log_weight = log_weight.expand(b, h, n).to(proj.ks.dtype)
         layer.append(proj.ks, proj.v, proj.k, valid=valid, log_weight=log_weight)
-        if first or layer.decode_window is None or layer.decode_window >= layer.num_slots:
+        if first or prefill or layer.decode_window is None or layer.decode_window >= layer.num_slots:
             # the prompt, exact mode, or a window covering every cached key: the exact function (same numerics as a
             # forward without cache)
             out = self._exact_over_cache(layer, proj, tau, prefix, num_prefix, output_attentions)
@@ -378,8 +405,46 @@ class ScalarSortAttention(DecoderAttention):
                 mask = torch.tensor(dot_only, device=out.device).view(1, h, 1, 1)
                 out = torch.where(mask, exact, out)
             self.last_backend = "sorted_window"
-        layer.end_step(proj.qs, valid)
+        layer.end_step(proj.qs, valid, tau=tau, q=proj.q, scale=self.decode_scale())
         return out
+
+    def _attend_static_sorted(self, layer, proj, tau, prefix, num_prefix, attention_mask):
+        """The text call through a fixed-capacity sorted layer (:mod:`hf_rbf.cache_sorted_static`): multi-token steps
+        (prompt, prefill chunks) are exact over the cached tokens; a single-token step reads the window (exact when
+        ``decode_window`` is None or covers the capacity).  No host synchronisation on the single-token path."""
+        b, h, n = proj.qs.shape
+        valid = attention_mask[:, -n:].to(torch.bool) if attention_mask is not None else None
+        layer.append(proj.ks, proj.v, proj.k, valid=valid)
+        if n > 1 or not layer.windowed:
+            return self._exact_over_static(layer, proj, tau, prefix, num_prefix, n)
+        out = layer.attend(
+            proj.qs,
+            tau,
+            q=proj.q,
+            scale=self.decode_scale(),
+            prefix_ks=None if prefix is None else prefix.ks,
+            prefix_v=None if prefix is None else prefix.v,
+            prefix_k=None if prefix is None else prefix.k,
+        )
+        dot_only = [not s for s in self.scalar_head_list]
+        if any(dot_only):
+            # heads without a scalar term cannot be windowed: they read every cached key
+            exact = self._exact_over_static(layer, proj, tau, prefix, num_prefix, n)
+            mask = torch.tensor(dot_only, device=out.device).view(1, h, 1, 1)
+            out = torch.where(mask, exact, out)
+        if not torch.compiler.is_compiling():
+            self.last_backend = "sorted_window"
+        return out
+
+    def _exact_over_static(self, layer, proj, tau, prefix, num_prefix, n):
+        b = proj.qs.shape[0]
+        # one query: every slot, masked; several (eager): the tokens in sequence order, causal
+        ks, v, k, valid = layer.full_view() if n == 1 else layer.sequence_view(layer.get_seq_length())
+        cached = _Projections(qs=None, ks=ks, v=v, k=k)
+        am = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1) if num_prefix else valid
+        return self.attention_function(
+            proj, self._cat_keys([prefix, cached], b), tau, causal=True, attention_mask=am, num_prefix_keys=num_prefix
+        )
 
     def _exact_over_cache(self, layer, proj, tau, prefix, num_prefix, output_attentions=False):
         b = proj.qs.shape[0]
@@ -422,6 +487,31 @@ class ScalarSortAttention(DecoderAttention):
         if self.window is not None:
             return isinstance(layer, DynamicSlidingWindowLayer)
         return isinstance(layer, SortedScalarCacheLayer)
+
+    def make_static_cache_layer(self, max_cache_len: int, settings: dict | None = None, block_size: int = 64):
+        """A fixed-capacity layer: sorted blocks for full layers (:class:`StaticSortedLayer`), a ring of packed keys
+        for sliding layers.  Eviction (``max_cache_tokens``) is a dynamic-cache feature: refused here."""
+        settings = dict(self.cache_settings if settings is None else settings)
+        if settings.get("max_cache_tokens") is not None:
+            raise ValueError(
+                "cache_implementation='static' keeps every token (capacity = max_cache_len) and cannot evict: set "
+                f"`max_cache_tokens=None` or use the dynamic SortedScalarCache (got {settings['max_cache_tokens']})"
+            )
+        if self.window is not None:
+            return StaticKeyValueLayer(max_cache_len, sliding_window=self.window)
+        heads_per_group = self.num_heads // self.num_value_groups
+        if settings["sort_scheme"] == "per_head":
+            order_heads = list(range(self.num_heads))
+        else:
+            order_heads = [grp * heads_per_group + settings["sort_head"] for grp in range(self.num_value_groups)]
+        return StaticSortedLayer(
+            max_cache_len=max_cache_len,
+            num_heads=self.num_heads,
+            num_value_groups=self.num_value_groups,
+            order_heads=order_heads,
+            decode_window=settings["decode_window"] if any(self.scalar_head_list) else None,
+            block_size=block_size,
+        )
 
     @torch.no_grad()
     def attention_weights(
@@ -487,16 +577,24 @@ class ScalarSortAttention(DecoderAttention):
         tau: bool,
         spread_range,
         spread_adaptive_width: float,
+        align_gradient: str = "upstream",
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``(sum, count)`` of the requested regularizers for this layer (see :mod:`hf_rbf.scalar_regularizers`).
 
         ``x [B, N, D]`` is the layer's normalised input (with its graph), ``register_x [1, R, D]`` the registers',
-        ``attention_mask [B, N]`` the padding mask (no cache: training forwards)."""
+        ``attention_mask [B, N]`` the padding mask (no cache: training forwards); ``align_gradient`` as
+        :class:`~hf_rbf.ScalarSortConfig`."""
         terms = {}
         valid = attention_mask.to(torch.bool) if attention_mask is not None else None
         heads = self._scalar_head_mask(x.device)
         if align:
-            terms["align"] = self._align_terms(x, register_x, valid, position_embeddings, heads)
+            if align_gradient not in ("upstream", "scalar_projections"):
+                raise ValueError(
+                    f"regularizer_terms: `align_gradient` must be 'upstream' or 'scalar_projections'; got "
+                    f"{align_gradient!r}"
+                )
+            upstream = align_gradient == "upstream"
+            terms["align"] = self._align_terms(x, register_x, valid, position_embeddings, heads, upstream)
         if spread:
             ks = self.scalar_qk(x)[1]
             terms["spread"] = spread_loss(
@@ -506,16 +604,20 @@ class ScalarSortAttention(DecoderAttention):
             terms["tau"] = tau_loss(self.temperature(x), valid, head_mask=heads)
         return terms
 
-    def _align_terms(self, x, register_x, valid, position_embeddings, heads):
+    def _align_terms(self, x, register_x, valid, position_embeddings, heads, upstream: bool):
+        """``L_align`` of the layer; the weights are always detached.  ``upstream``: ``qs`` / ``ks`` are the layer's
+        own (gradient reaches the scalar projections, the register offsets and, through ``x``, every module below);
+        otherwise they are recomputed from the detached input, so only ``qs_proj`` / ``ks_proj`` receive gradient."""
         f32 = torch.float32
         b = x.shape[0]
         xd = x.detach()
-        # qs / ks with gradient reaching the scalar projections only; everything else detached
-        live = self.project(xd, position_embeddings)
+        source = x if upstream else xd
+        live = self.project(source, position_embeddings)
         tau = self.temperature(xd).detach().to(f32)
         register_keys = None
         if register_x is not None:
-            register_keys = self.project_registers(register_x.detach(), detach_offsets=True)
+            rx = register_x if upstream else register_x.detach()
+            register_keys = self.project_registers(rx, detach_offsets=not upstream)
         prefix, num_prefix = self._prefix(register_keys, x.dtype, x.device)
         keys = self._cat_keys([prefix, live], b)
         moments = align_moment_values(keys.ks.to(f32))
@@ -565,7 +667,23 @@ class SortedCacheModelMixin:
         self._prepare_cache_layers(cache)
         return cache
 
+    def make_static_cache(self, max_cache_len: int, block_size: int = 64, **settings) -> StaticDecoderCache:
+        """An empty fixed-capacity cache (:mod:`hf_rbf.cache_sorted_static`); ``settings`` override the config's
+        sorted-cache fields (e.g. ``decode_window``), ``block_size`` is the length of the sorted blocks."""
+        resolved = self.config.sorted_cache_settings()
+        resolved.update(settings)
+        layers = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            if isinstance(attn, ScalarSortAttention):
+                layers.append(attn.make_static_cache_layer(max_cache_len, resolved, block_size))
+            else:
+                layers.append(attn.make_static_cache_layer(max_cache_len))
+        return StaticDecoderCache(layers, max_cache_len)
+
     def _prepare_cache_layers(self, cache) -> None:
+        if isinstance(cache, StaticDecoderCache):
+            return DecoderModel._prepare_cache_layers(self, cache)
         if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
             raise TypeError(
                 "`cache` (`past_key_values`) must be a transformers Cache (a SortedScalarCache, e.g. from a previous forward or "
@@ -618,6 +736,24 @@ class RegularizedCausalLMMixin:
     gives the token-weighted mean and the same gradients as one large batch.
     """
 
+    # The optimizer step that drives the regularizer schedule (``*_loss_start_step``, ``*_loss_warmup_steps``): set by
+    # HfRbfTrainer before every forward, or by ``set_regularizer_step`` in a loop of one's own.
+    regularizer_step: int | None = None
+
+    def set_regularizer_step(self, step: int | None) -> None:
+        """Tell the model the current optimizer step (``Trainer``'s ``state.global_step``) for the regularizer
+        schedule; ``None`` forgets it."""
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"set_regularizer_step: `step` must be an int >= 0 or None; got {step!r}")
+        self.regularizer_step = step
+
+    def regularizer_weights(self) -> dict[str, float]:
+        """The weight of each regularizer at the current step (the config's weights times their schedule factors;
+        the full weights when no step is known)."""
+        return {
+            name: self.config.regularizer_weight(name, self.regularizer_step) for name in ("align", "spread", "tau")
+        }
+
     def _register_capture_hooks(self) -> None:
         for layer in self.model.layers:
             layer.register_forward_pre_hook(_capture_layer_inputs, with_kwargs=True)
@@ -642,11 +778,22 @@ class RegularizedCausalLMMixin:
         r"""
         Args: those of :meth:`hf_rbf.DecoderForCausalLM.forward`.  With ``labels`` and a non-zero regularizer weight
         (and no filled cache), ``loss = lm_loss + align_loss_weight * L_align + spread_loss_weight * L_spread +
-        tau_loss_weight * L_tau`` and the terms are returned in ``align_loss``, ``spread_loss``, ``tau_loss``.
+        tau_loss_weight * L_tau`` and the terms are returned in ``align_loss``, ``spread_loss``, ``tau_loss``.  Each
+        weight follows its schedule at ``regularizer_step`` (see :meth:`regularizer_weights`); a term whose weight is 0
+        at this step is not computed (its field is None).
         """
         cfg = self.config
         cache = resolve_cache_argument(cache, past_key_values)
         collect = labels is not None and cfg.regularizers_enabled and (cache is None or cache.get_seq_length() == 0)
+        if collect and self.training and self.regularizer_step is None and cfg.regularizer_schedule_enabled:
+            raise ValueError(
+                f"{type(self).__name__}: the config schedules the regularizers (`*_loss_start_step` / "
+                "`*_loss_warmup_steps`) but the model does not know the optimizer step: train with "
+                "hf_rbf.trainer.HfRbfTrainer, or call `model.set_regularizer_step(step)` before each step of your own "
+                "loop (in eval mode the full weights are used)"
+            )
+        weights = self.regularizer_weights()
+        collect = collect and any(w > 0 for w in weights.values())
         layers = self.model.layers
         if collect:
             for layer in layers:
@@ -681,8 +828,7 @@ class RegularizedCausalLMMixin:
             **cache_field(output_cache(out)),
         )
         if collect:
-            means = self._regularizer_means(captured)
-            weights = {"align": cfg.align_loss_weight, "spread": cfg.spread_loss_weight, "tau": cfg.tau_loss_weight}
+            means = self._regularizer_means(captured, {name: w > 0 for name, w in weights.items()})
             scale = 1.0
             num_items = kwargs.get("num_items_in_batch")
             if num_items is not None:
@@ -699,9 +845,9 @@ class RegularizedCausalLMMixin:
             return result.to_tuple()
         return result
 
-    def _regularizer_means(self, captured) -> dict[str, torch.Tensor]:
+    def _regularizer_means(self, captured, want: dict[str, bool]) -> dict[str, torch.Tensor]:
+        """Per regularizer wanted, the mean over the scalar layers of the layer means."""
         cfg = self.config
-        want = dict(align=cfg.align_loss_weight > 0, spread=cfg.spread_loss_weight > 0, tau=cfg.tau_loss_weight > 0)
         per_layer: dict[str, list[torch.Tensor]] = {name: [] for name, on in want.items() if on}
         for layer, inputs in zip(self.model.layers, captured):
             attn = layer.self_attn
@@ -719,6 +865,7 @@ class RegularizedCausalLMMixin:
                 position_embeddings=kwargs["position_embeddings"],
                 spread_range=cfg.spread_range,
                 spread_adaptive_width=cfg.spread_adaptive_width,
+                align_gradient=cfg.align_gradient,
                 **want,
             )
             for name, (total, count) in terms.items():

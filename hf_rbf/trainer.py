@@ -12,6 +12,11 @@
 :class:`HfRbfTrainer` collects them in ``compute_loss`` (the documented override point) and adds their
 means since the last log to every training log (``log_history``, TensorBoard, W&B, ...), averaged over processes.
 The optimised loss is the model's ``loss`` unchanged.
+3. **The regularizer schedule.**  The scalar-sort and hybrid-sort configs can start each regularizer at a given
+   optimizer step and warm its weight up linearly (``*_loss_start_step``, ``*_loss_warmup_steps``: the gist's advice to
+   weight ``L_align`` first and add ``L_spread`` later).  Before every forward, :class:`HfRbfTrainer` tells the model
+   ``state.global_step`` (``set_regularizer_step``, found through PEFT or other wrappers), and while a schedule is set
+   it logs the current weights (``align_loss_weight``, ...) with the terms.
 
 Not imported by any model file (remote-code checkpoints do not need it)::
 
@@ -37,6 +42,12 @@ def no_weight_decay_patterns(model) -> tuple[str, ...]:
     return ()
 
 
+def scheduled_models(model) -> list:
+    """The modules of ``model`` (itself included, wrappers seen through) that take the regularizer step
+    (``set_regularizer_step``: the scalar-sort and hybrid-sort causal LMs)."""
+    return [module for module in model.modules() if callable(getattr(module, "set_regularizer_step", None))]
+
+
 class HfRbfTrainer(Trainer):
     """``Trainer`` plus the model's no-decay parameters and the logging of ``log_fields`` from the model output
     (means over the micro-batches since the last training log; a field the model leaves as None is not logged)."""
@@ -54,6 +65,8 @@ class HfRbfTrainer(Trainer):
         self._term_counts: dict[str, int] = {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        for module in self._scheduled_models(model):
+            module.set_regularizer_step(self.state.global_step)
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if model.training:
             for name in self.log_fields:
@@ -65,7 +78,17 @@ class HfRbfTrainer(Trainer):
                 self._term_counts[name] = self._term_counts.get(name, 0) + 1
         return (loss, outputs) if return_outputs else loss
 
+    def _scheduled_models(self, model) -> list:
+        if getattr(self, "_scheduled_cache", (None,))[0] is not model:
+            self._scheduled_cache = (model, scheduled_models(model))
+        return self._scheduled_cache[1]
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs:
+            for module in self._scheduled_models(self.model)[:1]:
+                if module.config.regularizer_schedule_enabled:
+                    for name, weight in module.regularizer_weights().items():
+                        logs[f"{name}_loss_weight"] = weight
         if "loss" in logs and self._term_sums:
             for name, total in self._term_sums.items():
                 mean = total / self._term_counts[name]
@@ -75,4 +98,4 @@ class HfRbfTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-__all__ = ["HfRbfTrainer", "no_weight_decay_patterns"]
+__all__ = ["HfRbfTrainer", "no_weight_decay_patterns", "scheduled_models"]

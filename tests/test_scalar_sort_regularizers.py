@@ -55,8 +55,9 @@ def _weights_and_keys(attn, x, rx, mask, pos):
     return w, proj.qs, keys.ks
 
 
+@pytest.mark.parametrize("align_gradient", ["upstream", "scalar_projections"])
 @pytest.mark.parametrize("case", REG_CASES, ids=[c[0] for c in REG_CASES])
-def test_align_equals_the_materialised_definition_with_the_right_gradients(case):
+def test_align_equals_the_materialised_definition_with_the_right_gradients(case, align_gradient):
     _, family, overrides = case
     model = build_model(family, overrides)
     ids, mask = left_padded(model.config.vocab_size, [9, 6])
@@ -73,7 +74,7 @@ def test_align_equals_the_materialised_definition_with_the_right_gradients(case)
         model.zero_grad()
         total, count = attn.regularizer_terms(x, rx, attention_mask=am, position_embeddings=pos, align=True,
                                               spread=False, tau=False, spread_range=[-3, 3],
-                                              spread_adaptive_width=3.0)["align"]  # fmt: skip
+                                              spread_adaptive_width=3.0, align_gradient=align_gradient)["align"]  # fmt: skip
         (total / count).backward()
         got = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None and p.grad.abs().max() > 0}
 
@@ -86,21 +87,37 @@ def test_align_equals_the_materialised_definition_with_the_right_gradients(case)
         want = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None and p.grad.abs().max() > 0}
 
         assert torch.allclose(total / count, ref, rtol=1e-5, atol=1e-7)
-        # only the scalar projections receive gradient, and exactly the reference's gradient
-        assert set(got) <= {"qs_proj.weight", "ks_proj.weight", "qs_proj.bias", "ks_proj.bias"}, set(got)
-        assert set(got) == set(want) - {n for n in want if not n.startswith(("qs_proj", "ks_proj"))}
+        if align_gradient == "upstream":
+            # the gist's code: gradient through qs / ks wherever they come from (register offsets included)
+            assert set(got) == set(want), (set(got), set(want))
+        else:
+            # only the scalar projections receive gradient, and exactly the reference's gradient
+            assert set(got) <= {"qs_proj.weight", "ks_proj.weight", "qs_proj.bias", "ks_proj.bias"}, set(got)
+            assert set(got) == set(want) - {n for n in want if not n.startswith(("qs_proj", "ks_proj"))}
         for name in got:
             assert torch.allclose(got[name], want[name], rtol=1e-4, atol=1e-7), name
 
 
-def test_model_align_gradient_reaches_only_the_scalar_projections():
-    model = build_model("hybrid_sort", dict(num_register_tokens=1, align_loss_weight=1.0, head_kinds=["hybrid", "dot"]))
-    model.train()
-    ids, mask = left_padded(model.config.vocab_size, [8, 5])
-    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    (out.loss - out.lm_loss).backward()
-    touched = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().max() > 0}
-    assert touched and all(n.endswith(("qs_proj.weight", "ks_proj.weight")) for n in touched), touched
+@pytest.mark.parametrize("family", ["scalar_sort", "hybrid_sort"])
+def test_model_align_gradient_reaches_upstream_or_only_the_scalar_projections(family):
+    overrides = dict(num_register_tokens=1, align_loss_weight=1.0)
+    if family == "hybrid_sort":
+        overrides["head_kinds"] = ["hybrid", "dot"]
+    touched = {}
+    for mode in ("upstream", "scalar_projections"):
+        model = build_model(family, dict(overrides, align_gradient=mode))
+        model.train()
+        ids, mask = left_padded(model.config.vocab_size, [8, 5])
+        out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        (out.loss - out.lm_loss).backward()
+        touched[mode] = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().max() > 0}
+    only = touched["scalar_projections"]
+    assert only and all(n.endswith(("qs_proj.weight", "ks_proj.weight")) for n in only), only
+    # upstream: the embedding, the first layer's norm and projections below the last layer's qs / ks learn from it
+    up = touched["upstream"]
+    assert "model.embed_tokens.weight" in up and "model.layers.0.input_layernorm.weight" in up, up
+    assert "model.layers.0.self_attn.v_proj.weight" in up and only < up
+    assert "model.embed_tokens.weight" not in only
 
 
 def test_spread_gradient_goes_through_the_values_not_the_sort_order():
