@@ -84,6 +84,12 @@ class DecoderConfig(PreTrainedConfig):
             the backend that served its last call in ``module.last_backend``.
         rope_theta (`float`, defaults to 10000.0): base of the RoPE / SuSiE frequencies.
         attention_bias (`bool`, defaults to False): bias on the attention projections.
+        qk_norm (`bool`, defaults to False): QK-norm on the "dot" layers (the RBF blog's postscript: the industry's
+            answer to magnitude bullying, as in Gemma 2/3, OLMo 2, Qwen3, ViT-22B): q and k are RMS-normalised per head,
+            with a learnable scale ``[head_dim]`` shared by the heads (``q_norm`` / ``k_norm``), after W_Q / W_K and
+            before RoPE; the logit scale stays ``1 / sqrt(head_dim)``.  Register rows get the scale but not the
+            normalisation (their zero-initialised states would sit where RMS norm is singular; see ``DecoderLayer``).
+            Only "dot" layers have q/k projections to normalise; the distance kinds ignore it.
         mlp_bias (`bool`, defaults to False): bias on the SwiGLU projections.
         use_cache (`bool`, defaults to True): return a KV cache from evaluation forwards.
         pad_token_id, bos_token_id, eos_token_id (`int`, *optional*): special token ids.
@@ -119,6 +125,7 @@ class DecoderConfig(PreTrainedConfig):
         attention_backend: str = "auto",
         rope_theta: float = 10000.0,
         attention_bias: bool = False,
+        qk_norm: bool = False,
         mlp_bias: bool = False,
         use_cache: bool = True,
         pad_token_id: int | None = None,
@@ -156,6 +163,7 @@ class DecoderConfig(PreTrainedConfig):
         for flag, value in (
             ("tie_word_embeddings", tie_word_embeddings),
             ("attention_bias", attention_bias),
+            ("qk_norm", qk_norm),
             ("mlp_bias", mlp_bias),
             ("use_cache", use_cache),
         ):
@@ -243,6 +251,7 @@ class DecoderConfig(PreTrainedConfig):
         self.attention_backend = attention_backend
         self.rope_theta = float(rope_theta)
         self.attention_bias = attention_bias
+        self.qk_norm = qk_norm
         self.mlp_bias = mlp_bias
         self.use_cache = use_cache
         self.pad_token_id = pad_token_id

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
-from .configuration_decoder import DecoderConfig, check_bool, check_choice, check_float
+from .configuration_decoder import DecoderConfig, check_bool, check_choice, check_float, check_int
 
 
 GKA_POSITION_TYPES = ("rope", "none")
+# "nystrom" is bidirectional only (GkaVitConfig); the decoder refuses it with an explanation.
+GKA_APPROXIMATIONS = ("exact", "random_features", "nystrom")
 
 
 class GkaConfig(DecoderConfig):
@@ -35,20 +37,36 @@ class GkaConfig(DecoderConfig):
             wide enough to tell tokens apart, not so sharp that each token only sees itself.
         gka_eps (`float`, defaults to 1e-6): the ``eps`` of the row normalisation (paper eq. 4).
         attention_bias (`bool`, defaults to False): bias on W_O (the paper's ViT counts it: ``d^2 + d + H``).
+        gka_approximation (`str`, defaults to "exact"): how "gka" layers compute the kernel: ``"exact"`` (every pair,
+            on the backend of ``attention_backend``) or ``"random_features"`` (the paper's speed-up direction:
+            positive random features of the Gaussian kernel, linear time and memory in the sequence length, causal
+            through chunked prefix sums; see :mod:`hf_rbf.attention_gka_approx`).  ``"nystrom"`` serves
+            bidirectional attention only (its landmarks would see future tokens) and is refused here: see
+            ``GkaVitConfig``.  The approximation is one plain-PyTorch implementation: ``attention_backend`` must be
+            "auto" or "naive", every "gka" layer full ("L" in ``window_pattern``), and ``output_attentions`` is
+            refused (no attention matrix is formed).  KV caches work (each step re-reads the cached features:
+            ``O(past * m)`` per step).
+        gka_approximation_size (`int`, defaults to 256): the number of random features ``m`` (the cost is
+            ``O(N m head_dim)``; the error falls like ``1 / sqrt(m)`` for moderate ``||x|| / sigma``).
+        gka_approximation_seed (`int`, defaults to 0): seed of the random features; layer ``i`` uses
+            ``seed * 1000 + i``, drawn on the CPU, so a reloaded model has the same features.
         num_register_tokens (`int`, defaults to 0): optional register tokens.  Their features skip the per-head norm
             (so they can sit at the origin, equidistant from every normalised text feature) and get their own
             learnable, zero-initialised position embedding instead of RoPE.
 
-    Layer kinds (``attention_layers``): ``"gka"`` and ``"dot"`` (learned projections, RoPE, softmax dot product): the
-    paper's "hybrid designs that interleave GKA with projected attention".
+    Layer kinds (``attention_layers``): ``"gka"``, ``"dot"`` (learned projections, RoPE, softmax dot product: the
+    paper's "hybrid designs that interleave GKA with projected attention") and ``"vlt"`` (the paper's Table 5
+    Value-Less Transformer ablation: W_Q, W_K, W_O and softmax dot product, no W_V; the values are the per-head
+    hidden state).  ``attention_layers=["vlt"]`` is VLT, ``["dot"]`` the standard model, ``["gka"]`` GKA.
 
-    PEFT LoRA target modules: ``o_proj`` (GKA and dot layers), ``q_proj``, ``k_proj``, ``v_proj`` (dot layers only)
+    PEFT LoRA target modules: ``o_proj`` (every kind), ``q_proj``, ``k_proj`` (dot and vlt layers), ``v_proj`` (dot
+    layers only)
     and ``gate_proj``, ``up_proj``, ``down_proj`` (SwiGLU MLP).
     """
 
     model_type = "gka"
     family_kind = "gka"
-    allowed_layer_kinds = ("gka", "dot")
+    allowed_layer_kinds = ("gka", "dot", "vlt")
     default_num_register_tokens = 0
 
     def __init__(
@@ -57,10 +75,22 @@ class GkaConfig(DecoderConfig):
         gka_feature_norm: bool = True,
         gka_log_sigma_init: float | None = None,
         gka_eps: float = 1e-6,
+        gka_approximation: str = "exact",
+        gka_approximation_size: int = 256,
+        gka_approximation_seed: int = 0,
         **kwargs,
     ):
         name = type(self).__name__
         check_choice(name, "position_embedding_type", position_embedding_type, GKA_POSITION_TYPES)
+        check_choice(name, "gka_approximation", gka_approximation, GKA_APPROXIMATIONS)
+        if gka_approximation == "nystrom":
+            raise ValueError(
+                f"{name}: `gka_approximation='nystrom'` needs bidirectional attention (its landmarks are means over the "
+                "whole sequence, so causal outputs would see future tokens); the decoder is causal: use "
+                "'random_features' or 'exact' (GkaVitConfig offers 'nystrom')"
+            )
+        check_int(name, "gka_approximation_size", gka_approximation_size, minimum=1)
+        check_int(name, "gka_approximation_seed", gka_approximation_seed, minimum=0)
         check_bool(name, "gka_feature_norm", gka_feature_norm)
         if gka_log_sigma_init is not None:
             check_float(name, "gka_log_sigma_init", gka_log_sigma_init)
@@ -69,7 +99,23 @@ class GkaConfig(DecoderConfig):
         self.gka_feature_norm = gka_feature_norm
         self.gka_log_sigma_init = None if gka_log_sigma_init is None else float(gka_log_sigma_init)
         self.gka_eps = float(gka_eps)
+        self.gka_approximation = gka_approximation
+        self.gka_approximation_size = gka_approximation_size
+        self.gka_approximation_seed = gka_approximation_seed
         super().__init__(**kwargs)
+        if gka_approximation != "exact":
+            if self.attention_backend not in ("auto", "naive"):
+                raise ValueError(
+                    f"{name}: `gka_approximation={gka_approximation!r}` has one plain-PyTorch implementation; "
+                    f"`attention_backend` must be 'auto' or 'naive'; got {self.attention_backend!r}"
+                )
+            windowed = [i for i in range(self.num_hidden_layers) if self.layer_kind(i) == "gka" and self.layer_window(i)]
+            if windowed:
+                raise ValueError(
+                    f"{name}: `gka_approximation={gka_approximation!r}` cannot serve sliding windows, but the 'gka' "
+                    f"layers {windowed} are 'S' in `window_pattern` {self.window_pattern!r}; make them 'L' or use "
+                    "'exact'"
+                )
 
     @property
     def resolved_log_sigma_init(self) -> float:

@@ -24,7 +24,8 @@ PRESETS: dict[str, dict] = {
                        num_attention_heads=2, intermediate_size=64, num_labels=10, drop_path_rate=0.0),
 }
 
-ATTENTION_TYPES = ("gka", "dot")
+ATTENTION_TYPES = ("gka", "vlt", "dot")
+GKA_APPROXIMATIONS = ("exact", "random_features", "nystrom")
 
 
 class GkaVitConfig(PretrainedConfig):
@@ -46,14 +47,22 @@ class GkaVitConfig(PretrainedConfig):
         drop_path_rate: stochastic depth; block ``i`` drops its residual branches with probability
             ``drop_path_rate * i / (L - 1)`` (linear rule of DeiT).
         attention_type: "gka" (Gaussian Kernel Attention, no W_Q/W_K/W_V: per-head kernel smoothing of the
-            normalised residual features with a learnable bandwidth, then W_O) or "dot" (the DeiT baseline:
-            learned q/k/v, scaled dot-product softmax, W_O).
+            normalised residual features with a learnable bandwidth, then W_O), "dot" (the DeiT baseline:
+            learned q/k/v, scaled dot-product softmax, W_O) or "vlt" (the paper's Table 5 ablation, Value-Less
+            Transformer: learned q/k, scaled dot-product softmax over the normalised residual features as values,
+            W_O; no W_V).
         gka_log_sigma_init: initial per-head ``log sigma`` for "gka": a float for every head, a list of ``H``
             floats, or None for ``0.5 * log(head_dim)`` (``sigma^2 = d``: the kernel
             ``exp(-|x_i - x_j|^2 / (2 d))`` of unit-variance features is then neither the identity nor uniform).
         gka_eps: the epsilon of GKA's denominator (paper eq. 4).
         gka_backend: backend of :func:`hf_rbf.gka_attention` ("auto", "naive", "sdpa", "flex", "triton").
-        qkv_bias: bias of the baseline's q/k/v projection.
+        gka_approximation: how "gka" layers compute the kernel: "exact" (every pair, on ``gka_backend``),
+            "random_features" (positive random features, linear in the token count) or "nystrom" (segment-mean
+            landmarks): the paper's speed-up directions, see :mod:`hf_rbf.attention_gka_approx`.  The approximations
+            are plain PyTorch: ``gka_backend`` must then be "auto" or "naive"; ``output_attentions`` is refused.
+        gka_approximation_size: the number of random features, or of Nystrom landmarks (capped at the token count).
+        gka_approximation_seed: seed of the random features (layer ``i`` uses ``seed * 1000 + i``).
+        qkv_bias: bias of the q/k/v projection of "dot" (q/k of "vlt").
         initializer_range: std of the truncated-normal init of linear/conv weights, [CLS] and positions.
     """
 
@@ -76,6 +85,9 @@ class GkaVitConfig(PretrainedConfig):
         gka_log_sigma_init=None,
         gka_eps: float = 1e-6,
         gka_backend: str = "auto",
+        gka_approximation: str = "exact",
+        gka_approximation_size: int = 256,
+        gka_approximation_seed: int = 0,
         qkv_bias: bool = True,
         initializer_range: float = 0.02,
         **kwargs,
@@ -115,6 +127,20 @@ class GkaVitConfig(PretrainedConfig):
                 gka_log_sigma_init = float(gka_log_sigma_init)
         if isinstance(gka_eps, bool) or not isinstance(gka_eps, (int, float)) or gka_eps < 0:
             raise ValueError(f"GkaVitConfig: `gka_eps` must be a float >= 0; got {gka_eps!r}")
+        if gka_approximation not in GKA_APPROXIMATIONS:
+            raise ValueError(
+                f"GkaVitConfig: `gka_approximation` must be one of {GKA_APPROXIMATIONS}; got {gka_approximation!r}"
+            )
+        for name, value in (("gka_approximation_size", gka_approximation_size),
+                            ("gka_approximation_seed", gka_approximation_seed)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name.endswith("size") else 0):
+                raise ValueError(f"GkaVitConfig: `{name}` must be an int >= {1 if name.endswith('size') else 0}; "
+                                 f"got {value!r}")
+        if gka_approximation != "exact" and gka_backend not in ("auto", "naive"):
+            raise ValueError(
+                f"GkaVitConfig: `gka_approximation={gka_approximation!r}` has one plain-PyTorch implementation; "
+                f"`gka_backend` must be 'auto' or 'naive'; got {gka_backend!r}"
+            )
         self.image_size = image_size
         self.patch_size = patch_size
         self.num_channels = num_channels
@@ -130,6 +156,9 @@ class GkaVitConfig(PretrainedConfig):
         self.gka_log_sigma_init = gka_log_sigma_init
         self.gka_eps = float(gka_eps)
         self.gka_backend = gka_backend
+        self.gka_approximation = gka_approximation
+        self.gka_approximation_size = gka_approximation_size
+        self.gka_approximation_seed = gka_approximation_seed
         self.qkv_bias = qkv_bias
         self.initializer_range = initializer_range
         super().__init__(**kwargs)

@@ -266,13 +266,28 @@ class DotAttention(DecoderAttention):
         self.k_proj = nn.Linear(d, hd, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, hd, bias=config.attention_bias)
         self.o_proj = nn.Linear(hd, d, bias=config.attention_bias)
+        # QK-norm (``config.qk_norm``): per-head RMSNorm of q and k with a learnable [head_dim] scale, before RoPE.
+        self.q_norm = DecoderRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = DecoderRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
 
     @property
     def dot_backend(self) -> str:
         return dot_backend_for(self.config)
 
-    def _project(self, x: torch.Tensor):
-        return self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x)), self._split_heads(self.v_proj(x))
+    def _project(self, x: torch.Tensor, registers: bool = False):
+        q, k = self._project_qk(x, registers)
+        return q, k, self._values(x)
+
+    def _project_qk(self, x: torch.Tensor, registers: bool = False):
+        q, k = self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x))
+        if self.q_norm is not None:
+            # register rows: the scale only (their zero-initialised states sit where RMS norm is singular)
+            q = self.q_norm.scale_only(q) if registers else self.q_norm(q)
+            k = self.k_norm.scale_only(k) if registers else self.k_norm(k)
+        return q, k
+
+    def _values(self, x: torch.Tensor) -> torch.Tensor:
+        return self._split_heads(self.v_proj(x))
 
     def forward(
         self,
@@ -295,7 +310,7 @@ class DotAttention(DecoderAttention):
 
         register_out = None
         if self.num_registers > 0:
-            qr, kr, vr = self._project(register_states)
+            qr, kr, vr = self._project(register_states, registers=True)
             qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
             register_out = dot_attention(qr, kr, vr, causal=True, backend=self.register_backend)
             register_out = self.o_proj(self._merge_heads(register_out))

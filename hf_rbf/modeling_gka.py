@@ -1,8 +1,9 @@
 """Gaussian Kernel Attention decoder (``model_type="gka"``, arXiv:2605.02144): the shared backbone with
 :class:`GkaAttention` layers, the paper's nanochat language-model setup (RoPE + per-head RMS norm on the features,
-causal masking, optional sliding windows such as ``"SSSL"``), optionally mixed with "dot" layers.
+causal masking, optional sliding windows such as ``"SSSL"``), optionally mixed with "dot" layers and the paper's VLT
+ablation ("vlt" layers: W_Q, W_K, W_O, no W_V).
 
-PEFT LoRA target modules: ``o_proj`` (GKA and dot layers), ``q_proj``, ``k_proj``, ``v_proj`` (dot layers only),
+PEFT LoRA target modules: ``o_proj`` (every kind), ``q_proj``, ``k_proj`` (dot and vlt layers), ``v_proj`` (dot layers only),
 ``gate_proj``, ``up_proj``, ``down_proj``.
 """
 
@@ -15,6 +16,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .attention_gka import gka_attention
+from .attention_gka_approx import gaussian_orthogonal_projection, gka_attention_random_features
 from .configuration_gka import GkaConfig
 from .modeling_decoder import (
     DecoderAttention,
@@ -49,10 +51,42 @@ class GkaAttention(DecoderAttention):
         self.norm_eps = config.rms_norm_eps
         self.use_rope = config.position_embedding_type == "rope"
         self.eps = config.gka_eps
+        self.approximation = config.gka_approximation
+        if self.approximation == "random_features":
+            # Fixed Gaussian rows of the random features: drawn from the seed, so not saved (recomputed at init).
+            self.register_buffer("feature_projection", self._draw_projection(), persistent=False)
+        else:
+            self.feature_projection = None
+
+    def _draw_projection(self) -> torch.Tensor:
+        seed = self.config.gka_approximation_seed * 1000 + self.layer_idx
+        return gaussian_orthogonal_projection(
+            self.config.gka_approximation_size, self.head_dim, self.num_heads, seed=seed
+        )
 
     def _init_own_parameters(self) -> None:
         super()._init_own_parameters()
         init.constant_(self.log_sigma, self.log_sigma_init)
+        if self.feature_projection is not None:
+            init.copy_(self.feature_projection, self._draw_projection().to(self.feature_projection.device))
+
+    def output_attentions_error(self, cache) -> str | None:
+        if self.approximation != "exact":
+            return (
+                f"GKA layer {self.layer_idx}: `output_attentions` is not available with "
+                f"`gka_approximation={self.approximation!r}` (the approximation never forms the attention matrix); "
+                "load the model with gka_approximation='exact' to inspect weights"
+            )
+        return super().output_attentions_error(cache)
+
+    def _approximate_attention(self, keys, **mask_args) -> torch.Tensor:
+        if self.backend not in ("auto", "naive"):
+            raise ValueError(
+                f"GKA layer {self.layer_idx}: `gka_approximation={self.approximation!r}` runs its own plain-PyTorch "
+                f"implementation; the backend {self.backend!r} cannot serve it (set `attention_backend` to 'auto')"
+            )
+        self.last_backend = self.approximation
+        return gka_attention_random_features(keys, self.log_sigma, self.feature_projection, eps=self.eps, **mask_args)
 
     def features(self, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
         """Text features ``[B, H, N, head_dim]`` from the normalised hidden states ``[B, N, D]``."""
@@ -81,7 +115,7 @@ class GkaAttention(DecoderAttention):
         if cache is not None:
             # One copy per token: the features are the keys; the value slot holds a zero-width tensor.
             keys, _ = cache.update(feats, feats.new_empty(*feats.shape[:-1], 0), self.layer_idx)
-        am, klw = self._key_arguments(keys.shape[2], attention_mask, key_log_weights)
+        am, klw = self._key_arguments(keys.shape[2], attention_mask, key_log_weights, cache)
 
         register_out = None
         query = None if keys is feats else feats
@@ -92,17 +126,18 @@ class GkaAttention(DecoderAttention):
             keys = torch.cat([reg.expand(b, -1, -1, -1), keys], dim=2)
             query = feats
 
-        out = gka_attention(
-            keys,
-            self.log_sigma,
+        mask_args = dict(
             causal=True,
             window=self.window,
-            eps=self.eps,
             key_log_weights=klw,
             attention_mask=am,
             num_prefix_keys=self.num_registers,
             query=query,
-            **self._text_call_options(self.backend, output_attentions),
+        )
+        if self.approximation != "exact":
+            return self.o_proj(self._merge_heads(self._approximate_attention(keys, **mask_args))), register_out, None
+        out = gka_attention(
+            keys, self.log_sigma, eps=self.eps, **mask_args, **self._text_call_options(self.backend, output_attentions)
         )
         self._note_backend("gka_attention")
         weights = None
@@ -112,11 +147,30 @@ class GkaAttention(DecoderAttention):
         return self.o_proj(self._merge_heads(out)), register_out, weights
 
 
+class ValueLessAttention(DotAttention):
+    """The GKA paper's VLT ablation (Value-Less Transformer, Table 5): learned W_Q, W_K and W_O with softmax dot-product
+    attention (RoPE, ``1 / sqrt(head_dim)``, ``qk_norm`` when set), but no W_V: the values are the pre-norm hidden
+    state split into heads, as GKA's.  It sits between the "dot" kind (all four projections) and "gka" (W_O only), so
+    one can tell which removed projection costs what.  Attention parameters: ``3 * hidden_size^2`` (+ biases).
+
+    Runs ``dot_attention`` like the "dot" kind (``attention_backend`` "naive" -> "naive", anything else -> "sdpa").
+    """
+
+    kind = "vlt"
+
+    def __init__(self, config: GkaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        del self.v_proj
+
+    def _values(self, x: torch.Tensor) -> torch.Tensor:
+        return self._split_heads(x)
+
+
 class GkaPreTrainedModel(DecoderPreTrainedModel):
-    """Base class of the GKA family: its config class and its layer kinds ("gka", "dot")."""
+    """Base class of the GKA family: its config class and its layer kinds ("gka", "vlt", "dot")."""
 
     config_class = GkaConfig
-    attention_classes = {"gka": GkaAttention, "dot": DotAttention}
+    attention_classes = {"gka": GkaAttention, "vlt": ValueLessAttention, "dot": DotAttention}
     # PEFT LoRA ``target_modules``: GKA layers have only ``o_proj``; "dot" layers add q/k/v (ignored when absent).
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -138,4 +192,4 @@ GkaModel.register_for_auto_class("AutoModel")
 GkaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 
-__all__ = ["GkaAttention", "GkaForCausalLM", "GkaModel", "GkaPreTrainedModel"]
+__all__ = ["GkaAttention", "GkaForCausalLM", "GkaModel", "GkaPreTrainedModel", "ValueLessAttention"]

@@ -8,6 +8,8 @@ One code path for both attention kinds (``config.attention_type``):
   block: ``W_O`` (+ bias) and ``H`` log-bandwidths.
 * "dot": DeiT's multi-head attention, ``softmax(q k^T / sqrt(d) + log w) v`` then ``W_O``, through
   ``F.scaled_dot_product_attention``.
+* "vlt": the paper's Value-Less Transformer ablation (Table 5): "dot" without W_V (the values are the per-head
+  normalised features ``x``).
 
 ``w_j`` are optional per-token measures passed as ``key_log_weights`` (see :mod:`hf_rbf.geometry_measure`): for
 patches of a non-uniform domain (a sphere, a warped image) each key is weighted by the area it stands for.
@@ -29,6 +31,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClass
 from transformers.utils import logging
 
 from .attention_gka import gka_attention
+from .attention_gka_approx import (
+    gaussian_orthogonal_projection,
+    gka_attention_nystrom,
+    gka_attention_random_features,
+)
 from .configuration_gka_vit import GkaVitConfig
 
 
@@ -127,7 +134,7 @@ class GkaVitEmbeddings(nn.Module):
 class GkaVitGaussianKernelAttention(nn.Module):
     """Projection-free Gaussian kernel attention over the heads of the (already normalised) hidden states."""
 
-    def __init__(self, config: GkaVitConfig):
+    def __init__(self, config: GkaVitConfig, layer_idx: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
@@ -136,12 +143,41 @@ class GkaVitGaussianKernelAttention(nn.Module):
         self.log_sigma = nn.Parameter(torch.tensor(config.initial_log_sigma(), dtype=torch.float32))
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.approximation = config.gka_approximation
+        self.approximation_size = config.gka_approximation_size
+        self.projection_seed = config.gka_approximation_seed * 1000 + layer_idx
+        if self.approximation == "random_features":
+            # fixed Gaussian rows of the random features, drawn from the seed (not saved; recomputed at init)
+            self.register_buffer("feature_projection", self.draw_projection(), persistent=False)
+        else:
+            self.feature_projection = None
+
+    def draw_projection(self) -> torch.Tensor:
+        return gaussian_orthogonal_projection(
+            self.approximation_size, self.head_dim, self.num_heads, seed=self.projection_seed
+        )
+
+    def _approximate(self, x, key_log_weights):
+        if self.approximation == "random_features":
+            return gka_attention_random_features(
+                x, self.log_sigma, self.feature_projection, causal=False, eps=self.eps, key_log_weights=key_log_weights
+            )
+        return gka_attention_nystrom(
+            x, self.log_sigma, self.approximation_size, eps=self.eps, key_log_weights=key_log_weights
+        )
 
     def forward(self, hidden_states, key_log_weights=None, output_attentions=False):
         b, n, _ = hidden_states.shape
         x = hidden_states.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
         weights = None
-        if output_attentions:
+        if self.approximation != "exact":
+            if output_attentions:
+                raise ValueError(
+                    f"GkaVit: `output_attentions` is not available with `gka_approximation={self.approximation!r}` "
+                    "(the approximation never forms the attention matrix)"
+                )
+            out = self._approximate(x, key_log_weights)
+        elif output_attentions:
             weights = gka_attention_probs(x, self.log_sigma, self.eps, key_log_weights)
             out = (weights @ x.to(weights.dtype)).to(x.dtype)
         else:
@@ -181,6 +217,37 @@ class GkaVitDotProductAttention(nn.Module):
         return self.dropout(self.o_proj(out)), weights
 
 
+class GkaVitValueLessAttention(nn.Module):
+    """The GKA paper's VLT ablation (Table 5): DeiT's attention without W_V, i.e. learned q/k, scaled dot product,
+    softmax, and the (already normalised) residual features of each head as the values, then W_O."""
+
+    def __init__(self, config: GkaVitConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qk = nn.Linear(config.hidden_size, 2 * config.hidden_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states, key_log_weights=None, output_attentions=False):
+        b, n, _ = hidden_states.shape
+        q, k = self.qk(hidden_states).view(b, n, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        v = hidden_states.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        bias = None if key_log_weights is None else key_log_weights.unsqueeze(-2)  # [B|1, H|1, 1, N]
+        weights = None
+        if output_attentions:
+            scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
+            if bias is not None:
+                scores = scores + bias.float()
+            weights = scores.softmax(dim=-1)
+            out = (weights @ v.float()).to(v.dtype)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype))
+        out = out.transpose(1, 2).reshape(b, n, -1)
+        return self.dropout(self.o_proj(out)), weights
+
+
 class GkaVitMlp(nn.Module):
     def __init__(self, config: GkaVitConfig):
         super().__init__()
@@ -193,16 +260,23 @@ class GkaVitMlp(nn.Module):
         return self.dropout(self.fc2(self.dropout(self.act(self.fc1(hidden_states)))))
 
 
-ATTENTION_CLASSES = {"gka": GkaVitGaussianKernelAttention, "dot": GkaVitDotProductAttention}
+ATTENTION_CLASSES = {
+    "gka": GkaVitGaussianKernelAttention,
+    "vlt": GkaVitValueLessAttention,
+    "dot": GkaVitDotProductAttention,
+}
 
 
 class GkaVitLayer(GradientCheckpointingLayer):
     """Pre-norm block: ``x + DropPath(Attn(LN(x)))``, then ``x + DropPath(MLP(LN(x)))`` (paper eqs. 8-10)."""
 
-    def __init__(self, config: GkaVitConfig, drop_path_rate: float = 0.0):
+    def __init__(self, config: GkaVitConfig, drop_path_rate: float = 0.0, layer_idx: int = 0):
         super().__init__()
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.attention = ATTENTION_CLASSES[config.attention_type](config)
+        if config.attention_type == "gka":
+            self.attention = GkaVitGaussianKernelAttention(config, layer_idx)
+        else:
+            self.attention = ATTENTION_CLASSES[config.attention_type](config)
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = GkaVitMlp(config)
         self.drop_path = GkaVitDropPath(drop_path_rate)
@@ -252,6 +326,8 @@ class GkaVitPreTrainedModel(PreTrainedModel):
             init.trunc_normal_(module.position_embeddings, mean=0.0, std=std)
         elif isinstance(module, GkaVitGaussianKernelAttention):
             init.copy_(module.log_sigma, torch.tensor(self.config.initial_log_sigma(), dtype=module.log_sigma.dtype))
+            if module.feature_projection is not None:
+                init.copy_(module.feature_projection, module.draw_projection().to(module.feature_projection.device))
 
 
 class GkaVitModel(GkaVitPreTrainedModel):
@@ -262,7 +338,7 @@ class GkaVitModel(GkaVitPreTrainedModel):
         self.embeddings = GkaVitEmbeddings(config)
         L = config.num_hidden_layers
         rates = [config.drop_path_rate * i / (L - 1) if L > 1 else 0.0 for i in range(L)]
-        self.layers = nn.ModuleList([GkaVitLayer(config, rates[i]) for i in range(L)])
+        self.layers = nn.ModuleList([GkaVitLayer(config, rates[i], layer_idx=i) for i in range(L)])
         self.layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.post_init()
 
@@ -392,11 +468,12 @@ class GkaVitForImageClassification(GkaVitPreTrainedModel):
 
 
 def attention_parameter_count(model: nn.Module) -> int:
-    """Parameters inside the attention modules (W_Q/W_K/W_V/W_O and biases; for GKA W_O, its bias and log-sigma)."""
+    """Parameters inside the attention modules (W_Q/W_K/W_V/W_O and biases (VLT: no W_V); for GKA W_O, its bias and
+    log-sigma)."""
     return sum(
         p.numel()
         for m in model.modules()
-        if isinstance(m, (GkaVitGaussianKernelAttention, GkaVitDotProductAttention))
+        if isinstance(m, (GkaVitGaussianKernelAttention, GkaVitValueLessAttention, GkaVitDotProductAttention))
         for p in m.parameters()
     )
 
