@@ -416,10 +416,12 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             # queries recorded without a temperature have tau = NaN: attention weighting ignores them
             if tau is None:
                 tau = torch.full((b, h, n), float("nan"), device=qs.device)
-            tau = torch.as_tensor(tau, dtype=torch.float32, device=qs.device)
-            tau = (tau.view(1, -1, 1) if tau.dim() == 1 else tau).expand(b, h, n).float()
+            tau_dtype = torch.promote_types(self.dtype, torch.float32)
+            tau = torch.as_tensor(tau, device=qs.device).to(tau_dtype)
+            tau = (tau.view(1, -1, 1) if tau.dim() <= 1 else tau).expand(b, h, n)
             if self.recent_tau is None:
-                self.recent_tau = torch.full((b, h, self.recent_qs.shape[-1]), float("nan"), device=qs.device)
+                size = (b, h, self.recent_qs.shape[-1])
+                self.recent_tau = torch.full(size, float("nan"), dtype=tau_dtype, device=qs.device)
             self.recent_tau = torch.cat([self.recent_tau, tau], dim=-1)[..., -keep:]
         if q is not None and self.vector_keys is not None:
             if self.recent_q is None:
@@ -555,9 +557,9 @@ class SortedScalarCacheLayer(CacheLayerMixin):
                 "SortedScalarCacheLayer: density_merge_weighting='attention' needs the recent queries' temperatures: "
                 "pass `tau` to end_step (the scalar-sort and hybrid-sort attention layers do)"
             )
-        f32 = torch.float32
+        f32 = torch.promote_types(self.keys.dtype, torch.float32)  # float64 for a float64 cache
         ks = self.keys[:, :, :s].to(f32)  # [B, H, S]
-        tau = self.recent_tau  # [B, H, Q]
+        tau = self.recent_tau.to(f32)  # [B, H, Q]
         query_ok = self.recent_valid.unsqueeze(1) & torch.isfinite(tau)  # [B, H, Q]
         safe_tau = torch.where(query_ok, tau, torch.ones_like(tau))
         scores = -((self.recent_qs.to(f32).unsqueeze(-1) - ks.unsqueeze(-2)) ** 2) / safe_tau.unsqueeze(-1)
