@@ -251,5 +251,5 @@ def graph_key_log_weights(
                 f"{fn}: weighting='inverse_degree' needs every node to have a positive degree; node {isolated} has 0"
             )
         measure = 1.0 / degree.to(torch.float64)
-        return log_weights_from_measure(measure, eps=eps, batch_size=batch_size, dtype=degree.dtype)
+        return log_weights_from_measure(measure, eps=eps, batch_size=batch_size).to(degree.dtype)
     return log_weights_from_measure(degree, eps=eps, batch_size=batch_size)
