@@ -30,13 +30,22 @@ from .configuration_gka_vit import GkaVitConfig
 from .configuration_hybrid_sort import HybridSortConfig
 from .configuration_rbf import RbfConfig
 from .configuration_scalar_sort import ScalarSortConfig
+from .geometry_equirect import equirect_key_log_weights, equirect_patch_centers, equirect_patch_solid_angles
 from .geometry_measure import log_weights_from_measure
+from .geometry_mesh import (
+    graph_key_log_weights,
+    graph_node_degree,
+    mesh_key_log_weights,
+    mesh_vertex_areas,
+    triangle_areas,
+)
 from .geometry_sphere import (
     SphereGrid,
     equiangular_grid,
     gauss_legendre_grid,
     latlon_grid_from_edges,
 )
+from .geometry_warp import grid_key_log_weights, grid_patch_areas, warp_key_log_weights, warp_patch_areas
 from .image_processing_gka_vit import GkaVitImageProcessor
 from .modeling_decoder import (
     DecoderAttention,
@@ -138,14 +147,26 @@ __all__ = [
     "SortedScalarCacheLayer",
     "dot_attention",
     "equiangular_grid",
+    "equirect_key_log_weights",
+    "equirect_patch_centers",
+    "equirect_patch_solid_angles",
     "gauss_legendre_grid",
     "gka_attention",
+    "graph_key_log_weights",
+    "graph_node_degree",
+    "grid_key_log_weights",
+    "grid_patch_areas",
     "hybrid_attention",
     "last_backend",
     "latlon_grid_from_edges",
     "log_weights_from_measure",
+    "mesh_key_log_weights",
+    "mesh_vertex_areas",
     "rbf_attention",
     "scalar_attention",
     "sorted_window_attention",
     "sorted_window_attention_reference",
+    "triangle_areas",
+    "warp_key_log_weights",
+    "warp_patch_areas",
 ]
