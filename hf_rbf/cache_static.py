@@ -213,4 +213,39 @@ class StaticDecoderCache(Cache):
         )
 
 
-__all__ = ["StaticDecoderCache", "StaticKeyValueLayer"]
+
+def static_cache_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> list[float]:
+    """Bytes one cached token takes in each layer of the static cache, per batch row, computed from the config.
+
+    rbf / dot layers: keys and values, ``2 * H * head_dim`` elements; gka: one feature, ``H * head_dim``; a full
+    scalar / hybrid layer (:class:`~hf_rbf.cache_sorted_static.StaticSortedLayer`): scalar keys ``H``, values
+    ``G * Dv``, vector keys ``H * head_dim`` (hybrid) and the sorted blocks (``O`` order keys and ``O`` int64 slots,
+    ``O = H`` under "per_head", ``G`` under "sort_head"); a sliding scalar / hybrid layer: packed keys
+    ``H * (1 + head_dim)`` (hybrid) or ``H`` (scalar) and values ``G * Dv``.  Every layer adds one byte (the slot's
+    validity).  Sliding layers hold ``min(window, max_cache_len)`` slots, full layers ``max_cache_len``.
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    result = []
+    for idx in range(config.num_hidden_layers):
+        kind = config.layer_kind(idx)
+        if kind in ("rbf", "dot"):
+            elements, extra = 2 * heads * head_dim, 0
+        elif kind == "gka":
+            elements, extra = heads * head_dim, 0
+        elif kind in ("scalar", "hybrid"):
+            groups, value_dim = config.num_value_groups, config.value_head_dim
+            vector = heads * head_dim if kind == "hybrid" else 0
+            elements, extra = heads + groups * value_dim + vector, 0
+            if config.layer_window(idx) is None:
+                orders = heads if config.sort_scheme == "per_head" else groups
+                elements += orders
+                extra = 8 * orders  # int64 slot of each sorted entry
+        else:
+            raise ValueError(f"static_cache_bytes_per_token: unknown layer kind {kind!r} of layer {idx}")
+        result.append(float(elements * item + extra + 1))
+    return result
+
+
+__all__ = ["StaticDecoderCache", "StaticKeyValueLayer", "static_cache_bytes_per_token"]

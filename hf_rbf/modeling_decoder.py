@@ -32,6 +32,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .attention_dot import dot_attention
 from .attention_utils import last_backend
 from .cache_names import CACHE_NAME, cache_field, generation_cache, output_cache, resolve_cache_argument
+from .cache_static import StaticDecoderCache, StaticKeyValueLayer
 from .configuration_decoder import DecoderConfig
 
 
@@ -196,6 +197,10 @@ class DecoderAttention(nn.Module):
         """Whether an existing cache layer (e.g. from a user's ``DynamicCache``) can serve this attention layer."""
         return isinstance(layer, DynamicLayer)
 
+    def make_static_cache_layer(self, max_cache_len: int):
+        """A fixed-capacity cache layer (``cache_implementation="static"``; see :mod:`hf_rbf.cache_static`)."""
+        return StaticKeyValueLayer(max_cache_len, sliding_window=self.window)
+
     # -- helpers -------------------------------------------------------------------------------------------------
     def _init_own_parameters(self) -> None:
         if self.register_position is not None:
@@ -209,10 +214,15 @@ class DecoderAttention(nn.Module):
         b, _, n, _ = x.shape
         return x.transpose(1, 2).reshape(b, n, -1)
 
-    def _key_arguments(self, num_text_keys: int, attention_mask, key_log_weights):
-        """Slice the text-key mask / log-weights to the keys the cache returned and prepend the registers."""
+    def _key_arguments(self, num_text_keys: int, attention_mask, key_log_weights, cache=None):
+        """Slice the text-key mask / log-weights to the keys the cache returned and prepend the registers.  A static
+        cache layer's decode step returns its whole buffer: its slot mask is then the text-key mask."""
         r = self.num_registers
-        am = attention_mask[:, -num_text_keys:] if attention_mask is not None else None
+        layer = cache.layers[self.layer_idx] if isinstance(cache, StaticDecoderCache) else None
+        if layer is not None and layer.decode_mode:
+            am = layer.slot_mask
+        else:
+            am = attention_mask[:, -num_text_keys:] if attention_mask is not None else None
         klw = key_log_weights[..., -num_text_keys:] if key_log_weights is not None else None
         if r > 0:
             if am is not None:
@@ -306,7 +316,7 @@ class DotAttention(DecoderAttention):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights)
+        am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights, cache)
 
         register_out = None
         if self.num_registers > 0:
@@ -437,8 +447,9 @@ class DecoderPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = False
     # Sequence-parallel SDPA hooks (context parallelism) do not reach our attention functions.
     _supports_context_parallel = False
-    # Caches are DynamicCache-based (registers recomputed, GKA features stored once): no static cache, no fullgraph.
-    _can_compile_fullgraph = False
+    # With the static cache (`cache_implementation="static"`, hf_rbf.cache_static / cache_sorted_static) a decode step
+    # compiles with fullgraph=True (tests/test_model_static_cache.py); the dynamic caches stay the default.
+    _can_compile_fullgraph = True
     _is_stateful = False
     # the attention kind -> class table of the family (set by each family's PreTrainedModel)
     attention_classes: dict[str, type[DecoderAttention]] = {}
@@ -595,9 +606,21 @@ class DecoderModel(DecoderPreTrainedModel):
         cache.layers = [layer.self_attn.make_cache_layer() for layer in self.layers]
         return cache
 
+    def make_static_cache(self, max_cache_len: int) -> StaticDecoderCache:
+        """An empty fixed-capacity cache for sequences of at most ``max_cache_len`` tokens (prompt + generated)."""
+        layers = [layer.self_attn.make_static_cache_layer(max_cache_len) for layer in self.layers]
+        return StaticDecoderCache(layers, max_cache_len)
+
     def _prepare_cache_layers(self, cache) -> None:
         """Make a user's cache (e.g. a plain ``DynamicCache()``) fit the model: add the missing layers, replace empty
         layers of the wrong type, reject filled ones."""
+        if isinstance(cache, StaticDecoderCache):
+            if len(cache.layers) != len(self.layers):
+                raise ValueError(
+                    f"the static cache has {len(cache.layers)} layers but the model has {len(self.layers)}; build it "
+                    "with `model.make_static_cache(max_cache_len)`"
+                )
+            return
         if not isinstance(cache, Cache) or not hasattr(cache, "layers"):
             raise TypeError(
                 "`cache` (`past_key_values`) must be a transformers Cache (a DynamicCache, e.g. from a previous forward, or "
@@ -702,8 +725,17 @@ class DecoderModel(DecoderPreTrainedModel):
                     raise ValueError(problem)
         past_len = cache.get_seq_length() if cache is not None else 0
         total = past_len + seq_len
+        static = isinstance(cache, StaticDecoderCache)
+        if static and (key_log_weights is not None or output_attentions):
+            raise ValueError(
+                "`key_log_weights` and `output_attentions` are not available with the static cache "
+                "(cache_implementation='static'); use the dynamic cache"
+            )
 
-        if attention_mask is not None:
+        if attention_mask is not None and isinstance(total, torch.Tensor):
+            # a compiled step over a static cache: the length is a device tensor (checked in eager mode only)
+            attention_mask = attention_mask.to(inputs_embeds.device)
+        elif attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
                 raise ValueError(
                     "`attention_mask` must be a 2-D padding mask [B, past + N] (1 = real token, 0 = padding); got "
@@ -732,7 +764,7 @@ class DecoderModel(DecoderPreTrainedModel):
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -seq_len:]
             else:
-                position_ids = torch.arange(past_len, total, device=inputs_embeds.device).unsqueeze(0)
+                position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past_len).unsqueeze(0)
         position_ids = position_ids.to(inputs_embeds.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
@@ -741,6 +773,9 @@ class DecoderModel(DecoderPreTrainedModel):
                 f"`position_ids` must have shape [B, N] with N = {seq_len}; got {tuple(position_ids.shape)}"
             )
         position_embeddings = self.position_frequencies(position_ids)
+        if static:
+            # every static layer records which of this step's tokens are padding (its slot mask)
+            cache.begin_step(attention_mask[:, -seq_len:].to(torch.bool) if attention_mask is not None else None)
 
         # A mask with no padding is dropped so the kernels can take their unmasked fast paths.
         if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
@@ -812,22 +847,60 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         """An empty cache with the layers this model needs (what ``generate`` uses)."""
         return self.model.make_cache()
 
+    def make_static_cache(self, max_cache_len: int, **settings):
+        """An empty fixed-capacity cache (what ``generate(..., cache_implementation="static")`` uses; ``settings``: the
+        sorted families' overrides, e.g. ``decode_window``, ``block_size``)."""
+        return self.model.make_static_cache(max_cache_len, **settings)
+
+    def create_masks_for_generate(self, *args, attention_mask=None, **kwargs):
+        """``generate`` turns the 2-D padding mask into transformers' 4-D masks for compileable caches; our layers take
+        the 2-D mask (the static cache layers add their own slot masks), so it is passed through unchanged."""
+        return attention_mask
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
         """Create the model's own cache for ``generate`` (same signature from transformers 5.17 to 5.24); it goes into
         ``model_kwargs`` under the installed cache name only (5.24 warns at every step when both names are there)."""
         if generation_cache(model_kwargs) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         implementation = generation_config.cache_implementation
-        if implementation not in (None, "dynamic"):
+        if implementation not in (None, "dynamic", "static"):
             raise ValueError(
-                f"{type(self).__name__}: `cache_implementation={implementation!r}` is not supported; use None or "
-                "'dynamic' (the model builds its own DynamicCache: registers are recomputed and GKA features are "
-                "stored once, which static and quantized caches cannot express)"
+                f"{type(self).__name__}: `cache_implementation={implementation!r}` is not supported; use None / "
+                "'dynamic' (the model's own dynamic cache) or 'static' (its fixed-capacity cache, for torch.compile)"
             )
+        if implementation == "static":
+            model_kwargs[CACHE_NAME] = self._static_cache_for_generation(generation_config, *args, **kwargs)
+            return
         cache = self.model.make_cache()
         if getattr(generation_config, "is_assistant", False):
             cache.activate_past_recording()
         model_kwargs[CACHE_NAME] = cache
+
+    def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' prefill (chunked with ``generate(..., prefill_chunk_size=...)``), with the cache marked as
+        prefilling: the sorted caches then attend exactly for every prompt chunk, as for an unchunked prompt (their
+        windowed read is for decode steps), so chunked prefill gives the logits of unchunked prefill."""
+        cache = generation_cache(model_kwargs)
+        if cache is None:
+            return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        cache.prefilling = True
+        try:
+            return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        finally:
+            cache.prefilling = False
+
+    def _static_cache_for_generation(self, generation_config, *args, **kwargs):
+        """The static cache of ``generate``: ``max_cache_length`` (the last argument transformers 5.17-5.24 pass to
+        ``_prepare_cache_for_generation``, prompt + new tokens) raised to ``generation_config.max_cache_len``."""
+        if getattr(generation_config, "is_assistant", False):
+            raise ValueError("cache_implementation='static' cannot serve assisted decoding (it needs cache cropping)")
+        max_len = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+        if max_len is None:
+            max_len = generation_config.max_length
+        max_len = max(int(max_len), int(getattr(generation_config, "max_cache_len", None) or 0))
+        # `generate(..., cache_config={...})`: the sorted families' static settings (e.g. "block_size", "decode_window")
+        settings = dict(generation_config.cache_config or {})
+        return self.make_static_cache(max_len, **settings)
 
     def forward(
         self,

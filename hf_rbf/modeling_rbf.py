@@ -93,7 +93,7 @@ class RbfAttention(DecoderAttention):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights)
+        am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights, cache)
         gamma = self._gamma()
 
         register_out = None

@@ -184,6 +184,7 @@ def sorted_window_attention(
     prefix_ks: torch.Tensor | None = None,
     prefix_v: torch.Tensor | None = None,
     prefix_k: torch.Tensor | None = None,
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Windowed attention of new queries over a sorted scalar cache (the module docstring gives the semantics).
 
@@ -197,6 +198,9 @@ def sorted_window_attention(
         scale: the dot-product scale (float or ``[H]``; 0 / None means no dot term).
         prefix_ks: ``[B|1, H, P]`` prefix scalar keys (sink, registers), always attended; prefix_v ``[B|1, G, P, Dv]``;
             prefix_k ``[B|1, H, P, D]`` (hybrid).
+        candidates: ``(slots [B, H, Nq, k], ok [B, H, Nq, k])``, the window already found by another search structure
+            (the fixed-capacity cache's sorted blocks, :mod:`hf_rbf.cache_sorted_static`); then only the by-slot
+            tensors of ``state`` are read.
 
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``state.values``.
@@ -213,7 +217,9 @@ def sorted_window_attention(
     scale = _scale_per_head(scale, h, ct, device)
     group = torch.arange(h, device=device) // (h // g)
 
-    slots, ok = window_candidates(state, qs, window, query_token_index)
+    if candidates is None:
+        candidates = window_candidates(state, qs, window, query_token_index)
+    slots, ok = candidates
     k = slots.shape[-1]
     row = torch.arange(b, device=device).view(b, 1, 1, 1)
     head_flat = (row * h + torch.arange(h, device=device).view(1, h, 1, 1)) * cap + slots  # [B, H, Nq, k]

@@ -304,7 +304,7 @@ def test_supports_flags_say_what_is_true(family):
     assert cls._supports_sdpa and cls._supports_flex_attn  # served by our sdpa / flex backends (tests above)
     assert not cls._supports_flash_attn  # flash-attn kernels cannot add a key-norm or a scalar distance term
     assert not cls._supports_attention_backend  # our layers do not dispatch through ALL_ATTENTION_FUNCTIONS
-    assert not cls._can_compile_fullgraph  # no static cache: DynamicCache-based decoding only
+    assert cls._can_compile_fullgraph  # static cache: a decode step compiles fullgraph (test_model_static_cache.py)
     assert cls.supports_gradient_checkpointing
 
 

@@ -121,8 +121,9 @@ def test_generate_with_user_cache_and_continuation():
     assert torch.equal(second, reference)
 
 
-def test_static_cache_is_rejected_with_a_clear_error():
+def test_unsupported_cache_implementation_is_rejected_with_a_clear_error():
+    # "static" is supported (tests/test_model_static_cache.py); quantized caches are not
     model = build_model("rbf", {})
     ids = torch.randint(1, 128, (1, 4))
     with pytest.raises(ValueError, match="cache_implementation"):
-        model.generate(ids, max_new_tokens=2, cache_implementation="static", pad_token_id=PAD)
+        model.generate(ids, max_new_tokens=2, cache_implementation="quantized", pad_token_id=PAD)

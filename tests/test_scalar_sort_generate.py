@@ -136,7 +136,10 @@ def test_windowed_generation_runs_every_mode():
         assert any(attn.self_attn.last_backend == "sorted_window" for attn in model.model.layers)
 
 
-def test_static_cache_is_rejected():
+def test_unsupported_cache_implementation_is_rejected():
+    # "static" is supported (tests/test_model_static_cache.py); quantized caches are not
     model = build_model("scalar_sort", {})
     with pytest.raises(ValueError, match="cache_implementation"):
-        model.generate(torch.randint(1, 128, (1, 4)), max_new_tokens=2, cache_implementation="static", pad_token_id=PAD)
+        model.generate(
+            torch.randint(1, 128, (1, 4)), max_new_tokens=2, cache_implementation="quantized", pad_token_id=PAD
+        )

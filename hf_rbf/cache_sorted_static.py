@@ -1,0 +1,334 @@
+"""The fixed-capacity sorted scalar cache: scalar-sort / hybrid-sort decoding with ``cache_implementation="static"``.
+
+:class:`StaticSortedLayer` serves the full-attention "scalar" / "hybrid" layers of a
+:class:`~hf_rbf.cache_static.StaticDecoderCache` (sliding-window and "dot" layers use
+:class:`~hf_rbf.cache_static.StaticKeyValueLayer`).  Unlike :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCacheLayer`
+(capacity doubling, a recent buffer merged into one sorted array every ``cache_buffer_size`` steps, so the insert cost
+grows with ``n`` and spikes), every buffer is allocated once and a decode step is the same fixed sequence of tensor ops
+whatever the cache length: no ``.item()``, no data-dependent shape, nothing a CUDA graph could not capture.
+
+Layout (per batch row; ``C`` = capacity, a multiple of the block size ``T``; ``O`` orders as in the dynamic cache)
+--------------------------------------------------------------------------------------------------------------------
+* by slot (token ``t`` at slot ``t``): scalar keys ``[B, H, C]``, group values ``[B, G, C, Dv]``, vector keys
+  ``[B, H, C, D]`` (hybrid), validity ``[B, C]`` (False: padding or not yet written), token index ``[C]``.
+* the search structure: ``C / T`` *sorted blocks*: block ``i`` holds slots ``[iT, (i+1)T)``, its order keys sorted
+  ascending (``sorted_keys [B, O, C/T, T]``, ``+inf`` for invalid slots) and the slot of each entry
+  (``sorted_slots``).  The block being filled is re-sorted at every insert (``T log T`` work, constant), so there is
+  no unsorted tail and no merge at all: the insert cost does not depend on ``n``.
+
+Decode step (one query per row and head, window ``k``)
+------------------------------------------------------
+A binary search in every block (``searchsorted`` over ``[B, O, C/T, T]``) gives the query's insertion point there;
+the ``min(2k, T)`` entries around it hold that block's ``k`` nearest order keys below and above the query.  The union
+over blocks therefore holds the global ``k`` nearest below and above, and the window is picked among these candidates
+exactly as :func:`hf_rbf.sorted_decode.window_candidates` picks it (rank of the query, ``k // 2`` below, shifted inward
+at the ends; ties by slot): the same window as the dynamic cache, so ``decode_window >= n`` equals dense decoding.
+Cost per (row, head): ``(C / T) log T`` compares and ``(C / T) * min(2k, T)`` candidates, then ``k`` key / value
+gathers.  With ``C / T`` blocks the candidate set grows with the *capacity* (not with the tokens present); choose
+``T`` near ``sqrt(C * k)`` for long contexts (a log-structured set of runs would make it ``O(k log n)``; not built).
+
+Multi-token steps (the prompt, prefill chunks) attend exactly over the cached tokens (as the prompt of the dynamic
+cache does), so chunked prefill equals unchunked prefill; single-token decode steps use the window.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .sorted_decode import SortedCacheState, sorted_window_attention
+
+
+_INF = float("inf")
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def blocked_window_candidates(
+    sorted_keys: torch.Tensor, sorted_slots: torch.Tensor, qs: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots of each query's window from sorted blocks.
+
+    Args:
+        sorted_keys: ``[B, O, NB, T]`` order keys, ascending within each block, ``+inf`` for invalid entries.
+        sorted_slots: ``[B, O, NB, T]`` int64 slot of each entry.
+        qs: scalar queries ``[B, H, Nq]`` (head ``h`` searches order ``h // (H / O)``); every valid entry is visible
+            to every query (single-token decode: the cache holds only past tokens and the query's own).
+        window: ``k >= 1``.
+
+    Returns:
+        ``(slots [B, H, Nq, k] int64, ok [B, H, Nq, k] bool)`` as :func:`hf_rbf.sorted_decode.window_candidates`.
+    """
+    b, num_orders, nb, t = sorted_keys.shape
+    h, nq = qs.shape[1], qs.shape[2]
+    k = window
+    w = min(2 * k, t)
+    device = qs.device
+    hq = (h // num_orders) * nq
+    search = qs.to(sorted_keys.dtype).reshape(b, num_orders, 1, hq).expand(b, num_orders, nb, hq).contiguous()
+    p = torch.searchsorted(sorted_keys, search)  # [B, O, NB, hq]
+    start = (p - k).clamp(0, t - w)
+    j = start.unsqueeze(-1) + torch.arange(w, device=device)  # [B, O, NB, hq, w]
+    keys = sorted_keys.unsqueeze(3).expand(b, num_orders, nb, hq, t).gather(-1, j)
+    slots = sorted_slots.unsqueeze(3).expand(b, num_orders, nb, hq, t).gather(-1, j)
+    # [B, O, hq, NB * w] in block order (ties: block, then slot inside the block, i.e. slot order)
+    keys = keys.permute(0, 1, 3, 2, 4).reshape(b, num_orders, hq, nb * w).view(b, h, nq, nb * w)
+    slots = slots.permute(0, 1, 3, 2, 4).reshape(b, num_orders, hq, nb * w).view(b, h, nq, nb * w)
+    ok = torch.isfinite(keys)
+    n_visible = ok.sum(-1)
+    rank = ((keys < qs.to(keys.dtype).unsqueeze(-1)) & ok).sum(-1)
+    first = torch.minimum((rank - k // 2).clamp_min(0), (n_visible - k).clamp_min(0))
+    order = torch.sort(keys, dim=-1, stable=True).indices
+    pos = first.unsqueeze(-1) + torch.arange(k, device=device)
+    win_ok = pos < n_visible.unsqueeze(-1)
+    pos = pos.clamp(max=keys.shape[-1] - 1)
+    return slots.gather(-1, order.gather(-1, pos)), win_ok
+
+
+class StaticSortedLayer(CacheLayerMixin):
+    """One full-attention scalar / hybrid layer of a :class:`~hf_rbf.cache_static.StaticDecoderCache` (see the module
+    docstring for the layout and costs).
+
+    Args:
+        max_cache_len: the most tokens one sequence may hold; the capacity is rounded up to a multiple of
+            ``block_size``.
+        num_heads, num_value_groups: ``H`` and ``G`` of the layer.
+        order_heads: the head whose scalar keys define each order (``O`` entries: every head under "per_head", the
+            sort head of each value group under "sort_head").
+        decode_window: the window ``k`` of single-token steps (None: exact attention over every cached token).
+        block_size: ``T``, the length of the sorted blocks.
+    """
+
+    is_compileable = True
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(
+        self,
+        *,
+        max_cache_len: int,
+        num_heads: int,
+        num_value_groups: int,
+        order_heads: list[int],
+        decode_window: int | None,
+        block_size: int = 64,
+    ):
+        super().__init__()
+        name = type(self).__name__
+        for arg, value in (("max_cache_len", max_cache_len), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: `{arg}` must be an int >= 1; got {value!r}")
+        if decode_window is not None and (
+            not isinstance(decode_window, int) or isinstance(decode_window, bool) or decode_window < 1
+        ):
+            raise ValueError(f"{name}: `decode_window` must be None or an int >= 1; got {decode_window!r}")
+        self.max_cache_len = max_cache_len
+        self.block_size = min(block_size, max_cache_len)
+        self.num_blocks = math.ceil(max_cache_len / self.block_size)
+        self.capacity = self.num_blocks * self.block_size
+        self.num_heads = num_heads
+        self.num_value_groups = num_value_groups
+        self.order_heads = list(order_heads)
+        self.decode_window = decode_window
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+
+    @property
+    def num_orders(self) -> int:
+        return len(self.order_heads)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether single-token steps read a window (a window covering the capacity is exact attention)."""
+        return self.decode_window is not None and self.decode_window < self.capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate from packed keys ``[B, H, N, 1 (+ D)]`` and values ``[B, G, N, Dv]``."""
+        b, h, _, width = key_states.shape
+        if h != self.num_heads or value_states.shape[1] != self.num_value_groups:
+            raise ValueError(
+                f"{type(self).__name__}: keys must have {self.num_heads} heads and values {self.num_value_groups} "
+                f"groups; got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        dev, dt, c = key_states.device, key_states.dtype, self.capacity
+        self.dtype, self.device = dt, dev
+        self.keys = torch.zeros(b, h, c, dtype=dt, device=dev)  # scalar keys (named `keys` for transformers)
+        self.values = torch.zeros(b, self.num_value_groups, c, value_states.shape[-1], dtype=value_states.dtype, device=dev)
+        self.vector_keys = torch.zeros(b, h, c, width - 1, dtype=dt, device=dev) if width > 1 else None
+        self.valid = torch.zeros(b, c, dtype=torch.bool, device=dev)
+        self.token_index = torch.full((c,), -1, dtype=torch.long, device=dev)
+        shape = (b, self.num_orders, self.num_blocks, self.block_size)
+        self.sorted_keys = torch.full(shape, _INF, dtype=dt, device=dev)
+        self.sorted_slots = torch.zeros(shape, dtype=torch.long, device=dev)
+        self.order_head = torch.tensor(self.order_heads, dtype=torch.long, device=dev)
+        self.cumulative_length = self.cumulative_length.to(dev)
+        if not _compiling():
+            for t in (self.keys, self.values, self.vector_keys, self.valid, self.token_index, self.sorted_keys,
+                      self.sorted_slots, self.cumulative_length):  # fmt: skip
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    # -- insert ----------------------------------------------------------------------------------------------------
+    def _resort_blocks(self, blocks: torch.Tensor) -> None:
+        """Sort the order keys of the given blocks (``[nb]`` int64) again and write them into the search structure."""
+        t = self.block_size
+        b = self.keys.shape[0]
+        slots = (blocks.view(-1, 1) * t + torch.arange(t, device=self.device)).view(-1)  # [nb * T]
+        keys = self.keys.index_select(2, slots)[:, self.order_head]  # [B, O, nb * T]
+        ok = self.valid.index_select(1, slots).unsqueeze(1)
+        keys = keys.masked_fill(~ok, _INF).view(b, self.num_orders, -1, t)
+        sorted_keys, idx = torch.sort(keys, dim=-1, stable=True)
+        self.sorted_keys.index_copy_(2, blocks, sorted_keys)
+        self.sorted_slots.index_copy_(2, blocks, idx + (blocks * t).view(1, 1, -1, 1))
+
+    def append(self, scalar_keys, values, vector_keys=None, valid=None) -> None:
+        """Write ``N`` new tokens (``scalar_keys [B, H, N]``, ``values [B, G, N, Dv]``, ``vector_keys [B, H, N, D]``,
+        ``valid [B, N]``) at the next slots and re-sort the blocks they fall in."""
+        b, _, n = scalar_keys.shape
+        if not self.is_initialized:
+            packed = scalar_keys.unsqueeze(-1)
+            if vector_keys is not None:
+                packed = torch.cat([packed, vector_keys], dim=-1)
+            self.lazy_initialization(packed, values)
+        if n > 1 and not _compiling():
+            past = int(self.cumulative_length)
+            if past + n > self.capacity:
+                raise ValueError(
+                    f"static sorted cache: {past} cached + {n} new tokens exceed its capacity {self.capacity}; build "
+                    "the cache with a larger `max_cache_len`"
+                )
+        if valid is None:
+            valid = torch.ones(b, n, dtype=torch.bool, device=self.device)
+        positions = torch.arange(n, device=self.device) + self.cumulative_length
+        self.keys.index_copy_(2, positions, scalar_keys)
+        self.values.index_copy_(2, positions, values)
+        if self.vector_keys is not None:
+            self.vector_keys.index_copy_(2, positions, vector_keys)
+        self.valid.index_copy_(1, positions, valid.to(torch.bool).expand(b, n))
+        self.token_index.index_copy_(0, positions, positions)
+        self.cumulative_length.add_(n)
+        if n == 1:
+            blocks = positions // self.block_size
+        else:  # eager: the blocks the step touched, once each
+            first, last = int(positions[0]) // self.block_size, int(positions[-1]) // self.block_size
+            blocks = torch.arange(first, last + 1, device=self.device)
+        self._resort_blocks(blocks)
+
+    # -- read ------------------------------------------------------------------------------------------------------
+    def sequence_view(self, num_tokens: int):
+        """``(scalar_keys [B, H, S], values [B, G, S, Dv], vector_keys [B, H, S, D] | None, valid [B, S])`` of the
+        first ``num_tokens`` slots (sequence order), for exact multi-token steps."""
+        vk = self.vector_keys[:, :, :num_tokens] if self.vector_keys is not None else None
+        return self.keys[:, :, :num_tokens], self.values[:, :, :num_tokens], vk, self.valid[:, :num_tokens]
+
+    def full_view(self):
+        """Every slot: ``(scalar_keys, values, vector_keys, valid)`` over the whole capacity (a single-token step)."""
+        return self.keys, self.values, self.vector_keys, self.valid
+
+    def attend(self, qs, tau, *, q=None, scale=None, prefix_ks=None, prefix_v=None, prefix_k=None) -> torch.Tensor:
+        """The windowed single-token step (``qs [B, H, 1]``): :func:`blocked_window_candidates`, then the window
+        attention of :func:`hf_rbf.sorted_decode.sorted_window_attention` over the by-slot buffers."""
+        candidates = blocked_window_candidates(self.sorted_keys, self.sorted_slots, qs, self.decode_window)
+        b = self.keys.shape[0]
+        state = SortedCacheState(
+            scalar_keys=self.keys,
+            values=self.values,
+            vector_keys=self.vector_keys,
+            log_weight=None,
+            valid=self.valid,
+            token_index=self.token_index.expand(b, -1),
+            sorted_keys=self.sorted_keys.flatten(2),
+            sorted_slots=self.sorted_slots.flatten(2),
+            sorted_count=None,
+            order_head=self.order_head,
+            num_slots=self.capacity,
+        )
+        return sorted_window_attention(
+            state,
+            qs,
+            tau,
+            window=self.decode_window,
+            query_token_index=self.cumulative_length.view(1) - 1,
+            q=q,
+            scale=scale,
+            prefix_ks=prefix_ks,
+            prefix_v=prefix_v,
+            prefix_k=prefix_k,
+            candidates=candidates,
+        )
+
+    # -- transformers' CacheLayerMixin API ---------------------------------------------------------------------------
+    def update(self, key_states, value_states, cache_kwargs: dict | None = None, *args, **kwargs):
+        """Append packed keys ``[B, H, N, 1 (+ D)]`` (scalar key first) and values ``[B, G, N, Dv]``; returns the
+        packed keys and values of every slot (see :meth:`full_view` for validity)."""
+        vk = key_states[..., 1:] if key_states.shape[-1] > 1 else None
+        self.append(key_states[..., 0], value_states, vk, valid=(cache_kwargs or {}).get("valid"))
+        packed = self.keys.unsqueeze(-1)
+        if self.vector_keys is not None:
+            packed = torch.cat([packed, self.vector_keys], dim=-1)
+        return packed, self.values
+
+    def get_seq_length(self):
+        if not self.is_initialized:
+            return 0
+        return self.cumulative_length if _compiling() else int(self.cumulative_length)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def _row_tensors(self) -> list[str]:
+        return ["keys", "values", "vector_keys", "valid", "sorted_keys", "sorted_slots"]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            for name in self._row_tensors():
+                t = getattr(self, name)
+                if t is not None:
+                    t.copy_(t.index_select(0, beam_idx.to(self.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            for name in self._row_tensors():
+                t = getattr(self, name)
+                if t is not None:
+                    setattr(self, name, t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            for name in self._row_tensors():
+                t = getattr(self, name)
+                if t is not None:
+                    setattr(self, name, t[indices].contiguous())
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            for name in ("keys", "values", "valid"):
+                getattr(self, name).zero_()
+            if self.vector_keys is not None:
+                self.vector_keys.zero_()
+            self.token_index.fill_(-1)
+            self.sorted_keys.fill_(_INF)
+            self.sorted_slots.zero_()
+            self.cumulative_length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "StaticSortedLayer cannot be cropped (assisted / prompt-lookup decoding): use the dynamic SortedScalarCache"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"StaticSortedLayer(capacity={self.capacity}, block_size={self.block_size}, heads={self.num_heads}, "
+            f"groups={self.num_value_groups}, window={self.decode_window})"
+        )
+
+
+__all__ = ["StaticSortedLayer", "blocked_window_candidates"]
