@@ -109,7 +109,9 @@ class GkaConfig(DecoderConfig):
                     f"{name}: `gka_approximation={gka_approximation!r}` has one plain-PyTorch implementation; "
                     f"`attention_backend` must be 'auto' or 'naive'; got {self.attention_backend!r}"
                 )
-            windowed = [i for i in range(self.num_hidden_layers) if self.layer_kind(i) == "gka" and self.layer_window(i)]
+            windowed = [
+                i for i in range(self.num_hidden_layers) if self.layer_kind(i) == "gka" and self.layer_window(i)
+            ]
             if windowed:
                 raise ValueError(
                     f"{name}: `gka_approximation={gka_approximation!r}` cannot serve sliding windows, but the 'gka' "

@@ -16,7 +16,10 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .attention_gka import gka_attention
-from .attention_gka_approx import gaussian_orthogonal_projection, gka_attention_random_features
+from .attention_gka_approx import (
+    gaussian_orthogonal_projection,
+    gka_attention_random_features,
+)
 from .configuration_gka import GkaConfig
 from .modeling_decoder import (
     DecoderAttention,

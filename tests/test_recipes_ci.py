@@ -82,7 +82,7 @@ def test_the_contract_marker_covers_the_transformers_facing_tests():
         "test_model_training.py", "test_model_conformance.py", "test_model_attentions.py",
         "test_scalar_sort_generate.py", "test_scalar_sort_cache.py", "test_scalar_sort_hf.py",
         "test_recipes_pretrain.py", "test_attention_interface.py", "test_recipes_convert.py",
-        "test_model_static_cache.py",
+        "test_model_static_cache.py", "test_seed_qk_norm_registers.py", "test_seed_gka_variants.py",
     }  # fmt: skip
     for name in sorted(expected):
         text = Path(REPO, "tests", name).read_text(encoding="utf-8")

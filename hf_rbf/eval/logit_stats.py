@@ -13,7 +13,7 @@ compute after dropping row constants), plus the key log-weights when the forward
 * ``"scalar"``: ``-(qs_i - ks_j)^2 / tau``; ``"hybrid"``: ``scale * q.k - (qs_i - ks_j)^2 / tau``.
 
 How: inside the ``with`` block of :class:`record_attention_logits` the attention function each layer calls (looked
-up in the globals of the layer's ``forward``, so remote-code models work too) is wrapped by a recorder that
+up in the modules of the layer's class and its bases, so remote-code models work too) is wrapped by a recorder that
 computes the logits from the call's own arguments, then calls the original.  Outside the block nothing is wrapped:
 training pays nothing.  The register rows' own call (registers attending to registers) counts as part of its layer.
 The recorder materialises ``[B, H, Nq, Nk]`` logits per call: use evaluation-sized batches.
@@ -29,12 +29,17 @@ import argparse
 import inspect
 import json
 import math
+import sys
 
 import torch
 
 from ..attention_scalar import scalar_scores
-from ..attention_utils import allowed_mask, normalize_mask_args, per_head_param, per_query_param
-
+from ..attention_utils import (
+    allowed_mask,
+    normalize_mask_args,
+    per_head_param,
+    per_query_param,
+)
 
 # the attention function each layer kind calls, by the name it has in the layer's module
 KIND_FUNCTIONS = {
@@ -78,17 +83,21 @@ def call_logits(name: str, args: dict) -> tuple[torch.Tensor, torch.Tensor]:
     elif name == "rbf_attention":
         q, k = args["q"].to(ct), args["k"].to(ct)
         gamma = args.get("gamma")
-        gamma = per_head_param(name, "gamma", 1.0 / math.sqrt(q.shape[-1]) if gamma is None else gamma, q.shape[1],
-                               q.device)
-        dist = (q.square().sum(-1, keepdim=True) + k.square().sum(-1).unsqueeze(-2) - 2.0 * q @ k.transpose(-1, -2))
+        gamma = per_head_param(
+            name, "gamma", 1.0 / math.sqrt(q.shape[-1]) if gamma is None else gamma, q.shape[1], q.device
+        )
+        dist = q.square().sum(-1, keepdim=True) + k.square().sum(-1).unsqueeze(-2) - 2.0 * q @ k.transpose(-1, -2)
         logits = -_head_view(gamma, ct) * dist.clamp_min(0.0)
     elif name in ("gka_attention", "gka_attention_random_features"):
         k = args["x"].to(ct)
         q = k if args.get("query") is None else args["query"].to(ct)
         log_sigma = per_head_param(name, "log_sigma", args["log_sigma"], k.shape[1], k.device, positive=False)
-        inv_two_var = 0.5 * math.exp(-2.0 * log_sigma) if isinstance(log_sigma, float) else (
-            0.5 * torch.exp(-2.0 * log_sigma.to(ct)).view(1, -1, 1, 1))
-        dist = (q.square().sum(-1, keepdim=True) + k.square().sum(-1).unsqueeze(-2) - 2.0 * q @ k.transpose(-1, -2))
+        inv_two_var = (
+            0.5 * math.exp(-2.0 * log_sigma)
+            if isinstance(log_sigma, float)
+            else (0.5 * torch.exp(-2.0 * log_sigma.to(ct)).view(1, -1, 1, 1))
+        )
+        dist = q.square().sum(-1, keepdim=True) + k.square().sum(-1).unsqueeze(-2) - 2.0 * q @ k.transpose(-1, -2)
         logits = -inv_two_var * dist.clamp_min(0.0)
     elif name in ("scalar_attention", "hybrid_attention"):
         qs, ks = args["qs"], args["ks"]
@@ -120,7 +129,9 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         )
     unknown = sorted({m.kind for m in found} - set(KIND_FUNCTIONS))
     if unknown:
-        raise ValueError(f"logit_stats: layer kinds {unknown} have no logit definition; known: {sorted(KIND_FUNCTIONS)}")
+        raise ValueError(
+            f"logit_stats: layer kinds {unknown} have no logit definition; known: {sorted(KIND_FUNCTIONS)}"
+        )
     return sorted(found, key=lambda m: m.layer_idx)
 
 
@@ -163,10 +174,13 @@ class record_attention_logits:
     def __enter__(self):
         namespaces = {}
         for module in self.modules:
-            namespace = type(module).forward.__globals__
-            for fname in KIND_FUNCTIONS[module.kind]:
-                if fname in namespace:
-                    namespaces.setdefault((id(namespace), fname), (namespace, fname))
+            # the modules of the class and its bases: a kind's forward may live in a base class's module and call
+            # a helper of the subclass's module (hybrid-sort layers)
+            for cls in type(module).__mro__:
+                namespace = vars(sys.modules[cls.__module__])
+                for fname in KIND_FUNCTIONS[module.kind]:
+                    if callable(namespace.get(fname)):
+                        namespaces.setdefault((id(namespace), fname), (namespace, fname))
         for namespace, fname in namespaces.values():
             original = namespace[fname]
             self._patches.append((namespace, fname, original))
