@@ -56,7 +56,7 @@ def _patch_layout(fn, height, width, patch_h, patch_w, colatitude_range, longitu
     if not (0.0 <= top < bottom <= math.pi):
         raise ValueError(f"{fn}: `colatitude_range` must satisfy 0 <= top < bottom <= pi; got {colatitude_range!r}")
     if isinstance(longitude_span, bool) or not isinstance(longitude_span, (int, float)):
-        raise ValueError(f"{fn}: `longitude_span` must be a float in (0, 2 pi]; got {longitude_span!r}")
+        raise TypeError(f"{fn}: `longitude_span` must be a float in (0, 2 pi]; got {longitude_span!r}")
     if not (0.0 < longitude_span <= 2.0 * math.pi + 1e-12):
         raise ValueError(f"{fn}: `longitude_span` must be a float in (0, 2 pi]; got {longitude_span!r}")
     n_rows, n_cols = height // patch_h, width // patch_w
@@ -87,7 +87,7 @@ def equirect_patch_solid_angles(
     A full frame's patches sum to ``4 pi``.
     """
     fn = "equirect_patch_solid_angles"
-    n_rows, n_cols, edges, dphi = _patch_layout(fn, height, width, patch_h, patch_w, colatitude_range, longitude_span)
+    _, n_cols, edges, dphi = _patch_layout(fn, height, width, patch_h, patch_w, colatitude_range, longitude_span)
     band = dphi * (torch.cos(edges[:-1]) - torch.cos(edges[1:]))  # [n_rows]: the sin-band integral
     return band.repeat_interleave(n_cols).to(dtype=dtype, device=device)
 

@@ -38,7 +38,6 @@ import torch
 
 from .geometry_measure import DEFAULT_LOG_EPS, log_weights_from_measure
 
-
 VERTEX_AREA_SCHEMES = ("barycentric", "mixed_voronoi")
 GRAPH_WEIGHTINGS = ("degree", "inverse_degree")
 DEGREE_DIRECTIONS = ("both", "source", "target")
@@ -62,12 +61,17 @@ def _check_mesh(fn: str, vertices, faces) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(faces, torch.Tensor) or faces.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}: `faces` must be an integer tensor [F, 3] of vertex indices")
     if faces.dim() != 2 or faces.shape[1] != 3 or faces.shape[0] < 1:
-        raise ValueError(f"{fn}: `faces` must have shape [F, 3] with F >= 1 (shared by the batch); got {tuple(faces.shape)}")
+        raise ValueError(
+            f"{fn}: `faces` must have shape [F, 3] with F >= 1 (shared by the batch); got {tuple(faces.shape)}"
+        )
     if faces.device != vertices.device:
         raise ValueError(f"{fn}: `faces` is on {faces.device}; `vertices` is on {vertices.device}")
     num_vertices = vertices.shape[-2]
     if int(faces.min()) < 0 or int(faces.max()) >= num_vertices:
-        raise ValueError(f"{fn}: `faces` must index vertices in [0, {num_vertices - 1}]; got [{int(faces.min())}, {int(faces.max())}]")
+        raise ValueError(
+            f"{fn}: `faces` must index vertices in [0, {num_vertices - 1}]; "
+            f"got [{int(faces.min())}, {int(faces.max())}]"
+        )
     f = faces.long()
     if bool(((f[:, 0] == f[:, 1]) | (f[:, 1] == f[:, 2]) | (f[:, 0] == f[:, 2])).any()):
         raise ValueError(f"{fn}: every face in `faces` needs three distinct vertices")
@@ -205,7 +209,10 @@ def graph_node_degree(
         if not isinstance(edge_weight, torch.Tensor) or not edge_weight.is_floating_point():
             raise TypeError(f"{fn}: `edge_weight` must be a floating-point tensor [E] or [B, E]")
         if edge_weight.dim() not in (1, 2) or edge_weight.shape[-1] != num_edges:
-            raise ValueError(f"{fn}: `edge_weight` must have shape [E] or [B, E] with E = {num_edges}; got {tuple(edge_weight.shape)}")
+            raise ValueError(
+                f"{fn}: `edge_weight` must have shape [E] or [B, E] with E = {num_edges}; "
+                f"got {tuple(edge_weight.shape)}"
+            )
         if edge_weight.device != edge_index.device:
             raise ValueError(f"{fn}: `edge_weight` is on {edge_weight.device}; `edge_index` is on {edge_index.device}")
         if not bool(torch.isfinite(edge_weight).all()) or bool((edge_weight < 0).any()):

@@ -38,7 +38,6 @@ import torch
 
 from .geometry_measure import DEFAULT_LOG_EPS, log_weights_from_measure
 
-
 GRID_POINTS = ("centers", "corners")
 
 
@@ -123,7 +122,9 @@ def warp_patch_areas(
             got = tuple(mapped.shape) if isinstance(mapped, torch.Tensor) else type(mapped)
             raise ValueError(f"{fn}: `warp` must return points of the input's shape {tuple(points.shape)}; got {got}")
         if not mapped.requires_grad:
-            raise ValueError(f"{fn}: `warp`'s output does not depend differentiably on its input (autograd sees no graph)")
+            raise ValueError(
+                f"{fn}: `warp`'s output does not depend differentiably on its input (autograd sees no graph)"
+            )
         # the warp is point by point, so the gradient of sum_m T_c(u_m) with respect to u_m is row c of J_T(u_m)
         grad_x = torch.autograd.grad(mapped[:, 0].sum(), points, retain_graph=True)[0]
         grad_y = torch.autograd.grad(mapped[:, 1].sum(), points)[0]
@@ -225,4 +226,6 @@ def grid_key_log_weights(
     """``key_log_weights`` for the patches of an image resampled on ``grid``: ``[1, N]``, ``[batch_size, N]`` or
     ``[B, N]`` for a batched grid.  See :func:`grid_patch_areas` and
     :func:`hf_rbf.geometry_measure.log_weights_from_measure`."""
-    return log_weights_from_measure(grid_patch_areas(grid, patch_h, patch_w, points=points), eps=eps, batch_size=batch_size)
+    return log_weights_from_measure(
+        grid_patch_areas(grid, patch_h, patch_w, points=points), eps=eps, batch_size=batch_size
+    )

@@ -31,10 +31,10 @@ Token sets, at resolution ``n`` (``n x n`` tokens, or ``(n + 1)^2`` mesh vertice
   uniform ``u``-grid jittered by up to a quarter cell and mapped through ``T`` (graded: fine near the centre),
   cells split along alternating diagonals; weights :func:`hf_rbf.geometry_mesh.mesh_key_log_weights`.
 * ``graph_inverse_degree``: the same jittered, warped points without triangles, as an epsilon-ball graph
-  (radius ``6 / n``, about 1.3 to 4 times the spacing): weights :func:`hf_rbf.geometry_mesh.graph_key_log_weights` with
-  ``weighting="inverse_degree"`` (a ball-count density estimate; biased by a factor up to 2-4 within ``eps`` of the
-  boundary, where the ball is cut off, so it converges at first order only and, up to ``n = 32``, is worse than no
-  weights at all: not in the default table, ``--domains`` adds it).
+  (radius ``6 / n``, 1.3 to 4 times the spacing): weights :func:`hf_rbf.geometry_mesh.graph_key_log_weights` with
+  ``weighting="inverse_degree"`` (a ball-count density estimate; biased by a factor up to 2-4 within one radius of
+  the boundary, where the ball is cut off, so it converges at first order only and, up to ``n = 32``, is no better
+  than no weights at all: not in the default table, ``--domains`` adds it).
 
 Usage (writes geometry_convergence.csv / .md / .json / .png into --out-dir)::
 
@@ -58,7 +58,6 @@ import torch
 from hf_rbf import gka_attention, rbf_attention
 from hf_rbf.geometry_mesh import graph_key_log_weights, mesh_key_log_weights
 from hf_rbf.geometry_warp import grid_key_log_weights, warp_key_log_weights
-
 
 WARP_A0, WARP_A1, WARP_B = 1.6, 0.6, 1.6
 GRAPH_RADIUS = 6.0  # the ball radius times n: covers the coarsest spacing (corners, 2.25 * 2 / n)
@@ -167,7 +166,7 @@ def make_tokens(domain: str, n: int):
         return warped_image_tokens(n, "grid")
     if domain in ("mesh_barycentric", "mesh_mixed_voronoi"):
         vertices = jittered_warped_vertices(n)
-        scheme = domain[len("mesh_"):]
+        scheme = domain[len("mesh_") :]
         return vertices, mesh_key_log_weights(vertices, grid_triangles(n), scheme=scheme)
     if domain == "graph_inverse_degree":
         points = jittered_warped_vertices(n)
@@ -276,12 +275,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default="outputs/geometry_convergence")
     ap.add_argument("--resolutions", default="8,16,32,64,128", help="comma-separated n (n x n tokens)")
-    ap.add_argument("--domains", default=",".join(DEFAULT_DOMAINS), help=f"comma-separated subset of {','.join(DOMAINS)}")
+    ap.add_argument(
+        "--domains", default=",".join(DEFAULT_DOMAINS), help=f"comma-separated subset of {','.join(DOMAINS)}"
+    )
     ap.add_argument("--gamma", type=float, default=2.0, help="rbf kernel exp(-gamma |x-y|^2)")
     ap.add_argument("--gka-sigma", type=float, default=0.5, help="GKA bandwidth sigma")
     ap.add_argument("--num-queries", type=int, default=128)
     ap.add_argument(
-        "--doc", default=None, help="also rewrite the <!-- geometry_convergence:start/end --> block of this markdown file"
+        "--doc",
+        default=None,
+        help="also rewrite the <!-- geometry_convergence:start/end --> block of this markdown file",
     )
     args = ap.parse_args(argv)
     domains = [d for d in args.domains.split(",") if d]
@@ -312,7 +315,9 @@ def main(argv=None):
     if args.doc:
         with open(args.doc) as f:
             doc = f.read()
-        pattern = re.compile(r"(<!-- geometry_convergence:start -->\n).*?(<!-- geometry_convergence:end -->)", re.S)
+        pattern = re.compile(
+            r"(<!-- geometry_convergence:start -->\n).*?(<!-- geometry_convergence:end -->)", re.DOTALL
+        )
         if not pattern.search(doc):
             raise SystemExit(f"{args.doc} has no <!-- geometry_convergence:start --> ... :end --> block")
         given = argv if argv is not None else sys.argv[1:]
@@ -325,9 +330,7 @@ def main(argv=None):
         w.writeheader()
         w.writerows(rows)
     with open(os.path.join(args.out_dir, "geometry_convergence.json"), "w") as f:
-        json.dump(
-            {"gamma": args.gamma, "gka_sigma": args.gka_sigma, "target_check": check, "rows": rows}, f, indent=1
-        )
+        json.dump({"gamma": args.gamma, "gka_sigma": args.gka_sigma, "target_check": check, "rows": rows}, f, indent=1)
     plot(rows, os.path.join(args.out_dir, "geometry_convergence.png"), args.gamma, args.gka_sigma)
     print(f"wrote {args.out_dir}/geometry_convergence.{{md,csv,json,png}} in {time.time() - t0:.1f}s")
 

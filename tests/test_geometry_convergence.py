@@ -59,17 +59,34 @@ def test_main_writes_table_plot_and_doc_block(tmp_path):
     doc = tmp_path / "geometry.md"
     doc.write_text("before\n<!-- geometry_convergence:start -->\nold\n<!-- geometry_convergence:end -->\nafter\n")
     out = tmp_path / "out"
-    demo.main(["--out-dir", str(out), "--resolutions", "4,8", "--domains", "warp_grid,mesh_barycentric",
-               "--num-queries", "8", "--doc", str(doc)])
+    demo.main(
+        [
+            "--out-dir",
+            str(out),
+            "--resolutions",
+            "4,8",
+            "--domains",
+            "warp_grid,mesh_barycentric",
+            "--num-queries",
+            "8",
+            "--doc",
+            str(doc),
+        ]
+    )
     for ext in ("md", "csv", "json", "png"):
         assert (out / f"geometry_convergence.{ext}").stat().st_size > 0
     data = json.loads((out / "geometry_convergence.json").read_text())
     assert [(r["domain"], r["n"]) for r in data["rows"]] == [
-        ("warp_grid", 4), ("warp_grid", 8), ("mesh_barycentric", 4), ("mesh_barycentric", 8)
+        ("warp_grid", 4),
+        ("warp_grid", 8),
+        ("mesh_barycentric", 4),
+        ("mesh_barycentric", 8),
     ]
     assert all(math.isfinite(r["rbf_weighted_max_err"]) for r in data["rows"])
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
-    assert "| warp_grid | 8 | 64 |" in text and "Made by `PYTHONPATH=$PWD python recipes/geometry_convergence.py" in text
+    assert (
+        "| warp_grid | 8 | 64 |" in text and "Made by `PYTHONPATH=$PWD python recipes/geometry_convergence.py" in text
+    )
     with pytest.raises(SystemExit):
         demo.main(["--out-dir", str(out), "--domains", "sphere"])

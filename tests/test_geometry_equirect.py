@@ -24,7 +24,6 @@ from hf_rbf.geometry_equirect import (
 from hf_rbf.geometry_sphere import equiangular_grid
 from recipes import sphere_convergence as sphere  # the module, not its names: pytest would collect test_function
 
-
 GAMMA = 2.0
 PI = math.pi
 
@@ -64,8 +63,11 @@ def test_matches_the_equiangular_sphere_grid():
     # geometry_sphere puts longitude 0 on the first column's point, the frame on the left edge: half a column apart
     shift = torch.tensor(2 * PI / 16 / 2, dtype=torch.float64)
     rot = torch.stack(
-        (torch.stack((shift.cos(), -shift.sin(), shift * 0)), torch.stack((shift.sin(), shift.cos(), shift * 0)),
-         torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64))
+        (
+            torch.stack((shift.cos(), -shift.sin(), shift * 0)),
+            torch.stack((shift.sin(), shift.cos(), shift * 0)),
+            torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64),
+        )
     )
     torch.testing.assert_close(centres, grid.points @ rot.T)
     torch.testing.assert_close(centres.norm(dim=-1), torch.ones(128, dtype=torch.float64))
@@ -134,7 +136,9 @@ def test_weighted_attention_over_equirect_patches_converges():
         klw = equirect_key_log_weights(height, 2 * height, 2, 2, dtype=torch.float64)
         values = sphere.test_function(centres)[None, None, :, None]
         for errs, weights in ((weighted, klw), (unweighted, None)):
-            out = rbf_attention(qt[None, None], centres[None, None], values, gamma=GAMMA, causal=False, key_log_weights=weights)
+            out = rbf_attention(
+                qt[None, None], centres[None, None], values, gamma=GAMMA, causal=False, key_log_weights=weights
+            )
             errs.append(float(np.abs(out[0, 0, :, 0].numpy() - exact).max()))
     weighted, unweighted = np.array(weighted), np.array(unweighted)
     assert (weighted[1:] < weighted[:-1] / 3).all() and weighted[-1] < 1e-3, weighted  # midpoint rule: O(h^2)
@@ -172,15 +176,24 @@ def test_video_with_uneven_frame_times_converges_over_sphere_and_time():
         keys = torch.cat(
             (centres.repeat(frames, 1), TIME_SCALE * torch.as_tensor(times).repeat_interleave(num)[:, None]), -1
         )
-        values = sphere.test_function(centres).repeat(frames) * torch.as_tensor(_time_function(times)).repeat_interleave(num)
+        values = sphere.test_function(centres).repeat(frames) * torch.as_tensor(
+            _time_function(times)
+        ).repeat_interleave(num)
         weights = {
-            "space_time": equirect_key_log_weights(height, 2 * height, 2, 2, frame_durations=durations, dtype=torch.float64),
+            "space_time": equirect_key_log_weights(
+                height, 2 * height, 2, 2, frame_durations=durations, dtype=torch.float64
+            ),
             "space_only": equirect_key_log_weights(height, 2 * height, 2, 2, num_frames=frames, dtype=torch.float64),
             "none": None,
         }
         for name, klw in weights.items():
             out = rbf_attention(
-                qt[None, None], keys[None, None], values[None, None, :, None], gamma=GAMMA, causal=False, key_log_weights=klw
+                qt[None, None],
+                keys[None, None],
+                values[None, None, :, None],
+                gamma=GAMMA,
+                causal=False,
+                key_log_weights=klw,
             )
             errors[name].append(float(np.abs(out[0, 0, :, 0].numpy() - exact).max()))
     full, space_only, none = (np.array(errors[k]) for k in ("space_time", "space_only", "none"))

@@ -25,7 +25,6 @@ from hf_rbf.geometry_mesh import (
 )
 from recipes import sphere_convergence as sphere  # the module, not its names: pytest would collect test_function
 
-
 GAMMA = 2.0
 SQUARE = torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0]], dtype=torch.float64)
 SQUARE_FACES = torch.tensor([[0, 1, 2], [0, 2, 3]])
@@ -62,7 +61,9 @@ def test_unit_square_split_in_two_triangles():
     torch.testing.assert_close(triangle_areas(SQUARE, SQUARE_FACES), torch.tensor([0.5, 0.5], dtype=torch.float64))
     # barycentric: a third of each triangle; corners 0 and 2 touch both triangles
     bary = mesh_vertex_areas(SQUARE, SQUARE_FACES)
-    torch.testing.assert_close(bary, torch.tensor([1 / 3, 1 / 6, 1 / 3, 1 / 6], dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        bary, torch.tensor([1 / 3, 1 / 6, 1 / 3, 1 / 6], dtype=torch.float64), rtol=0, atol=1e-15
+    )
     # mixed Voronoi: right isosceles triangles, circumcentre at the square's centre -> four quarter squares
     voronoi = mesh_vertex_areas(SQUARE, SQUARE_FACES, scheme="mixed_voronoi")
     torch.testing.assert_close(voronoi, torch.full((4,), 0.25, dtype=torch.float64), rtol=0, atol=1e-15)
@@ -173,7 +174,9 @@ def test_vertex_areas_tile_the_mesh(scheme):
     # a vertex no face uses gets 0, i.e. log(eps) after the log
     extra = torch.cat((v, torch.tensor([[5.0, 5.0]], dtype=torch.float64)))
     assert float(mesh_vertex_areas(extra, f, scheme=scheme)[-1]) == 0.0
-    assert float(mesh_key_log_weights(extra, f, scheme=scheme, eps=1e-9)[0, -1]) == pytest.approx(math.log(1e-9), abs=1e-3)
+    assert float(mesh_key_log_weights(extra, f, scheme=scheme, eps=1e-9)[0, -1]) == pytest.approx(
+        math.log(1e-9), abs=1e-3
+    )
 
 
 def test_mesh_weights_multiply_the_kernel_in_rbf_attention():
@@ -181,7 +184,11 @@ def test_mesh_weights_multiply_the_kernel_in_rbf_attention():
     q = torch.as_tensor(sphere.query_points(6))
     values = sphere.test_function(v)
     out = rbf_attention(
-        q[None, None], v[None, None], values[None, None, :, None], gamma=GAMMA, causal=False,
+        q[None, None],
+        v[None, None],
+        values[None, None, :, None],
+        gamma=GAMMA,
+        causal=False,
         key_log_weights=mesh_key_log_weights(v, f, eps=0.0),
     )[0, 0, :, 0]
     k = torch.exp(-GAMMA * torch.cdist(q, v) ** 2) * mesh_vertex_areas(v, f)
@@ -202,8 +209,12 @@ def _sphere_errors(make, resolutions):
         points, klw = make(n)
         for errs, weights in ((weighted, klw), (unweighted, None)):
             out = rbf_attention(
-                qt[None, None], points[None, None], sphere.test_function(points)[None, None, :, None], gamma=GAMMA,
-                causal=False, key_log_weights=weights,
+                qt[None, None],
+                points[None, None],
+                sphere.test_function(points)[None, None, :, None],
+                gamma=GAMMA,
+                causal=False,
+                key_log_weights=weights,
             )
             errs.append(float(np.abs(out[0, 0, :, 0].numpy() - exact).max()))
     return np.array(weighted), np.array(unweighted)
@@ -258,7 +269,9 @@ def test_graph_degree_by_hand():
     torch.testing.assert_close(graph_node_degree(e, 4, direction="source"), torch.tensor([2.0, 1.0, 0.0, 0.0]))
     torch.testing.assert_close(graph_node_degree(e, 4, direction="target"), torch.tensor([0.0, 1.0, 2.0, 0.0]))
     w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
-    torch.testing.assert_close(graph_node_degree(e, 4, edge_weight=w), torch.tensor([3.0, 4.0, 5.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        graph_node_degree(e, 4, edge_weight=w), torch.tensor([3.0, 4.0, 5.0, 0.0], dtype=torch.float64)
+    )
     batch = graph_node_degree(e, 4, edge_weight=torch.stack((w, 2 * w)))
     assert batch.shape == (2, 4)
     torch.testing.assert_close(batch[1], 2 * batch[0])
@@ -267,7 +280,9 @@ def test_graph_degree_by_hand():
     torch.testing.assert_close(graph_node_degree(sym, 4, direction="source"), graph_node_degree(e, 4))
     # a self-loop: once per endpoint it is added to
     loop = torch.tensor([[3], [3]])
-    assert float(graph_node_degree(loop, 4)[3]) == 2.0 and float(graph_node_degree(loop, 4, direction="source")[3]) == 1.0
+    assert (
+        float(graph_node_degree(loop, 4)[3]) == 2.0 and float(graph_node_degree(loop, 4, direction="source")[3]) == 1.0
+    )
 
 
 def test_graph_key_log_weights_by_hand():

@@ -16,7 +16,6 @@ from hf_rbf import rbf_attention
 from hf_rbf.geometry_warp import grid_key_log_weights, grid_patch_areas, warp_key_log_weights, warp_patch_areas
 from recipes.geometry_convergence import fisheye_warp
 
-
 A = torch.tensor([[2.0, 1.0], [0.5, 3.0]], dtype=torch.float64)  # det 5.5
 OFFSET = torch.tensor([0.3, -7.0], dtype=torch.float64)
 
@@ -29,7 +28,10 @@ def pixel_grid(height, width, corners=False, extent=(-1.0, 1.0, -1.0, 1.0)):
     """Pixel centres ``[H, W, 2]`` (or corners ``[H + 1, W + 1, 2]``) of an image spanning ``extent``, float64."""
     x0, x1, y0, y1 = extent
     if corners:
-        xs, ys = torch.linspace(x0, x1, width + 1, dtype=torch.float64), torch.linspace(y0, y1, height + 1, dtype=torch.float64)
+        xs, ys = (
+            torch.linspace(x0, x1, width + 1, dtype=torch.float64),
+            torch.linspace(y0, y1, height + 1, dtype=torch.float64),
+        )
     else:
         xs = x0 + (torch.arange(width, dtype=torch.float64) + 0.5) * (x1 - x0) / width
         ys = y0 + (torch.arange(height, dtype=torch.float64) + 0.5) * (y1 - y0) / height
@@ -48,13 +50,15 @@ def test_linear_warp_has_its_determinant_everywhere():
     corners = linear_warp(pixel_grid(4, 6, corners=True, extent=extent))
     torch.testing.assert_close(grid_patch_areas(corners, 2, 3, points="corners"), expected, rtol=1e-14, atol=0)
     # equal areas: the weights are the plain attention's (float64 logs; float32 by default)
-    assert warp_key_log_weights(linear_warp, 4, 6, 2, 3, extent=extent, eps=0.0, dtype=torch.float64).abs().max() < 1e-15
+    assert (
+        warp_key_log_weights(linear_warp, 4, 6, 2, 3, extent=extent, eps=0.0, dtype=torch.float64).abs().max() < 1e-15
+    )
     assert grid_key_log_weights(centres, 2, 3).shape == (1, 4)
 
 
 def test_quadratic_warp_by_hand():
     """T(u, v) = (u^2, v) on [0, 1]^2, det J = 2u: column j of 4 (rows of 2) has area ((j + 1)^2 - j^2) / 16 / 2."""
-    warp = lambda p: torch.stack((p[:, 0] ** 2, p[:, 1]), -1)  # noqa: E731
+    warp = lambda p: torch.stack((p[:, 0] ** 2, p[:, 1]), -1)
     areas = warp_patch_areas(warp, 2, 4, extent=(0.0, 1.0, 0.0, 1.0), quadrature_order=1, dtype=torch.float64)
     expected = torch.tensor([1.0, 3.0, 5.0, 7.0], dtype=torch.float64).repeat(2) / 32
     torch.testing.assert_close(areas, expected, rtol=1e-14, atol=0)  # det is linear: the midpoint rule is exact
@@ -105,14 +109,15 @@ def test_warp_weights_multiply_the_kernel_in_rbf_attention():
     values = torch.cos(2 * keys[:, 0]) + keys[:, 1]
     q = torch.tensor([[0.0, 0.0], [0.9, -0.8], [-1.0, 1.0]], dtype=torch.float64)
     klw = warp_key_log_weights(fisheye_warp, n, n, eps=0.0, dtype=torch.float64)
-    out = rbf_attention(q[None, None], keys[None, None], values[None, None, :, None], gamma=gamma, causal=False,
-                        key_log_weights=klw)[0, 0, :, 0]
+    out = rbf_attention(
+        q[None, None], keys[None, None], values[None, None, :, None], gamma=gamma, causal=False, key_log_weights=klw
+    )[0, 0, :, 0]
     k = torch.exp(-gamma * torch.cdist(q, keys) ** 2) * warp_patch_areas(fisheye_warp, n, n, dtype=torch.float64)
     torch.testing.assert_close(out, (k * values).sum(-1) / k.sum(-1), rtol=1e-12, atol=1e-12)
 
 
 def test_a_folding_warp_is_rejected():
-    fold = lambda p: torch.stack((p[:, 0] ** 2, p[:, 1]), -1)  # noqa: E731  (det 2u changes sign on [-1, 1])
+    fold = lambda p: torch.stack((p[:, 0] ** 2, p[:, 1]), -1)
     with pytest.raises(ValueError, match="folds over itself"):
         warp_patch_areas(fold, 4, 4)
     with pytest.raises(ValueError, match="folds over itself"):
@@ -120,7 +125,7 @@ def test_a_folding_warp_is_rejected():
     with pytest.raises(ValueError, match="folds over itself"):
         grid_patch_areas(fold(pixel_grid(4, 4, corners=True).reshape(-1, 2)).reshape(5, 5, 2), points="corners")
     # a mirror image does not fold: the areas are |det|
-    mirror = lambda p: torch.stack((-p[:, 0], p[:, 1]), -1)  # noqa: E731
+    mirror = lambda p: torch.stack((-p[:, 0], p[:, 1]), -1)
     torch.testing.assert_close(warp_patch_areas(mirror, 2, 2, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
 
 
@@ -131,8 +136,16 @@ GRID = pixel_grid(4, 6)
     "call, error, match",
     [
         (lambda: warp_patch_areas("fisheye", 4, 4), TypeError, "`warp` must be a callable"),
-        (lambda: warp_patch_areas(fisheye_warp, 4, 6, 3, 2), ValueError, r"height \(4\) must be a multiple of `patch_h`"),
-        (lambda: warp_patch_areas(fisheye_warp, 4, 6, 2, 4), ValueError, r"width \(6\) must be a multiple of `patch_w`"),
+        (
+            lambda: warp_patch_areas(fisheye_warp, 4, 6, 3, 2),
+            ValueError,
+            r"height \(4\) must be a multiple of `patch_h`",
+        ),
+        (
+            lambda: warp_patch_areas(fisheye_warp, 4, 6, 2, 4),
+            ValueError,
+            r"width \(6\) must be a multiple of `patch_w`",
+        ),
         (lambda: warp_patch_areas(fisheye_warp, 0, 4), ValueError, "`height` must be an int >= 1"),
         (lambda: warp_patch_areas(fisheye_warp, 4, 4, quadrature_order=0), ValueError, "quadrature_order"),
         (lambda: warp_patch_areas(fisheye_warp, 4, 4, extent=(1.0, -1.0, 0.0, 1.0)), ValueError, "x_min < x_max"),
