@@ -165,3 +165,20 @@ GRID = pixel_grid(4, 6)
 def test_argument_errors(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_weights_feed_the_gka_vision_transformer():
+    """The helpers' [1, N] row-major patch weights are what GkaVitForImageClassification takes as key_log_weights."""
+    from hf_rbf import GkaVitConfig, GkaVitForImageClassification
+
+    torch.manual_seed(0)
+    model = GkaVitForImageClassification(GkaVitConfig.from_preset("mnist-tiny")).eval()  # 28 x 28, 7 x 7 patches
+    x = torch.randn(2, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    fisheye = warp_key_log_weights(fisheye_warp, 28, 28, 7, 7)
+    assert fisheye.shape == (1, model.config.num_patches)
+    flat = grid_key_log_weights(linear_warp(pixel_grid(28, 28)), 7, 7)  # equal areas: exactly the plain model
+    with torch.no_grad():
+        plain = model(pixel_values=x).logits
+        torch.testing.assert_close(model(pixel_values=x, key_log_weights=flat).logits, plain, rtol=1e-5, atol=1e-5)
+        weighted = model(pixel_values=x, key_log_weights=fisheye).logits
+    assert torch.isfinite(weighted).all() and (weighted - plain).abs().max() > 1e-4
