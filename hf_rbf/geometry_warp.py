@@ -115,8 +115,9 @@ def warp_patch_areas(
     # points [R, q_y, C, q_x, 2]
     px = xs[None, None, :, :].expand(n_rows, order, n_cols, order)
     py = ys[:, :, None, None].expand(n_rows, order, n_cols, order)
-    points = torch.stack((px, py), dim=-1).reshape(-1, 2).clone().requires_grad_(True)
-    with torch.enable_grad():
+    # autograd also under torch.no_grad() / torch.inference_mode() (e.g. inside a model's eval loop)
+    with torch.inference_mode(False), torch.enable_grad():
+        points = torch.stack((px, py), dim=-1).reshape(-1, 2).clone().requires_grad_(True)
         mapped = warp(points)
         if not isinstance(mapped, torch.Tensor) or mapped.shape != points.shape:
             got = tuple(mapped.shape) if isinstance(mapped, torch.Tensor) else type(mapped)

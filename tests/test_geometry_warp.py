@@ -100,6 +100,11 @@ def test_batched_grid_and_dtypes():
     assert grid_patch_areas(g.float()).dtype == torch.float32 and grid_patch_areas(g.float()).shape == (96,)
     assert warp_patch_areas(fisheye_warp, 4, 4).dtype == torch.float32
     assert warp_key_log_weights(fisheye_warp, 4, 4, 2, 2, batch_size=3).shape == (3, 4)
+    reference = warp_patch_areas(fisheye_warp, 4, 4)
+    with torch.no_grad():  # the Jacobian by autograd also in an evaluation loop
+        torch.testing.assert_close(warp_patch_areas(fisheye_warp, 4, 4), reference)
+    with torch.inference_mode():
+        torch.testing.assert_close(warp_patch_areas(fisheye_warp, 4, 4), reference)
 
 
 def test_warp_weights_multiply_the_kernel_in_rbf_attention():
