@@ -46,19 +46,42 @@ def test_json_round_trip(family, tmp_path):
         sink_zone=[-0.1, 0.1],
         align_loss_weight=0.1,
         num_value_groups=2,
+        scalar_sink=False,
+        align_gradient="scalar_projections",
+        spread_loss_start_step=100,
+        spread_loss_warmup_steps=50,
+        align_loss_warmup_steps=10,
+        tau_loss_start_step=7,
+        density_merge_weighting="attention",
+        density_merge_size=4,
     )
     cfg.save_pretrained(tmp_path)
     back = AutoConfig.from_pretrained(tmp_path)
     assert type(back) is type(cfg)
     for key in ("tau_mode", "tau_max", "spread_range", "decode_window", "sort_scheme", "max_cache_tokens",
                 "cache_eviction", "sink_zone", "align_loss_weight", "num_value_groups", "value_head_dim",
-                "tau_init_range", "attention_layers"):  # fmt: skip
+                "tau_init_range", "attention_layers", "scalar_sink", "align_gradient", "spread_loss_start_step",
+                "spread_loss_warmup_steps", "align_loss_warmup_steps", "tau_loss_start_step",
+                "density_merge_weighting", "density_merge_size"):  # fmt: skip
         assert getattr(back, key) == getattr(cfg, key), key
     if family == "hybrid_sort":
         assert back.head_kinds == cfg.head_kinds
+    assert back.sorted_cache_settings()["density_merge_size"] == 4
+    assert back.regularizer_weight("align", 5) == pytest.approx(0.05)
+
+
+def test_gist_option_defaults():
+    cfg = ScalarSortConfig()
+    assert cfg.align_gradient == "upstream"  # the gist's code
+    assert cfg.density_merge_weighting == "multiplicity" and cfg.density_merge_size == 2  # the earlier pair merge
+    assert not cfg.regularizer_schedule_enabled
+    assert all(
+        getattr(cfg, f"{n}_loss_{w}") == 0 for n in ("align", "spread", "tau") for w in ("start_step", "warmup_steps")
+    )
 
 
 BAD = [
+    (dict(align_gradient="none"), "align_gradient.*'upstream', 'scalar_projections'"),
     (dict(num_value_groups=3), "num_value_groups.*must divide.*num_attention_heads"),
     (dict(num_value_groups=0), "num_value_groups"),
     (dict(decode_window=0), "decode_window.*>= 1"),
