@@ -17,7 +17,8 @@ Two ways through a layer (chosen by the number of new tokens, a Python int known
 * prefill (N > 1 new tokens, eager): the tokens are written and the keys are returned *in sequence order*, sliced
   to the tokens that exist (full layers: the first ``past + N`` slots; sliding layers: the last ``window - 1``
   cached tokens, gathered in order, then the new ones), so the usual causal / window / padding masks apply as in a
-  ``DynamicCache``.  This is also the path of chunked prefill (``generate(..., prefill_chunk_size=...)``).
+  ``DynamicCache`` (the padding of cached tokens comes from the layer's slot validity, so the step's
+  ``attention_mask`` may cover the new tokens only).  This is also the path of chunked prefill (``generate(..., prefill_chunk_size=...)``).
 
 Sliding-window layers keep a ring of ``min(window, max_cache_len)`` slots (token ``t`` at slot ``t % C``); full
 layers keep ``max_cache_len`` slots.  Memory per cached token and layer: ``2 * H * head_dim * bytes`` (rbf / dot:
@@ -59,7 +60,9 @@ class StaticKeyValueLayer(CacheLayerMixin):
         self.is_ring = self.capacity < max_cache_len
         # device-side length, as transformers' StaticLayer: a tensor so a compiled step does not specialise on it
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
-        self.decode_mode = False  # whether the last update returned the whole buffer (then read `slot_mask`)
+        self.decode_mode = False  # whether the last update returned the whole buffer
+        # [B, keys returned] validity of the keys the last update returned (padding and unwritten slots False): the
+        # text-key mask of the attention call, so a forward needs no mask over the cached tokens
         self.slot_mask = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -111,16 +114,17 @@ class StaticKeyValueLayer(CacheLayerMixin):
                 "cache with a larger `max_cache_len` (generate sizes it from `max_length`)"
             )
         self.decode_mode = False
-        self.slot_mask = None
         if not self.is_ring:
             self._write(positions, positions, key_states, value_states, valid)
             self.cumulative_length.add_(n)
+            self.slot_mask = self.valid[:, : past + n]
             return self.keys[:, :, : past + n], self.values[:, :, : past + n]
         # ring: the cached tokens the new ones may see (the last capacity - 1 at most), in order, then the new ones
         keep = min(past, self.capacity - 1)
         old_slots = torch.arange(past - keep, past, device=self.device) % self.capacity
         keys = torch.cat([self.keys.index_select(2, old_slots), key_states], dim=2)
         values = torch.cat([self.values.index_select(2, old_slots), value_states], dim=2)
+        self.slot_mask = torch.cat([self.valid.index_select(1, old_slots), valid], dim=1)
         last = min(n, self.capacity)
         tail = positions[-last:]
         self._write(tail % self.capacity, tail, key_states[:, :, -last:], value_states[:, :, -last:], valid[:, -last:])
@@ -181,21 +185,59 @@ class StaticDecoderCache(Cache):
 
     Layers are built by the model (each attention module's :meth:`make_static_cache_layer`); the backbone calls
     :meth:`begin_step` with the padding flags of the step's tokens before the layers run, so every layer records which
-    of its slots are padding.
+    of its slots are padding, and the cache counts each row's real tokens (:attr:`row_tokens`): a forward over a
+    static cache may then take an ``attention_mask`` covering the new tokens only (``[B, N]``, what ``generate`` passes
+    through :meth:`~hf_rbf.DecoderForCausalLM.create_masks_for_generate`), so that a decode step has the same input
+    shapes at every length and a compiled step never recompiles.
     """
 
     def __init__(self, layers: list, max_cache_len: int):
         super().__init__(layers=list(layers))
         self.max_cache_len_value = max_cache_len
         self._step_valid = None
+        self.row_tokens = None  # [B] int64: real (non-padding) tokens cached per row
+
+    def positions(self, step_valid: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
+        """Text positions ``[B, N]`` of the step's tokens (as ``cumsum(mask) - 1`` over the whole sequence, clamped at
+        0) from the real tokens already cached and the step's padding flags."""
+        before = self.row_tokens if self.row_tokens is not None else torch.zeros(batch, dtype=torch.long, device=device)
+        if step_valid is None:
+            step = torch.arange(1, seq_len + 1, device=device).expand(batch, -1)
+        else:
+            step = step_valid.long().cumsum(-1)
+        return (before.view(-1, 1) + step - 1).clamp_min(0)
 
     @property
     def max_cache_len(self) -> int:
         return self.max_cache_len_value
 
-    def begin_step(self, step_valid: torch.Tensor | None) -> None:
+    def begin_step(self, step_valid: torch.Tensor | None, batch: int, seq_len: int, device) -> None:
         """``step_valid [B, N]`` bool (False = padding) or None (all real) for the tokens of the coming forward."""
         self._step_valid = step_valid
+        if self.row_tokens is None:
+            self.row_tokens = torch.zeros(batch, dtype=torch.long, device=device)
+            if not _compiling():
+                torch._dynamo.mark_static_address(self.row_tokens)
+        self.row_tokens.add_(seq_len if step_valid is None else step_valid.long().sum(-1))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.row_tokens is not None:
+            self.row_tokens.copy_(self.row_tokens.index_select(0, beam_idx.to(self.row_tokens.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.row_tokens is not None:
+            self.row_tokens = self.row_tokens.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.row_tokens is not None:
+            self.row_tokens = self.row_tokens[indices].contiguous()
+
+    def reset(self) -> None:
+        super().reset()
+        self.row_tokens = None
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs: dict | None = None, *args, **kwargs):
         kwargs_ = dict(cache_kwargs or {})
@@ -217,7 +259,7 @@ class StaticDecoderCache(Cache):
 def static_cache_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> list[float]:
     """Bytes one cached token takes in each layer of the static cache, per batch row, computed from the config.
 
-    rbf / dot layers: keys and values, ``2 * H * head_dim`` elements; gka: one feature, ``H * head_dim``; a full
+    rbf / dot / vlt layers: keys and values, ``2 * H * head_dim`` elements; gka: one feature, ``H * head_dim``; a full
     scalar / hybrid layer (:class:`~hf_rbf.cache_sorted_static.StaticSortedLayer`): scalar keys ``H``, values
     ``G * Dv``, vector keys ``H * head_dim`` (hybrid) and the sorted blocks (``O`` order keys and ``O`` int64 slots,
     ``O = H`` under "per_head", ``G`` under "sort_head"); a sliding scalar / hybrid layer: packed keys
@@ -230,7 +272,7 @@ def static_cache_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) ->
     result = []
     for idx in range(config.num_hidden_layers):
         kind = config.layer_kind(idx)
-        if kind in ("rbf", "dot"):
+        if kind in ("rbf", "dot", "vlt"):
             elements, extra = 2 * heads * head_dim, 0
         elif kind == "gka":
             elements, extra = heads * head_dim, 0

@@ -216,10 +216,10 @@ class DecoderAttention(nn.Module):
 
     def _key_arguments(self, num_text_keys: int, attention_mask, key_log_weights, cache=None):
         """Slice the text-key mask / log-weights to the keys the cache returned and prepend the registers.  A static
-        cache layer's decode step returns its whole buffer: its slot mask is then the text-key mask."""
+        cache layer knows the validity of the keys it returned (its whole buffer in a decode step): its slot mask."""
         r = self.num_registers
         layer = cache.layers[self.layer_idx] if isinstance(cache, StaticDecoderCache) else None
-        if layer is not None and layer.decode_mode:
+        if layer is not None:
             am = layer.slot_mask
         else:
             am = attention_mask[:, -num_text_keys:] if attention_mask is not None else None
@@ -640,7 +640,7 @@ class DecoderModel(DecoderPreTrainedModel):
             raise TypeError(
                 f"`cache` (`past_key_values`) layer {idx} is a {type(existing).__name__}, which cannot serve a {attn.kind!r} "
                 f"attention layer (it needs a {type(attn.make_cache_layer()).__name__}); pass a DynamicCache "
-                "(static and quantized caches are not supported)"
+                "(or a static cache from `model.make_static_cache`; quantized caches are not supported)"
             )
 
     def forward(
@@ -732,8 +732,11 @@ class DecoderModel(DecoderPreTrainedModel):
                 "(cache_implementation='static'); use the dynamic cache"
             )
 
-        if attention_mask is not None and isinstance(total, torch.Tensor):
-            # a compiled step over a static cache: the length is a device tensor (checked in eager mode only)
+        # A static cache also takes a mask over the new tokens only ([B, N]; generate passes that, so a decode step has
+        # the same shapes at every length): it remembers the padding and the positions of the cached tokens.
+        step_mask_only = static and attention_mask is not None and attention_mask.shape[-1] == seq_len
+        if attention_mask is not None and (step_mask_only or isinstance(total, torch.Tensor)):
+            # (a compiled step over a static cache: the length is a device tensor, checked in eager mode only)
             attention_mask = attention_mask.to(inputs_embeds.device)
         elif attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
@@ -760,6 +763,9 @@ class DecoderModel(DecoderPreTrainedModel):
             )
             key_log_weights = key_log_weights.to(inputs_embeds.device)
 
+        if position_ids is None and static:
+            step_valid = attention_mask[:, -seq_len:].to(torch.bool) if attention_mask is not None else None
+            position_ids = cache.positions(step_valid, batch, seq_len, inputs_embeds.device)
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -seq_len:]
@@ -775,7 +781,8 @@ class DecoderModel(DecoderPreTrainedModel):
         position_embeddings = self.position_frequencies(position_ids)
         if static:
             # every static layer records which of this step's tokens are padding (its slot mask)
-            cache.begin_step(attention_mask[:, -seq_len:].to(torch.bool) if attention_mask is not None else None)
+            step_valid = attention_mask[:, -seq_len:].to(torch.bool) if attention_mask is not None else None
+            cache.begin_step(step_valid, batch, seq_len, inputs_embeds.device)
 
         # A mask with no padding is dropped so the kernels can take their unmasked fast paths.
         if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
@@ -852,9 +859,14 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         sorted families' overrides, e.g. ``decode_window``, ``block_size``)."""
         return self.model.make_static_cache(max_cache_len, **settings)
 
-    def create_masks_for_generate(self, *args, attention_mask=None, **kwargs):
+    def create_masks_for_generate(self, *args, attention_mask=None, inputs_embeds=None, **kwargs):
         """``generate`` turns the 2-D padding mask into transformers' 4-D masks for compileable caches; our layers take
-        the 2-D mask (the static cache layers add their own slot masks), so it is passed through unchanged."""
+        the 2-D mask.  With our static cache only the new tokens' columns are passed (``[B, N]``: the cache keeps the
+        padding and positions of the cached ones), so a decode step has fixed shapes and a compiled step (transformers
+        compiles it on the GPU) does not recompile as the sequence grows."""
+        cache = kwargs.get(CACHE_NAME, kwargs.get("cache", kwargs.get("past_key_values")))
+        if isinstance(cache, StaticDecoderCache) and attention_mask is not None and inputs_embeds is not None:
+            return attention_mask[:, -inputs_embeds.shape[1] :]
         return attention_mask
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):

@@ -317,8 +317,8 @@ class ScalarSortAttention(DecoderAttention):
                     qs=None, ks=packed[..., 0], v=values, k=packed[..., 1:] if proj.k is not None else None
                 )
             am, klw = self._mask_args(keys.ks.shape[-1], num_prefix, attention_mask, key_log_weights)
-            if isinstance(layer, StaticKeyValueLayer) and layer.decode_mode:
-                # a static sliding layer's decode step returns its whole ring: its slot mask says what is visible
+            if isinstance(layer, StaticKeyValueLayer):
+                # a static sliding layer knows the validity of the keys it returned (its whole ring in a decode step)
                 am = layer.slot_mask
                 if num_prefix:
                     am = torch.cat([am.new_ones(b, num_prefix), am], dim=1)

@@ -159,7 +159,8 @@ COMPILE_CASES = [CASES[0], CASES[1], CASES[5]]
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=[c[0] for c in COMPILE_CASES])
 def test_decode_step_compiles_as_one_graph(case):
     """``torch.compile(model.forward, fullgraph=True)`` of decode steps over the static cache (aot_eager: the graph
-    capture, no C++ build) equals eager decoding through the dynamic cache."""
+    capture, no C++ build) equals eager decoding through the dynamic cache, and the step's mask covering the new
+    token only (what ``generate`` passes) keeps every step in the first graph: no recompilation as the cache grows."""
     torch._dynamo.reset()
     _, family, overrides = case
     model = build_model(family, overrides)
@@ -172,14 +173,33 @@ def test_decode_step_compiles_as_one_graph(case):
         assert (out.logits - ref.logits).abs().max().item() < TOL
         step = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
         token = ref.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(3):
+        for i in range(3):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            torch._dynamo.mark_dynamic(mask, 1)  # the mask grows by one column per step: one graph for all steps
-            compiled = step(input_ids=token, attention_mask=mask, **{CACHE_NAME: static})
+            stance = "fail_on_recompile" if i > 0 else "default"
+            with torch.compiler.set_stance(stance):
+                # contiguous, as generate passes it (a strided view would be a different input to the guards)
+                compiled = step(input_ids=token, attention_mask=mask[:, -1:].contiguous(), **{CACHE_NAME: static})
             eager = model(input_ids=token, attention_mask=mask, **{CACHE_NAME: dynamic})
             assert (compiled.logits - eager.logits).abs().max().item() < TOL
             token = eager.logits[:, -1].argmax(-1, keepdim=True)
     torch._dynamo.reset()
+
+
+def test_static_cache_takes_the_full_mask_or_the_new_tokens_mask():
+    """Decode steps with the mask over the whole sequence and with the new token's column only give the same logits
+    (positions and padding come from the cache), in a left-padded batch."""
+    model = build_model(*CASES[0][1:])
+    ids, mask = left_padded(model.config.vocab_size, [7, 3])
+    caches = [model.make_static_cache(12), model.make_static_cache(12)]
+    with torch.no_grad():
+        outs = [model(input_ids=ids, attention_mask=mask, **{CACHE_NAME: c}) for c in caches]
+        token = outs[0].logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            full = model(input_ids=token, attention_mask=mask, **{CACHE_NAME: caches[0]})
+            new = model(input_ids=token, attention_mask=mask[:, -1:], **{CACHE_NAME: caches[1]})
+            assert (full.logits - new.logits).abs().max().item() < 1e-6
+            token = full.logits[:, -1].argmax(-1, keepdim=True)
 
 
 CHUNK_CASES = [
