@@ -15,11 +15,20 @@ Examples::
 
 Writes ``<output-dir>/<kind>/results.json`` (and the trained model + image processor in ``<kind>/model``) for each
 kind, and ``<output-dir>/summary.json`` / ``summary.md`` comparing them.
+
+Kinds: "gka", "dot" (DeiT) and "vlt" (the paper's Value-Less Transformer ablation, Table 5).
+
+``--config FILE.yaml`` sets any option by its name with underscores (``epochs: 10``, ``attention_type: gka,vlt``,
+``mixup_alpha: 0.8``); options given on the command line win.  The DeiT ingredients of the paper's recipe (EMA,
+RandAugment, random erasing, Mixup / CutMix, repeated augmentation) are timm's, each switched by its own option and
+off by default (see :mod:`vit_deit`; ``recipes/configs/vit_mnist_deit.yaml`` turns them all on); with an EMA the
+results also hold ``ema_test_accuracy`` and the EMA model is saved in ``<kind>/model_ema``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -35,8 +44,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vit_data import MnistCollator, load_mnist  # noqa: E402
+import vit_deit  # noqa: E402
+from vit_deit import DeitOptions  # noqa: E402
 
-from hf_rbf.configuration_gka_vit import GkaVitConfig  # noqa: E402
+from hf_rbf.configuration_gka_vit import ATTENTION_TYPES, GkaVitConfig  # noqa: E402
 from hf_rbf.image_processing_gka_vit import GkaVitImageProcessor  # noqa: E402
 from hf_rbf.modeling_gka_vit import (  # noqa: E402
     GkaVitForImageClassification,
@@ -52,9 +63,16 @@ def build_trainer_class():
         """HfRbfTrainer (the DeiT weight-decay exclusions the model lists) with an augmentation-free collator for
         evaluation."""
 
-        def __init__(self, *args, eval_data_collator=None, **kwargs):
+        def __init__(self, *args, eval_data_collator=None, train_sampler=None, **kwargs):
             super().__init__(*args, **kwargs)
             self.eval_data_collator = eval_data_collator
+            self.train_sampler = train_sampler
+
+        def _get_train_sampler(self, *args, **kwargs):
+            """The repeated-augmentation sampler when there is one (DeiT), else Trainer's."""
+            if self.train_sampler is not None:
+                return self.train_sampler
+            return super()._get_train_sampler(*args, **kwargs)
 
         def evaluate(self, *args, **kwargs):
             if self.eval_data_collator is None:
@@ -130,6 +148,19 @@ def train_one(kind: str, args, train_ds, test_ds, out_dir: str) -> dict:
     )
     model = GkaVitForImageClassification(config)
     processor = GkaVitImageProcessor(size=config.image_size, num_channels=config.num_channels)
+    deit = args.deit
+    train_collator = MnistCollator(processor, max_shift=args.max_shift, seed=args.seed)
+    train_sampler = None
+    if deit.uses_timm:
+        vit_deit.require_timm()
+        if deit.rand_augment is not None:
+            train_collator.image_transform = vit_deit.rand_augment(deit.rand_augment, config.image_size)
+        if deit.random_erasing > 0:
+            train_collator.pixel_transform = vit_deit.random_erasing(deit.random_erasing)
+        if deit.mixes:
+            train_collator.batch_transform = vit_deit.MixupBatch(deit, config.num_labels, args.label_smoothing)
+        if deit.repeated_augmentation > 1:
+            train_sampler = vit_deit.repeat_aug_sampler(train_ds, deit.repeated_augmentation, args.seed)
     cuda = torch.cuda.is_available() and not args.cpu
     use_bf16 = cuda and torch.cuda.is_bf16_supported() and not args.no_bf16
     device = torch.device("cuda" if cuda else "cpu")
@@ -146,7 +177,8 @@ def train_one(kind: str, args, train_ds, test_ds, out_dir: str) -> dict:
         lr_scheduler_type="cosine",
         warmup_steps=args.warmup_ratio,
         max_grad_norm=1.0,
-        label_smoothing_factor=args.label_smoothing,
+        # under Mixup / CutMix the smoothing is part of the soft targets (timm's Mixup)
+        label_smoothing_factor=0.0 if deit.mixes else args.label_smoothing,
         bf16=use_bf16,
         use_cpu=not cuda,
         eval_strategy="epoch" if args.eval_every_epoch else "no",
@@ -164,10 +196,16 @@ def train_one(kind: str, args, train_ds, test_ds, out_dir: str) -> dict:
         args=targs,
         train_dataset=train_ds,
         eval_dataset=test_ds,
-        data_collator=MnistCollator(processor, max_shift=args.max_shift, seed=args.seed),
+        data_collator=train_collator,
         eval_data_collator=MnistCollator(processor, max_shift=0),
         compute_metrics=accuracy_metrics,
+        train_sampler=train_sampler,
+        compute_loss_func=vit_deit.soft_target_loss if deit.mixes else None,
     )
+    ema = None
+    if deit.ema_decay > 0:
+        ema = vit_deit.EmaCallback(trainer.model, deit.ema_decay)  # after the Trainer placed the model
+        trainer.add_callback(ema)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -182,6 +220,16 @@ def train_one(kind: str, args, train_ds, test_ds, out_dir: str) -> dict:
     model_dir = os.path.join(out_dir, "model")
     trainer.save_model(model_dir)
     processor.save_pretrained(model_dir)
+    ema_eval = {}
+    if ema is not None:
+        # the EMA weights through the same evaluation (the paper's reported top-1 is the EMA model's)
+        ema_trainer = build_trainer_class()(
+            model=ema.ema.module, args=targs, eval_dataset=test_ds, data_collator=MnistCollator(processor),
+            compute_metrics=accuracy_metrics,
+        )
+        ema_eval = ema_trainer.evaluate(test_ds)
+        ema_trainer.save_model(os.path.join(out_dir, "model_ema"))
+        processor.save_pretrained(os.path.join(out_dir, "model_ema"))
 
     log_sigma = None
     if kind == "gka":
@@ -195,6 +243,10 @@ def train_one(kind: str, args, train_ds, test_ds, out_dir: str) -> dict:
         "parameters": parameter_report(model),
         "test_accuracy": ev.get("eval_accuracy"),
         "test_loss": ev.get("eval_loss"),
+        "ema_test_accuracy": ema_eval.get("eval_accuracy"),
+        "ema_test_loss": ema_eval.get("eval_loss"),
+        "ema_updates": None if ema is None else ema.updates,
+        "deit": dataclasses.asdict(deit),
         "train_examples": len(train_ds),
         "test_examples": len(test_ds),
         "epochs": args.epochs,
@@ -240,11 +292,12 @@ def summary_markdown(results: list[dict]) -> str:
     return head + rows
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=None, help="a YAML file of option values (names with underscores)")
     ap.add_argument("--data-dir", default=os.environ.get("MNIST_DIR"), help="folder with the MNIST IDX files")
     ap.add_argument("--output-dir", default="outputs/vit_mnist")
-    ap.add_argument("--attention-type", default="gka,dot", help="gka, dot or both (comma-separated)")
+    ap.add_argument("--attention-type", default="gka,dot", help="gka, vlt, dot, comma-separated")
     ap.add_argument("--preset", default="mnist", help="GkaVitConfig preset (mnist, mnist-tiny, ...)")
     ap.add_argument("--epochs", type=float, default=10)
     ap.add_argument("--batch-size", type=int, default=256)
@@ -270,6 +323,45 @@ def parse_args(argv=None):
     ap.add_argument("--cache-dir", default=None, help="datasets cache (default: $HF_HOME/datasets)")
     ap.add_argument("--quick", action="store_true",
                     help="CPU quick run: 5000 train / 1000 test images, 2 epochs, batch 50, throughput batch 128")
+    deit = ap.add_argument_group("DeiT (timm; each off by default, DeiT's value in brackets)")
+    deit.add_argument("--ema-decay", type=float, default=0.0, help="EMA of the weights [0.99996]; 0 = off")
+    deit.add_argument("--rand-augment", default=None, help="timm RandAugment string [rand-m9-mstd0.5-inc1]")
+    deit.add_argument("--random-erasing", type=float, default=0.0, help="random erasing probability [0.25]")
+    deit.add_argument("--mixup-alpha", type=float, default=0.0, help="Mixup alpha [0.8]; 0 = off")
+    deit.add_argument("--cutmix-alpha", type=float, default=0.0, help="CutMix alpha [1.0]; 0 = off")
+    deit.add_argument("--mixup-prob", type=float, default=1.0, help="probability of mixing a batch [1.0]")
+    deit.add_argument("--mixup-switch-prob", type=float, default=0.5, help="CutMix instead of Mixup [0.5]")
+    deit.add_argument("--repeated-augmentation", type=int, default=0, help="repeats of each image [3]; 0 = off")
+    return ap
+
+
+def apply_config_file(ap: argparse.ArgumentParser, argv) -> None:
+    """``--config FILE``: its values become the parser's defaults, so the command line still overrides them."""
+    pre, _ = ap.parse_known_args(argv)
+    if pre.config is None:
+        return
+    import yaml
+
+    with open(pre.config) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        ap.error(f"--config {pre.config}: expected a mapping of option names to values")
+    options = {a.dest: a for a in ap._actions if a.dest not in ("help", "config")}
+    unknown = sorted(set(values) - set(options))
+    if unknown:
+        ap.error(f"--config {pre.config}: unknown options {unknown}; allowed: {sorted(options)}")
+    if isinstance(values.get("attention_type"), list):
+        values["attention_type"] = ",".join(values["attention_type"])
+    for key, value in values.items():
+        action = options[key]
+        if value is not None and action.type is not None and not isinstance(value, bool):
+            value = action.type(value)
+        ap.set_defaults(**{key: value})
+
+
+def parse_args(argv=None):
+    ap = build_parser()
+    apply_config_file(ap, argv)
     args = ap.parse_args(argv)
     args.command = "recipes/train_vit.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.data_dir is None:
@@ -282,10 +374,19 @@ def parse_args(argv=None):
         args.throughput_batch_size = 128
         args.logging_steps = 10
     kinds = [k.strip() for k in args.attention_type.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ("gka", "dot")]
+    bad = [k for k in kinds if k not in ATTENTION_TYPES]
     if bad or not kinds:
-        ap.error(f"--attention-type must be gka, dot or gka,dot; got {args.attention_type!r}")
+        ap.error(f"--attention-type must be a comma-separated list of {', '.join(ATTENTION_TYPES)}; "
+                 f"got {args.attention_type!r}")
     args.kinds = kinds
+    try:
+        args.deit = DeitOptions(
+            ema_decay=args.ema_decay, rand_augment=args.rand_augment, random_erasing=args.random_erasing,
+            mixup_alpha=args.mixup_alpha, cutmix_alpha=args.cutmix_alpha, mixup_prob=args.mixup_prob,
+            mixup_switch_prob=args.mixup_switch_prob, repeated_augmentation=args.repeated_augmentation,
+        )
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 

@@ -117,13 +117,30 @@ def random_shift(images: np.ndarray, max_shift: int, rng: np.random.Generator) -
 class MnistCollator:
     """List of ``{"image", "label"}`` examples -> ``{"pixel_values", "labels"}`` through the image processor.
 
-    ``max_shift > 0`` applies the light augmentation (random translation); use 0 for evaluation.
+    ``max_shift > 0`` applies the light augmentation (random translation); use 0 for evaluation.  The DeiT
+    augmentations (see :mod:`vit_deit`) plug in at their places in the pipeline:
+
+    * ``image_transform``: per image, on the PIL image after the shift (RandAugment);
+    * ``pixel_transform``: on the normalised ``pixel_values`` batch ``[B, C, H, W]`` (random erasing);
+    * ``batch_transform``: ``(pixel_values, labels) -> (pixel_values, labels)`` last (Mixup / CutMix, which turns
+      the labels into soft targets ``[B, num_classes]``).
     """
 
-    def __init__(self, image_processor, max_shift: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        image_processor,
+        max_shift: int = 0,
+        seed: int = 0,
+        image_transform=None,
+        pixel_transform=None,
+        batch_transform=None,
+    ):
         self.image_processor = image_processor
         self.max_shift = max_shift
         self.seed = seed
+        self.image_transform = image_transform
+        self.pixel_transform = pixel_transform
+        self.batch_transform = batch_transform
         self._rngs = {}
 
     def _rng(self) -> np.random.Generator:
@@ -141,7 +158,15 @@ class MnistCollator:
 
         images = np.stack([np.asarray(e["image"], dtype=np.uint8) for e in examples])
         images = random_shift(images, self.max_shift, self._rng())
+        if self.image_transform is not None:
+            from PIL import Image
+
+            images = np.stack([np.asarray(self.image_transform(Image.fromarray(img)), dtype=np.uint8) for img in images])
         # a list of 2-D images is unambiguous (a [3, 28, 28] array could be read as one 3-channel image)
         pixel_values = self.image_processor(list(images), return_tensors="pt")["pixel_values"]
         labels = torch.tensor([int(e["label"]) for e in examples], dtype=torch.long)
+        if self.pixel_transform is not None:
+            pixel_values = self.pixel_transform(pixel_values)
+        if self.batch_transform is not None:
+            pixel_values, labels = self.batch_transform(pixel_values, labels)
         return {"pixel_values": pixel_values, "labels": labels}

@@ -83,6 +83,7 @@ def test_the_contract_marker_covers_the_transformers_facing_tests():
         "test_scalar_sort_generate.py", "test_scalar_sort_cache.py", "test_scalar_sort_hf.py",
         "test_recipes_pretrain.py", "test_attention_interface.py", "test_recipes_convert.py",
         "test_model_static_cache.py", "test_seed_qk_norm_registers.py", "test_seed_gka_variants.py",
+        "test_seed_deit_recipe.py",
         "test_scalar_sort_schedule.py", "test_scalar_sort_sink.py", "test_scalar_sort_captured_mass_callback.py",
     }  # fmt: skip
     for name in sorted(expected):
