@@ -174,6 +174,8 @@ VARIANTS = {
     "llama": None,
     "rbf (1 register, SuSiE)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
     "rbf (no registers, RoPE)": ("rbf", dict(num_register_tokens=0, position_embedding_type="rope")),
+    "rbf (1 register, RoPE)": ("rbf", dict(num_register_tokens=1, position_embedding_type="rope")),
+    "rbf (no registers, SuSiE)": ("rbf", dict(num_register_tokens=0, position_embedding_type="susie")),
     "gka": ("gka", dict()),
     "scalar_sort": ("scalar_sort", dict()),
     "hybrid_sort": ("hybrid_sort", dict()),
@@ -392,6 +394,10 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="d256 only, fewer steps")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--sizes", type=lambda x: x.split(","), default=None, help="comma-separated subset of: d256,d768")
+    ap.add_argument("--profile-all", action="store_true", help="a torch.profiler summary for every variant and size")
+    ap.add_argument("--no-host", action="store_true", help="skip the host-cost section")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the kernel-time section")
     ap.add_argument(
         "--variants",
         type=lambda x: x.split(";"),
@@ -425,14 +431,15 @@ def main() -> int:
         triton=triton.__version__,
         transformers=transformers.__version__,
     )
-    res["host"] = host_cost()
+    res["host"] = [] if args.no_host else host_cost()
     res["steps"] = {}
-    sizes = ["d256"] if args.quick else ["d256", "d768"]
+    sizes = args.sizes or (["d256"] if args.quick else ["d256", "d768"])
     for size_name in sizes:
         size = SIZES[size_name]
         rows = {}
         for variant in args.variants or VARIANTS:
-            profile = 3 if size_name == "d256" and variant in ("llama", "rbf (1 register, SuSiE)", "gka") else 0
+            profiled = ("llama", "rbf (1 register, SuSiE)", "gka")
+            profile = 3 if args.profile_all or (size_name == "d256" and variant in profiled) else 0
             try:
                 model = build(variant, size)
                 rows[variant] = train_steps(model, size, steps=args.steps, warmup=5, profile_steps=profile)
@@ -441,6 +448,12 @@ def main() -> int:
                 rows[variant] = dict(error=f"{type(err).__name__}: {err}")
             torch.cuda.empty_cache()
             r = rows[variant]
+            res["steps"][size_name] = rows
+            (out / "profile.json").write_text(json.dumps(res, indent=1))
+            for e in r.get("profile", {}).get("gpu_top", [])[:12]:
+                print(f"    gpu {e['ms_per_step']:8.2f} ms {e['calls_per_step']:5.0f}x {e['name']}", flush=True)
+            for e in r.get("profile", {}).get("cpu_top", [])[:8]:
+                print(f"    cpu {e['self_cpu_ms_per_step']:8.2f} ms {e['calls_per_step']:5.0f}x {e['name']}", flush=True)
             print(
                 f"[step] {size_name} {variant:26s} "
                 + (f"{r['ms_per_step']:.1f} ms" if "ms_per_step" in r else r["error"][:200]),
@@ -448,7 +461,7 @@ def main() -> int:
             )
         res["steps"][size_name] = rows
         (out / "profile.json").write_text(json.dumps(res, indent=1))
-    res["kernels"] = kernel_passes([1024, 8192])
+    res["kernels"] = [] if args.no_kernels else kernel_passes([1024, 8192])
     (out / "profile.json").write_text(json.dumps(res, indent=1))
     write_markdown(res, out / "profile.md")
     print((out / "profile.md").read_text())

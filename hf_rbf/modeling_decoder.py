@@ -5,9 +5,9 @@ token embedding -> N x DecoderLayer [RMSNorm -> attention -> residual, RMSNorm -
 
 * Each layer's attention class comes from the config (``attention_layers``: one kind per layer) through the family's
   ``attention_classes`` table, so one model can mix kinds (GKA layers with "dot" layers) and windows (``"SSSL"``).
-* Register tokens (``num_register_tokens = R``) are a separate ``[1, R, D]`` residual stream that runs through every
-  layer next to the text: register rows attend only to registers (causally), text rows see the R registers as a prefix
-  (``num_prefix_keys=R``) plus their causal / windowed text.  They depend on the parameters alone, so every forward
+* Register tokens (``num_register_tokens = R``) are R extra rows of batch 1 that run through every layer with the
+  text (one flat ``[B * N + R, D]`` buffer, see ``DecoderLayer``): register rows attend only to registers
+  (causally), text rows see the R registers as a prefix (``num_prefix_keys=R``) plus their causal / windowed text.  They depend on the parameters alone, so every forward
   recomputes them (batch 1, R rows) and they are never stored in the KV cache: cache lengths, positions,
   ``attention_mask`` and outputs only ever count text tokens.
 * The KV cache is a transformers ``DynamicCache`` whose layers each attention module builds
@@ -49,11 +49,17 @@ class DecoderRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, num_unnormalized_rows: int = 0) -> torch.Tensor:
+        """``num_unnormalized_rows``: the last rows of a flat ``[rows, D]`` input (the register rows, see
+        ``DecoderLayer``) get the learnable scale only; one padded row factor does it without extra launches per row
+        block."""
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        factor = torch.rsqrt(variance + self.variance_epsilon)
+        if num_unnormalized_rows:
+            factor = F.pad(factor[:-num_unnormalized_rows], (0, 0, 0, num_unnormalized_rows), value=1.0)
+        hidden_states = hidden_states * factor
         return self.weight * hidden_states.to(input_dtype)
 
     def scale_only(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -200,6 +206,39 @@ class DecoderAttention(nn.Module):
     def make_static_cache_layer(self, max_cache_len: int):
         """A fixed-capacity cache layer (``cache_implementation="static"``; see :mod:`hf_rbf.cache_static`)."""
         return StaticKeyValueLayer(max_cache_len, sliding_window=self.window)
+
+    # -- the layer's entry point ----------------------------------------------------------------------------------
+    # Kinds whose ``forward`` also takes ``rows=`` (the flat normalised buffer the two views come from) and then
+    # returns the output rows ``[B * N + R, D]`` in place of the text output (one matmul per projection for text and
+    # registers together).  The layer still calls the module (hooks see the text and register views as before).
+    takes_rows = False
+
+    def forward_rows(self, rows: torch.Tensor, text_shape: tuple[int, int], **kwargs):
+        """``rows [B * N + R, D]`` (normalised text rows, then register rows) -> ``(out rows [B * N + R, D],
+        weights)``, through the module's ``__call__`` (so forward hooks run)."""
+        hidden, registers = split_rows(rows, text_shape)
+        if self.takes_rows:
+            out_rows, _, weights = self(hidden, registers, rows=rows, **kwargs)
+            return out_rows, weights
+        text_out, register_out, weights = self(hidden, registers, **kwargs)
+        return join_rows(text_out, register_out), weights
+
+    def _row_heads(self, projected: torch.Tensor, text_shape: tuple[int, int]):
+        """A projection of the flat rows ``[B * N + R, H * D]`` as heads: text ``[B, H, N, D]`` and registers
+        ``[1, H, R, D]`` (None without registers); views, no copy."""
+        text, registers = split_rows(projected, text_shape)
+        return self._split_heads(text), (self._split_heads(registers) if registers is not None else None)
+
+    def _heads_to_rows(self, out: torch.Tensor, register_out: torch.Tensor | None) -> torch.Tensor:
+        """Text ``[B, H, N, Dv]`` and register ``[1, H, R, Dv]`` outputs as flat rows ``[B * N + R, H * Dv]``: one
+        copy of each into a fresh buffer (merging the heads copies anyway)."""
+        b, h, n, dv = out.shape
+        if register_out is None:
+            return self._merge_heads(out).view(b * n, h * dv)
+        rows = out.new_empty(b * n + register_out.shape[2], h, dv)
+        rows[: b * n].view(b, n, h, dv).copy_(out.transpose(1, 2))
+        rows[b * n :].copy_(register_out[0].transpose(0, 1))
+        return rows.view(rows.shape[0], h * dv)
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _init_own_parameters(self) -> None:
@@ -352,7 +391,12 @@ class DotAttention(DecoderAttention):
 
 
 class DecoderLayer(GradientCheckpointingLayer):
-    """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual, for the text and the register streams.
+    """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual, for the text and the register rows.
+
+    The layer works on one flat ``[B * N + R, D]`` buffer: the text rows of every sequence, then the R register rows.
+    Norms, projections, the MLP and the residual adds are then one launch each for text
+    and registers together, where a separate ``[1, R, D]`` register stream cost as many launches again (a
+    host-bound 2x slower training step at d768 with one register: ``benchmarks/results/h100-profile-2026-11-25``).
 
     The register rows get the norms' learnable scale but not the normalisation.  Their states are learned constants
     that start at exactly zero (so their keys start at the origin), and RMS normalisation is singular there: its
@@ -365,6 +409,7 @@ class DecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DecoderConfig, layer_idx: int, attention_class: type[DecoderAttention]):
         super().__init__()
         self.hidden_size = config.hidden_size
+        self.num_registers = config.num_register_tokens
         self.self_attn = attention_class(config, layer_idx)
         self.mlp = DecoderMLP(config)
         self.input_layernorm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -374,6 +419,7 @@ class DecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         register_states: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None = None,
@@ -382,23 +428,46 @@ class DecoderLayer(GradientCheckpointingLayer):
         use_cache: bool | None = None,
         output_attentions: bool = False,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        normed_registers = self.input_layernorm.scale_only(register_states) if register_states is not None else None
-        attn_out, register_attn_out, weights = self.self_attn(
-            self.input_layernorm(hidden_states),
-            normed_registers,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns ``(rows [B * N + R, D], attention weights or None)``.
+
+        ``rows`` is the flat buffer that ``hidden_states [B, N, D]`` and ``register_states [1, R, D]`` are views of
+        (``DecoderModel`` passes all three: the views are what forward pre-hooks read, e.g. the scalar-sort
+        regularizers and the captured-mass tools; the layer computes on ``rows``).  Without it, the views are joined.
+        Positional, so that a (re-entrant) gradient checkpoint sees it as an input.
+        """
+        if rows is None:
+            rows = join_rows(hidden_states, register_states)
+        r = self.num_registers
+        normed = self.input_layernorm(rows, r)
+        attn_rows, weights = self.self_attn.forward_rows(
+            normed,
+            tuple(hidden_states.shape[:2]),
             position_embeddings=position_embeddings,
             cache=cache,
             attention_mask=attention_mask,
             key_log_weights=key_log_weights,
             output_attentions=output_attentions,
         )
-        hidden_states = hidden_states + attn_out
-        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        if register_states is not None:
-            register_states = register_states + register_attn_out
-            register_states = register_states + self.mlp(self.post_attention_layernorm.scale_only(register_states))
-        return hidden_states, register_states, weights
+        rows = rows + attn_rows
+        rows = rows + self.mlp(self.post_attention_layernorm(rows, r))
+        return rows, weights
+
+
+def split_rows(rows: torch.Tensor, text_shape: tuple[int, int]):
+    """Views of a flat ``[B * N + R, ...]`` buffer: text ``[B, N, ...]`` and registers ``[1, R, ...]`` (None if R = 0)."""
+    b, n = text_shape
+    text = rows[: b * n].view(b, n, *rows.shape[1:])
+    registers = rows[b * n :].unsqueeze(0) if rows.shape[0] > b * n else None
+    return text, registers
+
+
+def join_rows(text: torch.Tensor, registers: torch.Tensor | None) -> torch.Tensor:
+    """``[B, N, ...]`` text and ``[1, R, ...]`` registers (or None) as one flat ``[B * N + R, ...]`` buffer."""
+    flat = text.reshape(-1, *text.shape[2:])
+    if registers is None:
+        return flat
+    return torch.cat([flat, registers.reshape(-1, *registers.shape[2:])])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -788,19 +857,23 @@ class DecoderModel(DecoderPreTrainedModel):
         if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
             attention_mask = None
 
-        hidden_states = inputs_embeds
-        register_states = None
+        # one flat buffer of text rows then register rows (see DecoderLayer)
+        text_shape = (batch, seq_len)
+        registers = None
         if self.register_tokens is not None:
-            register_states = self.register_tokens.to(inputs_embeds.dtype).unsqueeze(0)
+            registers = self.register_tokens.to(inputs_embeds.dtype).unsqueeze(0)
+        rows = join_rows(inputs_embeds, registers)
 
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for layer in self.layers:
+            hidden_states, register_states = split_rows(rows, text_shape)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, register_states, weights = layer(
+            rows, weights = layer(
                 hidden_states,
                 register_states,
+                rows,
                 position_embeddings=position_embeddings,
                 cache=cache,
                 attention_mask=attention_mask,
@@ -810,7 +883,7 @@ class DecoderModel(DecoderPreTrainedModel):
             )
             if output_attentions:
                 all_attentions += (weights,)
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.norm(split_rows(rows, text_shape)[0])
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
 

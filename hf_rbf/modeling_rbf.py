@@ -72,6 +72,8 @@ class RbfAttention(DecoderAttention):
     def _gamma(self):
         return self.gamma_init if self.log_gamma is None else self.log_gamma.exp()
 
+    takes_rows = True
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -82,9 +84,39 @@ class RbfAttention(DecoderAttention):
         attention_mask: torch.Tensor | None = None,
         key_log_weights: torch.Tensor | None = None,
         output_attentions: bool = False,
+        rows: torch.Tensor | None = None,
     ):
-        b = hidden_states.shape[0]
+        """Text ``[B, N, D]`` and register ``[1, R, D]`` rows -> ``(text out, register out or None, weights)``.
+
+        With ``rows`` (the flat ``[B * N + R, D]`` buffer the two are views of; what ``DecoderLayer`` passes), one
+        projection and one ``o_proj`` matmul serve text and registers together and the result is ``(out rows
+        [B * N + R, D], None, weights)``.
+        """
+        if rows is not None:
+            text_shape = tuple(hidden_states.shape[:2])
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            (q, qr), (k, kr), (v, vr) = (self._row_heads(p(rows), text_shape) for p in projections)
+            out, register_out, weights = self._attend(
+                q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions
+            )
+            return self.o_proj(self._heads_to_rows(out, register_out)), None, weights
         q, k, v = self._project(hidden_states)
+        qr = kr = vr = None
+        if self.num_registers > 0:
+            qr, kr, vr = self._project(register_states)
+        out, register_out, weights = self._attend(
+            q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions
+        )
+        if register_out is not None:
+            register_out = self.o_proj(self._merge_heads(register_out))
+        return self.o_proj(self._merge_heads(out)), register_out, weights
+
+    def _attend(
+        self, q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions
+    ):
+        """Positions, cache, the register rows' attention and the text call: ``(out [B, H, N, Dv], register out
+        [1, H, R, Dv] or None, weights or None)``."""
+        b = q.shape[0]
         cos, sin = position_embeddings
         if self.position_embedding_type == "susie":
             pos = susie_embedding(cos, sin, self.susie_weight, q.dtype)
@@ -98,12 +130,14 @@ class RbfAttention(DecoderAttention):
 
         register_out = None
         if self.num_registers > 0:
-            qr, kr, vr = self._project(register_states)
             qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
-            register_out = rbf_attention(
-                qr, kr, vr, gamma=gamma, causal=True, normalize=self.normalize, backend=self.register_backend
-            )
-            register_out = self.o_proj(self._merge_heads(register_out))
+            if self.num_registers == 1 and self.normalize:
+                # One register attends (causally) to itself alone: its softmax weight is exactly 1.
+                register_out = vr
+            else:
+                register_out = rbf_attention(
+                    qr, kr, vr, gamma=gamma, causal=True, normalize=self.normalize, backend=self.register_backend
+                )
             k = torch.cat([kr.expand(b, -1, -1, -1), k], dim=2)
             v = torch.cat([vr.expand(b, -1, -1, -1), v], dim=2)
 
@@ -125,7 +159,7 @@ class RbfAttention(DecoderAttention):
         if output_attentions:
             out, weights = out
             weights = self._weights_over_all_text_keys(weights, self.num_registers, cache)
-        return self.o_proj(self._merge_heads(out)), register_out, weights
+        return out, register_out, weights
 
 
 class RbfPreTrainedModel(DecoderPreTrainedModel):

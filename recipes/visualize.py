@@ -246,7 +246,9 @@ def capture_attention(model, input_ids: torch.Tensor) -> list[LayerAttention]:
         full[:, total - n :, :] = text
         if sinks:
             full[:, :sinks, :sinks] = torch.eye(sinks)
-        if r > 0:
+        if r == 1 and len(calls) == 1 and getattr(module, "normalize", False):
+            full[:, sinks, sinks] = 1.0  # a single softmax register attends to itself alone (RbfAttention skips the call)
+        elif r > 0:
             if len(calls) < 2:
                 raise RuntimeError(f"layer {module.layer_idx}: registers without a register call")
             full[:, sinks : sinks + r, : sinks + r] = call_weights(calls[0])[0]

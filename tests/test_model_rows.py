@@ -1,0 +1,98 @@
+"""The backbone's flat row layout (text rows then register rows in one ``[B * N + R, D]`` buffer, see
+``DecoderLayer``): the flat path of an attention kind equals its view path, the single-register shortcut equals the
+register call it skips, and the norm leaves register rows unnormalised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_rbf
+from hf_rbf.modeling_decoder import DecoderRMSNorm, join_rows, split_rows
+
+
+def _model(family, **extra):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        family, vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48, **extra
+    )
+    model = AutoModelForCausalLM.from_config(cfg).double()
+    with torch.no_grad():  # move every parameter off its init (zero registers, unit norms) so all terms matter
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("registers", [1, 3])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("positions", ["susie", "rope"])
+def test_rbf_rows_path_equals_view_path(registers, normalize, positions):
+    model = _model("rbf", num_register_tokens=registers, rbf_normalize=normalize, position_embedding_type=positions)
+    attn = model.model.layers[0].self_attn
+    assert attn.takes_rows
+    b, n, d = 2, 7, 32
+    g = torch.Generator().manual_seed(1)
+    text = torch.randn(b, n, d, generator=g, dtype=torch.float64)
+    regs = torch.randn(1, registers, d, generator=g, dtype=torch.float64)
+    ids = torch.arange(n).unsqueeze(0)
+    pe = model.model.position_frequencies(ids)
+    rows = join_rows(text, regs).requires_grad_(True)
+    hidden, reg_view = split_rows(rows, (b, n))
+    flat, none, _ = attn(hidden, reg_view, position_embeddings=pe, rows=rows)
+    assert none is None and flat.shape == (b * n + registers, d)
+    text_out, reg_out, _ = attn(hidden, reg_view, position_embeddings=pe)
+    torch.testing.assert_close(flat, join_rows(text_out, reg_out), rtol=0, atol=1e-12)
+    # gradients through both paths agree too
+    (g1,) = torch.autograd.grad(flat.pow(2).sum(), rows)
+    (g2,) = torch.autograd.grad(join_rows(text_out, reg_out).pow(2).sum(), rows)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-11)
+
+
+def test_single_register_shortcut_equals_the_register_call():
+    """One softmax register attends to itself alone: the skipped call gives exactly its value."""
+    model = _model("rbf", num_register_tokens=1)
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(2)
+    qr, kr, vr = (torch.randn(1, 2, 1, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = hf_rbf.rbf_attention(qr, kr, vr, gamma=attn._gamma(), causal=True, backend="naive")
+    torch.testing.assert_close(ref, vr, rtol=0, atol=0)
+
+
+def test_model_with_registers_matches_the_two_stream_reference():
+    """The whole model against a two-stream forward written out here (separate register stream, as before the flat
+    layout): same logits and parameter gradients in float64."""
+    model = _model("rbf", num_register_tokens=2)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    out = model(input_ids=ids, labels=ids)
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+
+    def two_stream():
+        inner = model.model
+        h = inner.embed_tokens(ids)
+        r = inner.register_tokens.unsqueeze(0)
+        pe = inner.position_frequencies(torch.arange(ids.shape[1]).unsqueeze(0))
+        for layer in inner.layers:
+            a, ra, _ = layer.self_attn(
+                layer.input_layernorm(h), layer.input_layernorm.scale_only(r), position_embeddings=pe
+            )
+            h, r = h + a, r + ra
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            r = r + layer.mlp(layer.post_attention_layernorm.scale_only(r))
+        logits = model.lm_head(inner.norm(h))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1)), logits
+
+    loss, logits = two_stream()
+    torch.testing.assert_close(out.logits, logits, rtol=0, atol=1e-6)  # the norm's float32 math on the flat rows
+    for g, p_ref in zip(grads, torch.autograd.grad(loss, list(model.parameters()))):
+        torch.testing.assert_close(g, p_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_norm_leaves_the_last_rows_unnormalised():
+    norm = DecoderRMSNorm(8)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 8))
+    x = torch.randn(5, 8)
+    y = norm(x, 2)
+    torch.testing.assert_close(y[:3], norm(x[:3]))
+    torch.testing.assert_close(y[3:], norm.scale_only(x[3:]))
