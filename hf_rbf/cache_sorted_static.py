@@ -157,7 +157,9 @@ class StaticSortedLayer(CacheLayerMixin):
         dev, dt, c = key_states.device, key_states.dtype, self.capacity
         self.dtype, self.device = dt, dev
         self.keys = torch.zeros(b, h, c, dtype=dt, device=dev)  # scalar keys (named `keys` for transformers)
-        self.values = torch.zeros(b, self.num_value_groups, c, value_states.shape[-1], dtype=value_states.dtype, device=dev)
+        self.values = torch.zeros(
+            b, self.num_value_groups, c, value_states.shape[-1], dtype=value_states.dtype, device=dev
+        )
         self.vector_keys = torch.zeros(b, h, c, width - 1, dtype=dt, device=dev) if width > 1 else None
         self.valid = torch.zeros(b, c, dtype=torch.bool, device=dev)
         self.token_index = torch.full((c,), -1, dtype=torch.long, device=dev)

@@ -255,7 +255,6 @@ class StaticDecoderCache(Cache):
         )
 
 
-
 def static_cache_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> list[float]:
     """Bytes one cached token takes in each layer of the static cache, per batch row, computed from the config.
 

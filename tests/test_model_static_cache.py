@@ -41,17 +41,12 @@ SORTED_FAMILIES = ("scalar_sort", "hybrid_sort")
 
 
 def _generate(model, ids, mask, **kwargs):
+    """Greedy unless ``kwargs`` say otherwise; 8 new tokens; the step logits returned."""
+    params = dict(do_sample=False, pad_token_id=0, max_new_tokens=8, min_new_tokens=8)
+    params.update(kwargs)
     with torch.no_grad():
         return model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=False,
-            pad_token_id=0,
-            max_new_tokens=8,
-            min_new_tokens=8,
-            return_dict_in_generate=True,
-            output_logits=True,
-            **kwargs,
+            input_ids=ids, attention_mask=mask, return_dict_in_generate=True, output_logits=True, **params
         )
 
 
@@ -75,6 +70,27 @@ def test_static_generate_equals_dynamic(case):
     assert not isinstance(getattr(dynamic, CACHE_NAME), StaticDecoderCache)
     assert torch.equal(static.sequences, dynamic.sequences)
     assert _max_diff(static.logits, dynamic.logits) < TOL
+
+
+MODES = {
+    "beam": dict(num_beams=3, num_return_sequences=2, early_stopping=False),
+    "sample": dict(do_sample=True, top_k=0),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=[CASES[0][0], CASES[5][0]])
+def test_static_beam_search_and_sampling_equal_dynamic(case, mode):
+    """Beam search (the cache's rows reordered every step) and seeded sampling give the dynamic cache's tokens."""
+    _, family, overrides = case
+    model = build_model(family, overrides)
+    ids, mask = left_padded(model.config.vocab_size, [7, 4, 5])
+    outs = []
+    for kwargs in ({}, _static_kwargs(family)):
+        torch.manual_seed(0)
+        outs.append(_generate(model, ids, mask, **MODES[mode], **kwargs))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert _max_diff(outs[0].logits, outs[1].logits) < TOL
 
 
 @pytest.mark.parametrize("family", SORTED_FAMILIES)
@@ -117,7 +133,12 @@ def test_blocked_search_equals_the_definition(scheme, window):
     b, h, g, dv, d, steps = 2, 4, 2, 3, 5, 23
     order_heads = list(range(h)) if scheme == "per_head" else [0, 2]
     layer = StaticSortedLayer(
-        max_cache_len=steps, num_heads=h, num_value_groups=g, order_heads=order_heads, decode_window=window, block_size=4
+        max_cache_len=steps,
+        num_heads=h,
+        num_value_groups=g,
+        order_heads=order_heads,
+        decode_window=window,
+        block_size=4,
     )
     f64 = torch.float64
     ks = torch.randn(b, h, steps, generator=gen, dtype=f64)
@@ -129,7 +150,10 @@ def test_blocked_search_equals_the_definition(scheme, window):
     layer.append(ks[:, :, :prompt], v[:, :, :prompt], vk[:, :, :prompt], valid=valid[:, :prompt])
     tau = torch.rand(h, generator=gen, dtype=f64) + 0.2
     scale = torch.tensor([0.3, 0.0, 0.5, 0.2], dtype=f64)
-    prefix_ks, prefix_v = torch.randn(1, h, 1, generator=gen, dtype=f64), torch.randn(1, g, 1, dv, generator=gen, dtype=f64)
+    prefix_ks, prefix_v = (
+        torch.randn(1, h, 1, generator=gen, dtype=f64),
+        torch.randn(1, g, 1, dv, generator=gen, dtype=f64),
+    )
     prefix_k = torch.zeros(1, h, 1, d, dtype=f64)
     for t in range(prompt, steps):
         layer.append(ks[:, :, t : t + 1], v[:, :, t : t + 1], vk[:, :, t : t + 1], valid=valid[:, t : t + 1])
@@ -273,7 +297,9 @@ def test_static_cache_refusals():
     with pytest.raises(ValueError, match="max_cache_tokens"):
         sorted_model.make_static_cache(16)
     with pytest.raises(ValueError, match="block_size"):
-        StaticSortedLayer(max_cache_len=8, num_heads=2, num_value_groups=1, order_heads=[0, 1], decode_window=2, block_size=0)
+        StaticSortedLayer(
+            max_cache_len=8, num_heads=2, num_value_groups=1, order_heads=[0, 1], decode_window=2, block_size=0
+        )
     with pytest.raises(ValueError, match="max_cache_len"):
         StaticKeyValueLayer(0)
     # a dynamic cache is still accepted as before
