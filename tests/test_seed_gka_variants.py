@@ -136,10 +136,10 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_random_feature_error_falls_as_the_feature_count_grows(causal):
-    """Mean relative error over 3 feature draws against the exact float64 kernel attention, with key log-weights,
-    two prefix keys and left padding: it falls at each 8x step in m (measured 1.4x to 2.6x per step: slower than
-    1 / sqrt(m) because the estimator is heavy-tailed; required: 1.25x), to under 10% with 4096 directions (measured
-    4% causal, 6% bidirectional)."""
+    """Mean relative error over 4 feature draws against the exact float64 kernel attention, with key log-weights,
+    two prefix keys and left padding: it falls at each 16x step in m (measured 0.255, 0.130, 0.043 causal and
+    0.313, 0.170, 0.070 bidirectional for 8, 128, 2048 directions: 1.8x to 3x per step, slower than 1 / sqrt(m)'s 4x
+    because the estimator is heavy-tailed; required: 1.5x) to under 10%."""
     x = _features(0)
     log_sigma = torch.tensor([0.0, 0.4], dtype=torch.float64)
     klw = torch.randn(2, 24, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.5
@@ -148,22 +148,11 @@ def test_random_feature_error_falls_as_the_feature_count_grows(causal):
     kw = dict(causal=causal, key_log_weights=klw, attention_mask=am, num_prefix_keys=2, eps=1e-6)
     ref = gka_attention(x, log_sigma, backend="naive", **kw)
     errors = []
-    for m in (8, 64, 512, 4096):
-        errs = [
-            _rel(
-                gka_attention_random_features(
-                    x,
-                    log_sigma,
-                    gaussian_orthogonal_projection(m, 8, 2, seed=s, dtype=torch.float64),
-                    chunk_size=5,
-                    **kw,
-                ),
-                ref,
-            )
-            for s in range(3)
-        ]
-        errors.append(sum(errs) / 3)
-    assert all(a > 1.25 * b for a, b in zip(errors, errors[1:])), errors
+    for m in (8, 128, 2048):
+        projections = [gaussian_orthogonal_projection(m, 8, 2, seed=s, dtype=torch.float64) for s in range(4)]
+        errs = [_rel(gka_attention_random_features(x, log_sigma, p, chunk_size=5, **kw), ref) for p in projections]
+        errors.append(sum(errs) / len(errs))
+    assert all(a > 1.5 * b for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] < 0.1, errors
 
 
