@@ -42,6 +42,18 @@ def test_dot_layer_max_logit_is_the_constructed_one():
     assert stats[0]["kind"] == "dot" and stats[0]["calls"] == 1
     assert stats[0]["max_logit_per_head"] == pytest.approx(expected, rel=1e-5)
     assert stats[0]["max_logit"] == pytest.approx(max(expected), rel=1e-5)
+    # the spread: a row's own logit minus its smallest, brute-forced from the same q and k in float64
+    x = torch.nn.functional.rms_norm(_signed_embeddings(2, 6, width, 0).double(), (width,), eps=1e-6)
+    cos, sin = (t.double() for t in model.model.position_frequencies(torch.arange(6)[None]))
+    q = x.view(2, 6, h, hd).transpose(1, 2) * scales.double()[None, :, None, None]
+    k = x.view(2, 6, h, hd).transpose(1, 2)
+    rot = lambda t: torch.cat(
+        (t[..., : hd // 2] * cos[:, None] - t[..., hd // 2 :] * sin[:, None],
+         t[..., hd // 2 :] * cos[:, None] + t[..., : hd // 2] * sin[:, None]), dim=-1)  # fmt: skip
+    s = rot(q) @ rot(k).transpose(-1, -2) / math.sqrt(hd)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    spread = s.masked_fill(~causal, -math.inf).amax(-1) - s.masked_fill(~causal, math.inf).amin(-1)
+    assert stats[0]["max_spread_per_head"] == pytest.approx(spread.amax(dim=(0, 2)).tolist(), rel=1e-5)
 
 
 def test_distance_layers_are_capped_at_zero_and_reach_it_on_their_own_key():

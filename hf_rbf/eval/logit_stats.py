@@ -139,14 +139,18 @@ class record_attention_logits:
     """Context manager: while open, every attention call of ``model`` updates the per-(layer, head) maximum logit.
 
     ``stats`` (after the block): one dict per layer, ``{"layer", "kind", "max_logit", "max_logit_per_head",
-    "calls"}``; ``max_logit`` is None for a layer that made no recorded call (e.g. a decode step through a sorted
-    cache, which reads the cache by its own kernel).
+    "max_spread", "max_spread_per_head", "calls"}``.  ``max_spread`` is the largest within-row range
+    ``max_j s_ij - min_j s_ij`` over the allowed keys: what the softmax actually sees (it ignores a row's constant), so
+    it compares kinds whose logits sit at different offsets (RBF's are shifted down by ``gamma ||q||^2``).  Values are
+    None for a layer that made no recorded call (e.g. a decode step through a sorted cache, which reads the cache by
+    its own kernel).
     """
 
     def __init__(self, model: torch.nn.Module):
         self.modules = _attention_modules(model)
         self._current = None
         self._max = {}
+        self._spread = {}
         self._calls = {}
         self._patches = []
         self._hooks = []
@@ -161,10 +165,14 @@ class record_attention_logits:
                 with torch.no_grad():
                     logits, allowed = call_logits(name, dict(bound.arguments))
                     allowed = allowed.expand_as(logits)
-                    per_head = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+                    row_max = logits.masked_fill(~allowed, float("-inf")).amax(dim=-1)
+                    row_min = logits.masked_fill(~allowed, float("inf")).amin(dim=-1)
+                    spread = (row_max - row_min).masked_fill(~allowed.any(dim=-1), float("-inf")).amax(dim=(0, 2))
+                    per_head = row_max.amax(dim=(0, 2))
                 idx = recorder._current.layer_idx
-                prev = recorder._max.get(idx)
-                recorder._max[idx] = per_head if prev is None else torch.maximum(prev, per_head)
+                for store, value in ((recorder._max, per_head), (recorder._spread, spread)):
+                    prev = store.get(idx)
+                    store[idx] = value if prev is None else torch.maximum(prev, value)
                 recorder._calls[idx] = recorder._calls.get(idx, 0) + 1
             return original(*args, **kwargs)
 
@@ -209,12 +217,15 @@ class record_attention_logits:
         out = []
         for module in self.modules:
             per_head = self._max.get(module.layer_idx)
+            spread = self._spread.get(module.layer_idx)
             out.append(
                 {
                     "layer": module.layer_idx,
                     "kind": module.kind,
                     "max_logit": None if per_head is None else float(per_head.max()),
                     "max_logit_per_head": None if per_head is None else [float(v) for v in per_head],
+                    "max_spread": None if spread is None else float(spread.max()),
+                    "max_spread_per_head": None if spread is None else [float(v) for v in spread],
                     "calls": self._calls.get(module.layer_idx, 0),
                 }
             )
@@ -237,11 +248,13 @@ def attention_logit_stats(model: torch.nn.Module, **inputs) -> list[dict]:
 
 def format_stats(stats: list[dict]) -> str:
     """A plain-text table: one row per layer."""
-    lines = ["layer  kind    max logit  per head"]
+    lines = ["layer  kind    max logit  max spread  per head (max logit / spread)"]
     for s in stats:
-        heads = "n/a" if s["max_logit_per_head"] is None else " ".join(f"{v:.3f}" for v in s["max_logit_per_head"])
-        top = "n/a" if s["max_logit"] is None else f"{s['max_logit']:.4f}"
-        lines.append(f"{s['layer']:>5}  {s['kind']:<6}  {top:>9}  {heads}")
+        if s["max_logit"] is None:
+            lines.append(f"{s['layer']:>5}  {s['kind']:<6}  {'n/a':>9}  {'n/a':>10}  n/a")
+            continue
+        heads = " ".join(f"{m:.3f}/{w:.3f}" for m, w in zip(s["max_logit_per_head"], s["max_spread_per_head"]))
+        lines.append(f"{s['layer']:>5}  {s['kind']:<6}  {s['max_logit']:>9.4f}  {s['max_spread']:>10.4f}  {heads}")
     return "\n".join(lines)
 
 
