@@ -207,6 +207,9 @@ def measure_run(cfg: dict, summary: dict, settings: dict, log=print) -> dict:
     gap_blocks = int(settings["train_gap_blocks"])
 
     out: dict = {"attention_parameters": attention_parameters(model)}
+    # every variant's validation loss the same way: float32, the language-model term only (Trainer's eval_loss of a
+    # scalar-sort / hybrid model with regularizers includes them), on all validation blocks
+    out["validation_lm_loss"] = mean_token_loss(model, data["validation"], len(data["validation"]), batch, device)
     train_loss = mean_token_loss(model, data["train"], gap_blocks, batch, device)
     val_loss = mean_token_loss(model, data["validation"], gap_blocks, batch, device)
     out["train_val_gap"] = {
@@ -241,6 +244,30 @@ def measure_run(cfg: dict, summary: dict, settings: dict, log=print) -> dict:
     return out
 
 
+REGULARIZER_TERMS = ("align", "spread", "tau")
+
+
+def language_model_curve(log_history: list[dict], model_config: dict) -> list[dict]:
+    """The loss curve of the language-model term: ``loss`` minus the weighted regularizer terms that
+    ``HfRbfTrainer`` logs with it (their means over the same steps; the weight logged with the row when a schedule
+    is set, else the config's); the ``eval_loss`` points are dropped for a regularized model (Trainer's evaluation
+    does not split them).  Without regularizers the curve is the logged one."""
+    weights = {t: float(model_config.get(f"{t}_loss_weight") or 0.0) for t in REGULARIZER_TERMS}
+    regularized = any(weights.values())
+    out = []
+    for row in log_history:
+        kept = {k: row[k] for k in ("step", "tokens_seen", "loss", "eval_loss") if k in row}
+        if regularized:
+            kept.pop("eval_loss", None)
+            if "loss" in kept:
+                kept["loss"] -= sum(
+                    float(row.get(f"{t}_loss_weight", w)) * float(row.get(f"{t}_loss", 0.0)) for t, w in weights.items()
+                )
+        if "loss" in kept or "eval_loss" in kept:
+            out.append(kept)
+    return out
+
+
 def flat_metrics(
     summary: dict,
     measured: dict,
@@ -250,6 +277,8 @@ def flat_metrics(
 ) -> dict:
     """The per-run numbers the table and the claims read (``None`` where a run has no such number).
 
+    ``eval_loss`` is the measured language-model validation loss (``measure_run``), ``trainer_eval_loss`` Trainer's
+    (with a regularized model's regularizers).  ``log_history`` is :func:`language_model_curve`'s.
     ``first_eval_loss`` (the validation loss at the first scheduled evaluation) and ``mean_train_loss`` (the mean of
     every training step's loss: the area under the curve) are the two "converges faster" numbers."""
 
@@ -266,7 +295,8 @@ def flat_metrics(
         long_mass = cm["mean_mass"].get(f"{cm['contexts'][-1]}:{k}")
     first_eval = next((row["eval_loss"] for row in log_history if "eval_loss" in row), None)
     return {
-        "eval_loss": _finite(summary.get("eval_loss")),
+        "eval_loss": _finite(measured["validation_lm_loss"]),
+        "trainer_eval_loss": _finite(summary.get("eval_loss")),
         "bits_per_byte": _finite(summary.get("bits_per_byte")),
         "core": (core or {}).get("core_metric"),
         "mean_train_loss": _finite(summary.get("mean_train_loss")),
@@ -290,6 +320,7 @@ __all__ = [
     "captured_mass_curve",
     "flat_metrics",
     "initial_model",
+    "language_model_curve",
     "mean_token_loss",
     "measure_run",
     "prefix_layout",

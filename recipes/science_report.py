@@ -218,7 +218,9 @@ def results_table(results: dict, variants: list[str], seeds: list[int], failures
     lines.append("")
     lines.append(
         "Mean ± sample standard deviation over the seeds (n = seeds with results; n=1: no spread). Validation loss: "
-        "nats per token on the held-out blocks; validation - train loss: the final model's loss on validation blocks "
+        "nats per token of the language-model term on every held-out block, the final model in float32 (the same "
+        "computation for every variant; Trainer's eval loss of a regularized scalar-sort model adds the "
+        "regularizers); validation loss at 1st eval: Trainer's, left out for regularized models; validation - train loss: the final model's loss on validation blocks "
         "minus on as many training blocks (the first packed ones: the first training source's text); register mass: the largest over layers of the mean attention share on the "
         "register keys; tau: mean over layers and heads at initialisation and after training; captured mass: share of "
         "exact attention mass in the sorted cache's window at the longest measured context. `not measured`: the "

@@ -294,7 +294,7 @@ def run_one(
     """Train / evaluate / measure one (variant, seed), each stage resumed from its files; returns "done" (already
     finished), "finished" or "stopped" (``stop_at_step`` reached; run again to continue)."""
     from recipes import pretrain
-    from recipes.science_measure import flat_metrics, measure_run
+    from recipes.science_measure import flat_metrics, language_model_curve, measure_run
 
     out_dir = run_dir(output, variant, seed)
     if os.path.exists(os.path.join(out_dir, RESULT_FILE)):
@@ -314,6 +314,7 @@ def run_one(
         measured = measure_run(cfg, summary, science["measurements"], log)
         _write_json(os.path.join(out_dir, "measure.json"), measured)
     metrics = _read_json(os.path.join(out_dir, "metrics.json")) or {"log_history": []}
+    curve = language_model_curve(metrics["log_history"], summary["model_config"])
     cm_settings = science["measurements"].get("captured_mass") or {}
     small = dict(measured)
     if small.get("captured_mass"):
@@ -325,16 +326,12 @@ def run_one(
             summary,
             measured,
             core if core and "core_metric" in core else None,
-            metrics["log_history"],
+            curve,
             cm_settings.get("claim_window"),
         ),
         "measurements": small,
         "core": {k: core[k] for k in ("core_metric", "label", "skipped") if k in core} if core else None,
-        "log_history": [
-            {k: r[k] for k in ("step", "tokens_seen", "loss", "eval_loss") if k in r}
-            for r in metrics["log_history"]
-            if "loss" in r or "eval_loss" in r
-        ],
+        "log_history": curve,
         "summary": {
             k: summary.get(k)
             for k in (

@@ -105,6 +105,14 @@ def test_science_table_trains_resumes_and_fills_the_card(tmp_path, keep_threads)
     assert all(0 < cm["mean_mass"][f"{c}:8"] <= 1 for c in cm["contexts"])
     assert ss["metrics"]["captured_mass_longest"] == cm["mean_mass"]["64:8"]
 
+    # the regularized model: its table loss is the language-model term, below Trainer's (which adds the regularizers)
+    assert ss["metrics"]["eval_loss"] == ss["measurements"]["validation_lm_loss"] < ss["metrics"]["trainer_eval_loss"]
+    assert ss["metrics"]["first_eval_loss"] is None and all("eval_loss" not in r for r in ss["log_history"])
+    logged = json.loads(Path(out, "runs", "scalar_sort_reg", "seed0", "metrics.json").read_text())["log_history"][0]
+    lm = logged["loss"] - logged["align_loss"] - 0.1 * logged["spread_loss"] - 0.1 * logged["tau_loss"]
+    assert ss["log_history"][0]["loss"] == pytest.approx(lm, abs=1e-12)
+    assert rbf["metrics"]["first_eval_loss"] == next(r["eval_loss"] for r in rbf["log_history"] if "eval_loss" in r)
+
     core_json = os.path.join(out, "runs", "rbf", "seed0", "core.json")
     if os.path.isdir(os.path.join(REPO, "..", "shared", "data", "core")):  # the bundle is shared data, not shipped
         assert rbf["core"]["label"] == "CORE-1" and isinstance(rbf["metrics"]["core"], float)
@@ -221,6 +229,23 @@ def test_temperatures_at_initialisation():
     got = temperatures(per_token, blocks, 2, 2, "cpu")
     assert len(got) == 2 and all(t > 0 for t in got)
     assert temperatures(_tiny("rbf"), blocks, 2, 2, "cpu") is None
+
+
+def test_language_model_curve():
+    from recipes.science_measure import language_model_curve
+
+    rows = [
+        {"step": 1, "loss": 5.0, "align_loss": 0.5, "spread_loss": 2.0, "tau_loss": 1.0, "grad_norm": 1.0},
+        {"step": 2, "loss": 4.0, "align_loss": 0.5, "align_loss_weight": 0.5, "spread_loss": 2.0, "tau_loss": 0.0},
+        {"step": 2, "eval_loss": 4.5},
+    ]
+    weights = {"align_loss_weight": 1.0, "spread_loss_weight": 0.1, "tau_loss_weight": 0.1}
+    assert language_model_curve(rows, weights) == [
+        {"step": 1, "loss": 5.0 - 0.5 - 0.2 - 0.1},
+        {"step": 2, "loss": 4.0 - 0.25 - 0.2},
+    ]
+    plain = language_model_curve(rows, {"align_loss_weight": 0.0})
+    assert plain == [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "eval_loss": 4.5}]
 
 
 def test_capped_contexts():
