@@ -37,6 +37,21 @@ def sorted_lm(model):
     )
 
 
+def layer_call_states(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(hidden [B, N, D], registers [1, R, D] or None)``: the text and register states a decoder layer was called
+    with (as a forward pre-hook sees the call), whether the layer takes them as two tensors or as one flat
+    ``[B * N + R, D]`` buffer with ``text_shape = (B, N)``."""
+    if "text_shape" in kwargs:
+        rows = args[0] if args else kwargs["rows"]
+        b, n = kwargs["text_shape"]
+        hidden = rows[: b * n].view(b, n, rows.shape[-1])
+        registers = rows[b * n :].unsqueeze(0) if rows.shape[0] > b * n else None
+        return hidden, registers
+    hidden = args[0] if args else kwargs["hidden_states"]
+    registers = args[1] if len(args) > 1 else kwargs.get("register_states")
+    return hidden, registers
+
+
 def _check_windows(windows) -> list[int]:
     ok = isinstance(windows, (list, tuple)) and len(windows) > 0
     ok = ok and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in windows)
@@ -113,8 +128,7 @@ def batch_captured_mass(
         if not hasattr(attn, "attention_weights") or attn.window is not None or not any(attn.scalar_head_list):
             continue  # "dot" layers and sliding layers have no sorted window
         args, kwargs = captured[idx]
-        hidden = args[0] if args else kwargs["hidden_states"]
-        registers = args[1] if len(args) > 1 else kwargs.get("register_states")
+        hidden, registers = layer_call_states(args, kwargs)
         x = layer.input_layernorm(hidden)
         rx = layer.input_layernorm.scale_only(registers) if registers is not None else None
         weights, qs, ks, p = attn.attention_weights(x, rx, kwargs["position_embeddings"], rows)
@@ -207,4 +221,4 @@ class CapturedMassCallback(TrainerCallback):
         self.trainer.log(self.metrics(model if model is not None else self.trainer.model))
 
 
-__all__ = ["CapturedMassCallback", "batch_captured_mass", "sorted_lm"]
+__all__ = ["CapturedMassCallback", "batch_captured_mass", "layer_call_states", "sorted_lm"]

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 
 import torch
 
+from .captured_mass_callback import layer_call_states, sorted_lm
+
 STATS = ("distance_mean", "distance_median", "scaled_distance_mean", "outside_fraction")
 
 
@@ -129,8 +131,6 @@ def token_disposal(
         "count": int}}], "summary": {class: {stat: float}}}``: per layer the statistics over every key of the batch in
         the class (heads without a scalar term are NaN); ``summary`` averages them over layers and scalar heads.
     """
-    from .captured_mass_callback import sorted_lm
-
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("token_disposal: `input_ids` must be a [B, N] tensor")
     lm = sorted_lm(model)
@@ -163,7 +163,7 @@ def token_disposal(
         if not hasattr(attn, "scalar_head_list") or not any(attn.scalar_head_list):
             continue
         args, kwargs = captured[idx]
-        x = layer.input_layernorm(args[0] if args else kwargs["hidden_states"])
+        x = layer.input_layernorm(layer_call_states(args, kwargs)[0])
         proj = attn.project(x, kwargs["position_embeddings"])
         tau = attn.temperature(x)
         heads = torch.tensor(attn.scalar_head_list)
