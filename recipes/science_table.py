@@ -3,7 +3,8 @@ the loss-curve figures written into a model card; resumable.
 
     python recipes/science_table.py --config recipes/configs/science_tinystories.yaml [--only rbf,llama]
         [--seeds 0,1,2] [--output outputs/science] [--set training.max_steps=500 ...] [--stop-at-step N]
-        [--report-only] [--card model_cards/science.md] [--figures model_cards/figures] [--store DIR]
+        [--max-minutes M] [--report-only] [--card model_cards/science.md] [--figures model_cards/figures]
+        [--store DIR]
 
 A science config (``recipes/configs/science_*.yaml``) names the pretraining recipes the variants start from
 (``recipes/configs/*.yaml``, read by ``recipes/pretrain_config.load_config``) and the overrides that make each
@@ -490,6 +491,13 @@ def parse_args(argv=None):
         help="stop each unfinished run at this step with a checkpoint (continue by running again)",
     )
     p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="start no new run after this many minutes (one already started finishes, or is cut by the caller's "
+        "time limit and resumes next time); the runs left are listed as not run",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="write the card and figures from existing results",
@@ -536,6 +544,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--only: unknown variants {unknown}; the config has {variants}")
         variants = chosen
     failed = 0
+    t_start = time.time()
     if not args.report_only:
         os.makedirs(output, exist_ok=True)
         recipes = {
@@ -546,6 +555,10 @@ def main(argv=None) -> int:
         for variant in variants:
             for seed in seeds:
                 t0 = time.time()
+                if args.max_minutes is not None and t0 - t_start >= 60 * args.max_minutes:
+                    if not os.path.exists(os.path.join(run_dir(output, variant, seed), RESULT_FILE)):
+                        print(f"[science] {variant} seed {seed}: not started (--max-minutes {args.max_minutes:g})")
+                    continue
                 try:
                     status = run_one(
                         science,

@@ -61,6 +61,10 @@ def test_science_table_trains_resumes_and_fills_the_card(tmp_path, keep_threads)
         figures,
     ]
 
+    # 0. a session whose time is already up starts nothing (but prepares the shared data and writes the card)
+    assert main(common + ["--max-minutes", "0"]) == 0
+    assert not os.path.exists(os.path.join(out, "runs")) and "| rbf | 0/2 |" in Path(card).read_text()
+
     # 1. one variant, both seeds, to the end; the others are listed as not run
     assert main(common + ["--only", "rbf"]) == 0
     first = {s: _results_mtime(out, "rbf", s) for s in (0, 1)}
