@@ -39,14 +39,7 @@ def sorted_lm(model):
 
 def layer_call_states(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(hidden [B, N, D], registers [1, R, D] or None)``: the text and register states a decoder layer was called
-    with (as a forward pre-hook sees the call), whether the layer takes them as two tensors or as one flat
-    ``[B * N + R, D]`` buffer with ``text_shape = (B, N)``."""
-    if "text_shape" in kwargs:
-        rows = args[0] if args else kwargs["rows"]
-        b, n = kwargs["text_shape"]
-        hidden = rows[: b * n].view(b, n, rows.shape[-1])
-        registers = rows[b * n :].unsqueeze(0) if rows.shape[0] > b * n else None
-        return hidden, registers
+    with, as a forward pre-hook sees the call (``DecoderModel`` passes them positionally, views of its flat rows)."""
     hidden = args[0] if args else kwargs["hidden_states"]
     registers = args[1] if len(args) > 1 else kwargs.get("register_states")
     return hidden, registers
