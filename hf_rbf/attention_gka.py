@@ -15,6 +15,7 @@ from .attention_gka_triton import gka_attention_triton, gka_triton_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
+    autocast_inputs,
     check_dim,
     check_same,
     check_return_weights,
@@ -111,6 +112,7 @@ def gka_attention(
     """
     check_return_weights(OP, return_weights, backend)
     check_tensor(OP, "x", x, 4, "[B, H, N, d]")
+    x, query = autocast_inputs(x, query)
     b, h, nk, d = x.shape
     if query is None:
         query = x

@@ -17,6 +17,7 @@ from .attention_hybrid_triton import hybrid_attention_triton, hybrid_triton_reas
 from .attention_scalar import check_grouped_values, scalar_scores
 from .attention_utils import (
     MaskArgs,
+    autocast_inputs,
     allowed_mask,
     check_dim,
     check_same,
@@ -109,6 +110,7 @@ def hybrid_attention(
     check_tensor(OP, "v", v, 4, "[B, G, Nk, Dv]")
     check_tensor(OP, "qs", qs, 3, "[B, H, Nq]")
     check_tensor(OP, "ks", ks, 3, "[B, H, Nk]")
+    q, k, v, qs, ks = autocast_inputs(q, k, v, qs, ks)
     check_same(OP, {"q": q, "k": k, "v": v, "qs": qs, "ks": ks})
     b, h, nq, d = q.shape
     nk = k.shape[2]

@@ -17,6 +17,7 @@ from .attention_rbf_sdpa import rbf_attention_sdpa, rbf_sdpa_reason
 from .attention_rbf_triton import rbf_attention_triton, rbf_triton_reason
 from .attention_utils import (
     MaskArgs,
+    autocast_inputs,
     allowed_mask,
     check_dim,
     check_same,
@@ -119,6 +120,7 @@ def rbf_attention(
     check_tensor(OP, "q", q, 4, "[B, H, Nq, D]")
     check_tensor(OP, "k", k, 4, "[B, H, Nk, D]")
     check_tensor(OP, "v", v, 4, "[B, H, Nk, Dv]")
+    q, k, v = autocast_inputs(q, k, v)
     check_same(OP, {"q": q, "k": k, "v": v})
     b, h, nq, d = q.shape
     nk = k.shape[2]

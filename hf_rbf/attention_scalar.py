@@ -12,6 +12,7 @@ from .attention_scalar_sdpa import scalar_attention_sdpa, scalar_sdpa_reason
 from .attention_scalar_triton import scalar_attention_triton, scalar_triton_reason
 from .attention_utils import (
     MaskArgs,
+    autocast_inputs,
     allowed_mask,
     check_dim,
     check_same,
@@ -122,6 +123,7 @@ def scalar_attention(
     check_tensor(OP, "qs", qs, 3, "[B, H, Nq]")
     check_tensor(OP, "ks", ks, 3, "[B, H, Nk]")
     check_tensor(OP, "v", v, 4, "[B, G, Nk, Dv]")
+    qs, ks, v = autocast_inputs(qs, ks, v)
     check_same(OP, {"qs": qs, "ks": ks, "v": v})
     b, h, nq = qs.shape
     nk = ks.shape[2]

@@ -70,6 +70,22 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
+def autocast_inputs(*tensors):
+    """The floating tensors in autocast's lower-precision dtype where autocast is on for their device, as PyTorch casts
+    the inputs of its own ``scaled_dot_product_attention``; None and integer tensors pass through.
+
+    Without it, a float32 input under bf16 autocast -- GKA's features, which no projection casts, the residual stream
+    being float32 -- ran the fused kernels' matmuls in float32: 65 ms per backward call at d768 instead of about 0.3
+    (``benchmarks/results/h100-profile-2026-11-25/run4-register-rows``).
+    """
+    first = next(t for t in tensors if t is not None)
+    device_type = first.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+
+
 def check_tensor(op: str, name: str, t, ndim: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: `{name}` must be a torch.Tensor {layout}; got {type(t).__name__}")

@@ -39,3 +39,25 @@ def test_bf16_autocast_forward_backward(family, overrides):
     with torch.no_grad():
         ref = model(input_ids=ids, labels=ids).loss
     assert abs(out.loss.item() - ref.item()) < 0.05 * abs(ref.item())
+
+
+@pytest.mark.parametrize("op", ["rbf", "gka", "hybrid", "scalar"])
+def test_attention_functions_take_autocast_dtype(op):
+    """Under autocast the attention functions cast their float32 inputs to autocast's dtype, as PyTorch's SDPA does
+    (GKA's features come straight from the float32 residual stream: uncast, the fused kernels ran float32 matmuls)."""
+    import hf_rbf
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    qs, ks = torch.randn(1, 2, 5, generator=g), torch.randn(1, 2, 5, generator=g)
+    calls = {
+        "rbf": lambda q, k, v, qs, ks: hf_rbf.rbf_attention(q, k, v),
+        "gka": lambda q, k, v, qs, ks: hf_rbf.gka_attention(q, 0.3),
+        "hybrid": lambda q, k, v, qs, ks: hf_rbf.hybrid_attention(q, k, v, qs, ks, 0.5),
+        "scalar": lambda q, k, v, qs, ks: hf_rbf.scalar_attention(qs, ks, v, 0.5),
+    }
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = calls[op](q, k, v, qs, ks)
+        ref = calls[op](*(t.bfloat16() for t in (q, k, v, qs, ks)))  # what the cast must amount to
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
