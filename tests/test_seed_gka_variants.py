@@ -299,3 +299,55 @@ def test_vit_approximations_train_reload_and_refuse_backends(approximation, tmp_
         GkaVitConfig.from_preset("mnist-tiny", gka_approximation=approximation, gka_backend="sdpa")
     with pytest.raises(ValueError, match="`gka_approximation` must be one of"):
         GkaVitConfig.from_preset("mnist-tiny", gka_approximation="fft")
+
+
+def test_remote_code_without_hf_rbf_serves_vlt_qk_norm_and_random_features(tmp_path, hf_home):
+    """The new options travel with the checkpoint: a process where hf_rbf cannot be imported loads it with
+    trust_remote_code (attention_gka_approx.py copied beside modeling_gka.py) and reproduces logits and tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_model_auto import _REMOTE_SCRIPT, _inputs
+
+    model = build_model(
+        "gka",
+        dict(
+            num_hidden_layers=3,
+            attention_layers=["gka", "vlt", "dot"],
+            qk_norm=True,
+            num_register_tokens=1,
+            gka_approximation="random_features",
+            gka_approximation_size=16,
+        ),
+    )
+    ids, mask = _inputs(model.config.vocab_size)
+    with torch.no_grad():
+        ref = {
+            "ids": ids,
+            "mask": mask,
+            "logits": model(ids, attention_mask=mask).logits,
+            "hidden": model.model(ids, attention_mask=mask).last_hidden_state,
+            "tokens": model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0),
+        }
+    model.save_pretrained(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "attention_gka_approx.py").exists()
+    torch.save(ref, tmp_path / "ref.pt")
+    (tmp_path / "load_remote.py").write_text(_REMOTE_SCRIPT)
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env["HF_HOME"] = hf_home
+    env["HF_MODULES_CACHE"] = os.path.join(str(tmp_path), "modules")
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "load_remote.py"), str(tmp_path / "ckpt"), str(tmp_path / "ref.pt")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["logits_equal"] and result["hidden_equal"] and result["tokens_equal"], result
+    assert not result["hf_rbf_loaded"]
