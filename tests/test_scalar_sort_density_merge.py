@@ -75,7 +75,8 @@ def test_attention_weighted_merge_of_three_adjacent_keys_by_hand(hybrid):
     assert sorted(held) == [2, 3, 4, 5]  # the merged entry keeps the newest token's index
     key, value, vector_key, log_weight, multiplicity = held[2]
     assert key == pytest.approx(sum(wi * k for wi, k in zip(w, KEYS[:3])), abs=1e-12)
-    assert value == pytest.approx([sum(wi * (i + 1) for i, wi in enumerate(w)), sum(wi * 10 * (i + 1) for i, wi in enumerate(w))], abs=1e-12)  # fmt: skip
+    mean_value = sum(wi * (i + 1) for i, wi in enumerate(w))
+    assert value == pytest.approx([mean_value, 10 * mean_value], abs=1e-12)
     if hybrid:
         assert vector_key == pytest.approx([w[0] + w[2], w[1] + w[2]], abs=1e-12)
     assert log_weight == pytest.approx(math.log(3.0), abs=1e-12)  # carries the kernel mass of three tokens

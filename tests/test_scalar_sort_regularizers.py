@@ -73,8 +73,8 @@ def test_align_equals_the_materialised_definition_with_the_right_gradients(case,
 
         model.zero_grad()
         total, count = attn.regularizer_terms(x, rx, attention_mask=am, position_embeddings=pos, align=True,
-                                              spread=False, tau=False, spread_range=[-3, 3],
-                                              spread_adaptive_width=3.0, align_gradient=align_gradient)["align"]  # fmt: skip
+                                              spread=False, tau=False, spread_range=[-3, 3], spread_adaptive_width=3.0,
+                                              align_gradient=align_gradient)["align"]  # fmt: skip
         (total / count).backward()
         got = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None and p.grad.abs().max() > 0}
 

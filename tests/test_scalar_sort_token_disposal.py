@@ -66,7 +66,7 @@ def test_a_model_that_parks_one_class_far_from_every_query(family):
     scalar = torch.tensor(attn.scalar_head_list)
     tau = attn.temperature(torch.zeros(1, 1, d)).double().flatten()
     assert layer["parked"]["count"] == 6 and layer["content"]["count"] == 10 and layer["rest"]["count"] == 0
-    assert torch.allclose(layer["parked"]["distance_mean"][scalar], torch.full((int(scalar.sum()),), 2.0, dtype=torch.float64), atol=1e-5)  # fmt: skip
+    assert torch.allclose(layer["parked"]["distance_mean"][scalar], torch.tensor(2.0, dtype=torch.float64), atol=1e-5)
     assert (layer["parked"]["outside_fraction"][scalar] == 1.0).all()
     assert (layer["content"]["distance_mean"][scalar].abs() < 1e-6).all()
     assert (layer["content"]["outside_fraction"][scalar] == 0.0).all()
