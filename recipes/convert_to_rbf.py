@@ -1,17 +1,30 @@
-"""Convert a trained dot-product causal LM to RBF attention, then recover it with LoRA and with full fine-tuning.
+"""Convert a trained dot-product causal LM to distance attention, then recover it with LoRA and full fine-tuning.
 
     python recipes/convert_to_rbf.py --config recipes/configs/cpu_convert.yaml [--set key=value ...]
-        [--model DIR] [--steps 150] [--learning-rate 1e-3] [--lora-rank 8] [--output outputs/convert_to_rbf]
+        [--model DIR] [--targets rbf hybrid_sort] [--steps 150] [--learning-rate 1e-3] [--lora-rank 8]
+        [--output outputs/convert_to_rbf] [--retrain]
 
 1. The dot-product model: ``--model DIR`` (any causal LM whose attention dispatches through transformers'
-   ``ALL_ATTENTION_FUNCTIONS``, with its tokenizer), or, without it, the recipe's model trained first by
-   ``recipes/pretrain.py`` (``cpu_convert.yaml``: a Llama at the main job's size, data and schedule).
-2. Validation loss on the recipe's validation blocks: with the model's own attention (SDPA), right after switching to
-   ``attn_implementation="rbf"`` (``docs/stock_models.md``: gamma = scaling / 2 keeps the dot-product logits and adds
-   the key-norm penalty), after LoRA on the attention projections, and after full fine-tuning.  Both recoveries use
-   ``Trainer`` with the same steps, batch and learning rate on the recipe's training blocks.
-3. A control: the dot-product model fine-tuned the same way (the extra steps alone also lower the loss).
-4. Forward tokens/s over the validation blocks, the original against the converted model, in this process.
+   ``ALL_ATTENTION_FUNCTIONS``, with its tokenizer), or, without it, the recipe's model trained by
+   ``recipes/pretrain.py`` (``cpu_convert.yaml``: a Llama at the main job's size, data and schedule).  A finished
+   ``<output_dir>/final`` of the recipe is reused (``--retrain`` trains it again).
+2. The targets (``--targets``, both by default):
+
+   * ``rbf``: the same model switched to ``attn_implementation="rbf"`` (``docs/stock_models.md``: gamma = scaling / 2
+     keeps the dot-product logits and adds a key-norm penalty).  It needs nothing but the attention interface.
+   * ``hybrid_sort``: the weights converted into our :class:`~hf_rbf.HybridSortForCausalLM`
+     (:func:`hf_rbf.convert_llama.convert_llama`), score ``q.k / sqrt(d) - (qs - ks)^2 / tau``.  It needs our model
+     classes: a stock model has no scalar projections.  It starts with the original's logits (``qs_proj`` small and
+     random, ``ks_proj`` zero: the scalar term is a constant per query, which the softmax removes; both at zero would
+     never get a gradient) and has to learn its scalar term.  Llama-architecture sources only (Llama, Mistral, Qwen2).
+
+3. For each target: validation loss right after the switch, after LoRA (rank ``--lora-rank`` on W_Q, W_K, W_V, W_O; the
+   hybrid's new scalar projections ``qs_proj`` / ``ks_proj`` are trained in full, as PEFT ``modules_to_save``: they
+   are ``H x D`` each, smaller than a LoRA pair) and after full fine-tuning.  Every recovery uses ``Trainer`` with the
+   same steps, batch and learning rate on the recipe's training blocks.
+4. A control: the dot-product model fine-tuned the same way (the extra steps alone also lower the loss).
+5. Forward tokens/s over validation blocks: the original and every converted model, interleaved in this process.
+6. For the hybrid: how much its scalar term does, before and after the recoveries (:func:`scalar_term_share`).
 
 Writes ``<output>/conversion.json`` and ``conversion.md`` (the table).
 """
@@ -28,10 +41,18 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+import yaml
 
 from recipes.pretrain_config import load_config
 
+TARGETS = ("rbf", "hybrid_sort")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The hybrid's new parameters that LoRA runs train in full (PEFT modules_to_save).
+HYBRID_NEW_MODULES = ("qs_proj", "ks_proj")
+TARGET_TITLES = {
+    "rbf": 'switched to `attn_implementation="rbf"`',
+    "hybrid_sort": "converted to `HybridSortForCausalLM` (scalar term from zero)",
+}
 
 
 def validation_loss(model, blocks, batch_size: int = 16) -> float:
@@ -47,6 +68,74 @@ def validation_loss(model, blocks, batch_size: int = 16) -> float:
             total += float(loss) * ids.shape[0]
             count += ids.shape[0]
     return total / max(count, 1)
+
+
+def max_logit_difference(model, reference, blocks, batch_size: int = 16) -> float:
+    """Largest absolute difference between the logits of ``model`` and ``reference`` on the first validation blocks."""
+    device = next(model.parameters()).device
+    ids = torch.stack([torch.as_tensor(x, dtype=torch.long) for x in blocks[:batch_size]]).to(device)
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        a = model(input_ids=ids, use_cache=False).logits
+        b = reference(input_ids=ids, use_cache=False).logits
+    return float((a.float() - b.float()).abs().max())
+
+
+def scalar_term_share(model, blocks, batch_size: int = 8) -> float:
+    """How much the hybrid's scalar term moves the attention, relative to its dot-product term.
+
+    Per layer, head and query ``i``: the standard deviation over the visible keys ``j <= i`` of the scalar score
+    ``-(qs_i - ks_j)^2 / tau`` and of the dot score ``q_i.k_j / sqrt(d)`` (a constant shift of a row changes nothing in
+    the softmax, its spread over keys is what selects them); the ratio of their means over queries, heads and layers.
+    0 = the scalar term does nothing (the converted model's start), 1 = it moves the scores as much as the dot product.
+    """
+    from hf_rbf.modeling_hybrid_sort import HybridSortAttention
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = [m for m in inner.modules() if isinstance(m, HybridSortAttention)]
+    if not layers:
+        raise ValueError("scalar_term_share needs a model with HybridSortAttention layers")
+    captured = {}
+
+    def hook(module, args, kwargs):
+        captured[module] = (args[0], kwargs["position_embeddings"])
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in layers]
+    device = next(model.parameters()).device
+    ids = torch.stack([torch.as_tensor(x, dtype=torch.long) for x in blocks[:batch_size]]).to(device)
+    scalar_spread, dot_spread = 0.0, 0.0
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+            n = ids.shape[1]
+            visible = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            for m in layers:
+                x, position_embeddings = captured[m]
+                proj = m.project(x, position_embeddings)
+                tau = m.temperature(x).float()
+                tau = tau.view(1, -1, 1, 1) if tau.dim() == 1 else tau.unsqueeze(-1)
+                scalar = -((proj.qs.float().unsqueeze(-1) - proj.ks.float().unsqueeze(-2)) ** 2) / tau
+                scale = m._scale(device)
+                scale = scale.view(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
+                dot = scale * (proj.q.float() @ proj.k.float().transpose(-1, -2))
+                scalar_spread += float(_masked_row_std(scalar, visible).mean())
+                dot_spread += float(_masked_row_std(dot, visible).mean())
+    finally:
+        for h in handles:
+            h.remove()
+    return scalar_spread / max(dot_spread, 1e-30)
+
+
+def _masked_row_std(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Standard deviation over the visible keys of each row ``[B, H, N, N]`` -> ``[B, H, N - 1]`` (row 0 has one key and
+    is left out)."""
+    count = visible.sum(-1).to(scores.dtype)
+    zero = scores.new_zeros(())
+    mean = torch.where(visible, scores, zero).sum(-1) / count
+    var = torch.where(visible, (scores - mean.unsqueeze(-1)) ** 2, zero).sum(-1) / count
+    return var[..., 1:].sqrt()
 
 
 def forward_tokens_per_second(models: dict, blocks, batch_size: int = 16, rounds: int = 5) -> dict:
@@ -100,23 +189,57 @@ def fine_tune(model, train, *, steps: int, learning_rate: float, batch_size: int
     return model
 
 
-def convert(cfg: dict, model_dir: str, *, steps: int, learning_rate: float, lora_rank: int, output: str, log=print):
+def last_attention_backend(target: str, model) -> str:
+    """The backend that served the converted model's last forward."""
+    import hf_rbf
+
+    if target == "rbf":
+        return hf_rbf.last_backend("rbf_attention")
+    return model.model.layers[0].self_attn.last_backend
+
+
+def convert(
+    cfg: dict,
+    model_dir: str,
+    *,
+    steps: int,
+    learning_rate: float,
+    lora_rank: int,
+    output: str,
+    targets=TARGETS,
+    hybrid_overrides: dict | None = None,
+    log=print,
+):
     import peft
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_rbf  # noqa: F401  (registers attn_implementation="rbf")
+    from hf_rbf.convert_llama import convert_llama
     from recipes.pretrain_data import prepare_data
 
+    if cfg.get("cpu_threads") is not None and not torch.cuda.is_available():
+        # as recipes/pretrain.py (also when its trained model is reused and it does not run in this process)
+        torch.set_num_threads(cfg["cpu_threads"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = prepare_data(cfg, tokenizer, log=log)
     val_blocks = [row["input_ids"] for row in data["validation"]]
     batch = int(cfg["global_batch_size"])
     seed = int(cfg["seed"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
 
-    def load(implementation):
+    def load(implementation="sdpa"):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=implementation, dtype=torch.float32)
-        return model.to("cuda" if torch.cuda.is_available() else "cpu")
+        return model.to(device)
+
+    def converted(target: str):
+        """A fresh copy of the original, converted to ``target``."""
+        if target == "rbf":
+            model = load()
+            model.set_attn_implementation("rbf")
+            assert model.config._attn_implementation == "rbf"
+            return model
+        return convert_llama(load(), "hybrid_sort", seed=seed, **(hybrid_overrides or {}))
 
     result = {
         "model": os.path.abspath(model_dir),
@@ -125,33 +248,35 @@ def convert(cfg: dict, model_dir: str, *, steps: int, learning_rate: float, lora
         "lora_rank": lora_rank,
         "batch_size": batch,
         "validation_blocks": len(val_blocks),
+        "targets": {target: {} for target in targets},
     }
-    original = load("sdpa")
+    if "hybrid_sort" in targets:
+        result["targets"]["hybrid_sort"]["config_overrides"] = dict(hybrid_overrides or {})
+    original = load()
     result["loss_original"] = validation_loss(original, val_blocks)
-    switched = load("sdpa")
-    switched.set_attn_implementation("rbf")
-    assert switched.config._attn_implementation == "rbf"
-    result["loss_after_switch"] = validation_loss(switched, val_blocks)
-    speed = forward_tokens_per_second({"original": original, "rbf": switched}, val_blocks)
-    result["tokens_per_s_original"], result["tokens_per_s_rbf"] = speed["original"], speed["rbf"]
-    result["rbf_backend"] = hf_rbf.last_backend("rbf_attention")
-    log(
-        f"[convert] validation loss: original {result['loss_original']:.4f}, right after the switch "
-        f"{result['loss_after_switch']:.4f}"
-    )
+    log(f"[convert] validation loss of the original: {result['loss_original']:.4f}")
+    switched = {}
+    for target in targets:
+        r = result["targets"][target]
+        switched[target] = converted(target)
+        r["loss_after_switch"] = validation_loss(switched[target], val_blocks)
+        r["backend"] = last_attention_backend(target, switched[target])
+        r["max_abs_logit_difference"] = max_logit_difference(switched[target], original, val_blocks)
+        if target == "hybrid_sort":
+            r["scalar_term_share_after_switch"] = scalar_term_share(switched[target], val_blocks)
+        log(
+            f"[convert] {target}: right after the switch {r['loss_after_switch']:.4f} (max |logit difference| "
+            f"{r['max_abs_logit_difference']:.3g}, backend {r['backend']})"
+        )
+    speed = forward_tokens_per_second({"original": original, **switched}, val_blocks)
+    result["tokens_per_s_original"] = speed["original"]
+    for target in targets:
+        result["targets"][target]["tokens_per_s"] = speed[target]
     del original
 
-    lora_config = peft.LoraConfig(
-        r=lora_rank,
-        lora_alpha=2 * lora_rank,
-        lora_dropout=0.0,
-        target_modules=list(LORA_TARGETS),
-        task_type="CAUSAL_LM",
-    )
-
-    def recover(model, stage: str) -> float:
+    def recover(model, record: dict, stage: str, run_name: str) -> float:
         """Fine-tune ``model`` with the shared settings; record its trainable parameters and seconds; its loss."""
-        result[f"{stage}_trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        record[f"{stage}_trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         t0 = time.time()
         fine_tune(
             model,
@@ -159,39 +284,93 @@ def convert(cfg: dict, model_dir: str, *, steps: int, learning_rate: float, lora
             steps=steps,
             learning_rate=learning_rate,
             batch_size=batch,
-            output_dir=os.path.join(output, stage),
+            output_dir=os.path.join(output, run_name),
             seed=seed,
         )
-        result[f"{stage}_seconds"] = time.time() - t0
+        record[f"{stage}_seconds"] = time.time() - t0
         return validation_loss(model, val_blocks)
 
-    result["loss_after_lora"] = recover(peft.get_peft_model(switched, lora_config), "lora")
-    log(f"[convert] after LoRA (rank {lora_rank}, {steps} steps): {result['loss_after_lora']:.4f}")
-    del switched
-    result["loss_after_full"] = recover(load("rbf"), "full")
-    log(f"[convert] after full fine-tuning ({steps} steps): {result['loss_after_full']:.4f}")
-    # The control: the dot-product model fine-tuned the same way, so the recoveries are compared with what the extra
-    # steps alone give.
-    result["loss_control_full"] = recover(load("sdpa"), "control")
+    def lora(model, hybrid: bool):
+        config = peft.LoraConfig(
+            r=lora_rank,
+            lora_alpha=2 * lora_rank,
+            lora_dropout=0.0,
+            target_modules=list(LORA_TARGETS),
+            modules_to_save=list(HYBRID_NEW_MODULES) if hybrid else None,
+            task_type="CAUSAL_LM",
+        )
+        return peft.get_peft_model(model, config)
+
+    for target in targets:
+        r = result["targets"][target]
+        lora_model = lora(switched.pop(target), target == "hybrid_sort")
+        r["loss_after_lora"] = recover(lora_model, r, "lora", f"{target}-lora")
+        if target == "hybrid_sort":
+            r["scalar_term_share_after_lora"] = scalar_term_share(lora_model, val_blocks)
+        log(f"[convert] {target}: after LoRA (rank {lora_rank}, {steps} steps): {r['loss_after_lora']:.4f}")
+        del lora_model
+        full = converted(target)
+        r["loss_after_full"] = recover(full, r, "full", f"{target}-full")
+        if target == "hybrid_sort":
+            r["scalar_term_share_after_full"] = scalar_term_share(full, val_blocks)
+        log(f"[convert] {target}: after full fine-tuning ({steps} steps): {r['loss_after_full']:.4f}")
+        del full
+    # The controls: the dot-product model fine-tuned the same two ways, so the recoveries are compared with what the
+    # extra steps alone give.
+    result["loss_control_lora"] = recover(lora(load(), False), result, "control_lora", "control-lora")
+    result["loss_control_full"] = recover(load(), result, "control", "control")
     log(
-        f"[convert] control: the dot-product model fine-tuned the same {steps} steps: {result['loss_control_full']:.4f}"
+        f"[convert] controls: the dot-product model fine-tuned the same {steps} steps: LoRA "
+        f"{result['loss_control_lora']:.4f}, full {result['loss_control_full']:.4f}"
     )
     return result
 
 
 def markdown(result: dict) -> str:
     r = result
-    return (
-        "| stage | validation loss | trainable parameters | forward tokens/s |\n|---|---|---|---|\n"
-        f"| dot product (SDPA), as trained | {r['loss_original']:.4f} | | {r['tokens_per_s_original']:,.0f} |\n"
-        f'| switched to `attn_implementation="rbf"` | {r["loss_after_switch"]:.4f} | | '
-        f"{r['tokens_per_s_rbf']:,.0f} ({r['rbf_backend']}) |\n"
-        f"| + LoRA r{r['lora_rank']} on q/k/v/o, {r['steps']} steps | {r['loss_after_lora']:.4f} | "
-        f"{r['lora_trainable_parameters']:,} | |\n"
-        f"| + full fine-tuning, {r['steps']} steps | {r['loss_after_full']:.4f} | {r['full_trainable_parameters']:,} | |\n"
-        f"| control: dot product fine-tuned the same {r['steps']} steps | {r['loss_control_full']:.4f} | "
-        f"{r['control_trainable_parameters']:,} | |\n"
-    )
+    lines = [
+        "| model | stage | validation loss | trainable parameters | forward tokens/s |",
+        "|---|---|---|---|---|",
+        f"| dot product (SDPA) | as trained | {r['loss_original']:.4f} | | {r['tokens_per_s_original']:,.0f} |",
+    ]
+    for target, t in r["targets"].items():
+        name = TARGET_TITLES[target]
+        lines += [
+            (
+                f"| {name} | right after the switch | {t['loss_after_switch']:.4f} | | "
+                f"{t['tokens_per_s']:,.0f} ({t['backend']}) |"
+            ),
+            f"| {name} | + LoRA r{r['lora_rank']} on q/k/v/o"
+            + (" (qs/ks in full)" if target == "hybrid_sort" else "")
+            + f", {r['steps']} steps | {t['loss_after_lora']:.4f} | {t['lora_trainable_parameters']:,} | |",
+            (
+                f"| {name} | + full fine-tuning, {r['steps']} steps | {t['loss_after_full']:.4f} | "
+                f"{t['full_trainable_parameters']:,} | |"
+            ),
+        ]
+    lines += [
+        (
+            f"| control: dot product | + LoRA r{r['lora_rank']} on q/k/v/o, {r['steps']} steps | "
+            f"{r['loss_control_lora']:.4f} | {r['control_lora_trainable_parameters']:,} | |"
+        ),
+        (
+            f"| control: dot product | + full fine-tuning, {r['steps']} steps | {r['loss_control_full']:.4f} | "
+            f"{r['control_trainable_parameters']:,} | |"
+        ),
+    ]
+    hybrid = r["targets"].get("hybrid_sort")
+    if hybrid is not None:
+        lines += [
+            "",
+            (
+                f"Hybrid start: max |logit difference| to the original {hybrid['max_abs_logit_difference']:.2g}.  "
+                "Scalar term's spread over keys relative to the dot term's: "
+                f"{hybrid['scalar_term_share_after_switch']:.3f} after the switch, "
+                f"{hybrid['scalar_term_share_after_lora']:.3f} after LoRA, "
+                f"{hybrid['scalar_term_share_after_full']:.3f} after full fine-tuning."
+            ),
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -199,30 +378,84 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="recipe (data, batch, seed; and the model to train)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--model", default=None, help="a trained dot-product checkpoint (default: train the recipe)")
+    parser.add_argument(
+        "--targets", nargs="+", default=list(TARGETS), metavar="TARGET", help=f"any of {', '.join(TARGETS)}"
+    )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--output", default="outputs/convert_to_rbf")
+    parser.add_argument("--retrain", action="store_true", help="train the recipe's model even if its final/ exists")
+    parser.add_argument(
+        "--hybrid-set",
+        dest="hybrid_overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a HybridSortConfig field of the converted hybrid (YAML value), e.g. tau_init_range=[0.5,1.0]",
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "lora_rank"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.learning_rate <= 0:
         parser.error("--learning-rate must be positive")
+    bad = [t for t in args.targets if t not in TARGETS]
+    if bad or len(set(args.targets)) != len(args.targets):
+        parser.error(f"--targets must be distinct names from {', '.join(TARGETS)}; got {args.targets}")
     if not os.path.isfile(args.config):
         parser.error(f"--config must be a recipe file; {args.config!r} does not exist")
     if args.model is not None and not os.path.isdir(args.model) and (os.sep in args.model or args.model[:1] == "."):
         parser.error(f"--model must be a checkpoint directory (or a hub name); {args.model!r} does not exist")
+    hybrid_overrides = {}
+    for item in args.hybrid_overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--hybrid-set must be KEY=VALUE; got {item!r}")
+        hybrid_overrides[key] = yaml.safe_load(value)
+    if hybrid_overrides:
+        from transformers import LlamaConfig
+
+        from hf_rbf.convert_llama import hf_rbf_config_from_llama
+
+        try:  # the field checks need no model: a tiny Llama config stands in for the source
+            hf_rbf_config_from_llama(
+                LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2),
+                "hybrid_sort",
+                **hybrid_overrides,
+            )
+        except (TypeError, ValueError) as error:
+            parser.error(f"--hybrid-set must be a valid HybridSortConfig field and value: {error}")
     cfg = load_config(args.config, args.overrides)
     model_dir = args.model
     if model_dir is None:
-        from recipes.pretrain import run
+        final = os.path.join(cfg["output_dir"], "final")
+        if not args.retrain and os.path.isfile(os.path.join(final, "config.json")):
+            print(f"[convert] reusing the trained model in {final} (--retrain trains it again)")
+            model_dir = final
+        else:
+            from recipes.pretrain import run
 
-        summary = run(cfg)
-        model_dir = summary["final_dir"]
+            model_dir = run(cfg)["final_dir"]
+    if "hybrid_sort" in args.targets:
+        from transformers import AutoConfig
+
+        from hf_rbf.convert_llama import check_source_config
+
+        try:
+            check_source_config(AutoConfig.from_pretrained(model_dir))
+        except ValueError as error:
+            parser.error(f"--targets hybrid_sort must have a Llama-architecture --model: {error}")
     os.makedirs(args.output, exist_ok=True)
     result = convert(
-        cfg, model_dir, steps=args.steps, learning_rate=args.learning_rate, lora_rank=args.lora_rank, output=args.output
+        cfg,
+        model_dir,
+        steps=args.steps,
+        learning_rate=args.learning_rate,
+        lora_rank=args.lora_rank,
+        output=args.output,
+        targets=tuple(args.targets),
+        hybrid_overrides=hybrid_overrides,
     )
     with open(os.path.join(args.output, "conversion.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
