@@ -939,7 +939,8 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         compiles it on the GPU) does not recompile as the sequence grows."""
         cache = kwargs.get(CACHE_NAME, kwargs.get("cache", kwargs.get("past_key_values")))
         if isinstance(cache, StaticDecoderCache) and attention_mask is not None and inputs_embeds is not None:
-            return attention_mask[:, -inputs_embeds.shape[1] :]
+            # contiguous: a strided view's strides change with the sequence length, and a compiled step guards on them
+            return attention_mask[:, -inputs_embeds.shape[1] :].contiguous()
         return attention_mask
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
@@ -964,10 +965,17 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
     def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
         """transformers' prefill (chunked with ``generate(..., prefill_chunk_size=...)``), with the cache marked as
         prefilling: the sorted caches then attend exactly for every prompt chunk, as for an unchunked prompt (their
-        windowed read is for decode steps), so chunked prefill gives the logits of unchunked prefill."""
+        windowed read is for decode steps), so chunked prefill gives the logits of unchunked prefill.
+
+        Prompt chunks run eagerly even where ``generate`` compiles the decode step (CUDA + a compileable cache): a
+        chunk's cache writes and reads are sized by host-side lengths, which a compiled step would specialise on and
+        recompile for at every chunk; a chunk is large enough to be compute-bound anyway."""
         cache = generation_cache(model_kwargs)
         if cache is None:
             return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
+            generation_config = copy.copy(generation_config)
+            generation_config.disable_compile = True
         cache.prefilling = True
         try:
             return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)

@@ -209,6 +209,30 @@ def test_decode_step_compiles_as_one_graph(case):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=[CASES[0][0], CASES[5][0]])
+def test_generate_compiles_the_decode_step_into_one_graph(case):
+    """What ``generate`` does on a GPU, forced on the CPU (``compile_config._compile_all_devices``, aot_eager): the
+    decode steps of a static-cache generate with chunked prefill run through one fullgraph-compiled graph (no graph
+    break, no recompilation as the sequence grows; prompt chunks run eagerly) and give the dynamic cache's tokens."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    _, family, overrides = case
+    model = build_model(family, overrides)
+    ids, mask = left_padded(model.config.vocab_size, [11, 5, 8])
+    dynamic = _generate(model, ids, mask)
+    config = CompileConfig(backend="aot_eager", fullgraph=True)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    static = _generate(model, ids, mask, compile_config=config, prefill_chunk_size=4, **_static_kwargs(family))
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 1
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert _max_diff(static.logits, dynamic.logits) < TOL
+
+
 def test_static_cache_takes_the_full_mask_or_the_new_tokens_mask():
     """Decode steps with the mask over the whole sequence and with the new token's column only give the same logits
     (positions and padding come from the cache), in a left-padded batch."""
