@@ -737,8 +737,11 @@ class RegularizedCausalLMMixin:
     """
 
     # The optimizer step that drives the regularizer schedule (``*_loss_start_step``, ``*_loss_warmup_steps``): set by
-    # HfRbfTrainer before every forward, or by ``set_regularizer_step`` in a loop of one's own.
+    # HfRbfTrainer before every forward, or by ``set_regularizer_step`` in a loop of one's own.  The forward reads only
+    # the weights at that step (``_step_weights``), never the step itself: under torch.compile a new step then costs
+    # no recompilation unless a weight changes (every step of a warmup, once at a start step without warmup).
     regularizer_step: int | None = None
+    _step_weights: dict[str, float] | None = None
 
     def set_regularizer_step(self, step: int | None) -> None:
         """Tell the model the current optimizer step (``Trainer``'s ``state.global_step``) for the regularizer
@@ -746,13 +749,18 @@ class RegularizedCausalLMMixin:
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"set_regularizer_step: `step` must be an int >= 0 or None; got {step!r}")
         self.regularizer_step = step
+        weights = None
+        if step is not None:
+            weights = {name: self.config.regularizer_weight(name, step) for name in ("align", "spread", "tau")}
+        if weights != self._step_weights:
+            self._step_weights = weights
 
     def regularizer_weights(self) -> dict[str, float]:
         """The weight of each regularizer at the current step (the config's weights times their schedule factors;
         the full weights when no step is known)."""
-        return {
-            name: self.config.regularizer_weight(name, self.regularizer_step) for name in ("align", "spread", "tau")
-        }
+        if self._step_weights is not None:
+            return dict(self._step_weights)
+        return {name: self.config.regularizer_weight(name, None) for name in ("align", "spread", "tau")}
 
     def _register_capture_hooks(self) -> None:
         for layer in self.model.layers:
@@ -785,7 +793,7 @@ class RegularizedCausalLMMixin:
         cfg = self.config
         cache = resolve_cache_argument(cache, past_key_values)
         collect = labels is not None and cfg.regularizers_enabled and (cache is None or cache.get_seq_length() == 0)
-        if collect and self.training and self.regularizer_step is None and cfg.regularizer_schedule_enabled:
+        if collect and self.training and self._step_weights is None and cfg.regularizer_schedule_enabled:
             raise ValueError(
                 f"{type(self).__name__}: the config schedules the regularizers (`*_loss_start_step` / "
                 "`*_loss_warmup_steps`) but the model does not know the optimizer step: train with "

@@ -101,3 +101,29 @@ def test_trainer_drives_the_schedule_and_logs_the_weights(tmp_path):
     assert ["spread_loss" in entry for entry in logs] == [False, False, False, True, True]
     assert all(entry["align_loss"] > 0 for entry in logs)
     assert model.regularizer_step == 4
+
+
+def test_a_new_step_recompiles_only_when_a_weight_changes():
+    """Under torch.compile the forward reads the weights at the step, not the step: steps 0, 1 share the weights
+    (spread off), step 2 switches spread on (one recompilation), step 3 shares step 2's."""
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(1)
+        return gm.forward
+
+    model = build_model("scalar_sort", dict(align_loss_weight=1.0, spread_loss_weight=0.5, spread_loss_start_step=2))
+    model.train()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting_backend)
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    counts = []
+    for step in range(4):
+        model.set_regularizer_step(step)
+        compiles.clear()
+        out = compiled(ids, labels=ids)
+        out.loss.backward()
+        counts.append(len(compiles))
+    torch._dynamo.reset()
+    assert counts[0] > 0 and counts[1] == 0 and counts[2] > 0 and counts[3] == 0, counts
+    assert out.spread_loss is not None
