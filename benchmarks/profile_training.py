@@ -20,6 +20,7 @@ Writes ``profile.md`` (tables and the summary) and ``profile.json`` to ``--out``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -251,6 +252,66 @@ def train_steps(model, size, steps: int, warmup: int, profile_steps: int = 0):
     return result
 
 
+def interleaved_steps(variants, size: dict, steps: int, rounds: int) -> dict:
+    """Every variant's model built side by side, then ``rounds`` rounds in which each model runs ``steps`` timed steps
+    in turn: the best round of each is reported (the hosts are noisy: one Llama step took 13.6 and 29.7 ms in one
+    process), with the step's activation peak (peak allocated during its own steps minus what was allocated before:
+    the other models' weights are resident too)."""
+    b, t = size["batch"], size["seq"]
+    ids = torch.randint(0, 8192, (b, t), device="cuda")
+    runs, rows = {}, {}
+    for variant in variants:
+        try:
+            model = build(variant, size)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+            def step(model=model, opt=opt):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            t0 = time.perf_counter()
+            step()
+            _sync()
+            rows[variant] = dict(first_step_s=time.perf_counter() - t0, ms_per_step=float("inf"), rounds_ms=[])
+            for _ in range(3):
+                step()
+            _sync()
+            runs[variant] = step
+        except Exception as err:  # a failing family must not hide the others' numbers
+            rows[variant] = dict(error=f"{type(err).__name__}: {err}")
+    for _ in range(rounds):
+        for variant, step in runs.items():
+            _sync()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            _sync()
+            ms = 1e3 * (time.perf_counter() - t0) / steps
+            r = rows[variant]
+            r["rounds_ms"].append(ms)
+            r["ms_per_step"] = min(r["ms_per_step"], ms)
+            r["tokens_per_s"] = b * t / (r["ms_per_step"] / 1e3)
+            r["activation_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            r["peak_gib"] = r["activation_peak_gib"]  # the markdown's peak column: activations only, here
+    for variant, r in rows.items():
+        print(
+            f"[interleaved] {variant:26s} "
+            + (
+                f"best {r['ms_per_step']:.1f} ms, rounds {[round(x, 1) for x in r['rounds_ms']]}, activation peak "
+                f"{r['activation_peak_gib']:.2f} GiB, first step {r['first_step_s']:.1f} s"
+                if "error" not in r
+                else r["error"][:200]
+            ),
+            flush=True,
+        )
+    return rows
+
+
 def summarise_profile(prof, steps: int, step_ms: float) -> dict:
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -397,6 +458,7 @@ def main() -> int:
     ap.add_argument("--sizes", type=lambda x: x.split(","), default=None, help="comma-separated subset of: d256,d768")
     ap.add_argument("--profile-all", action="store_true", help="a torch.profiler summary for every variant and size")
     ap.add_argument("--no-host", action="store_true", help="skip the host-cost section")
+    ap.add_argument("--interleave", type=int, default=0, help="R rounds of interleaved timing, all models resident")
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel-time section")
     ap.add_argument(
         "--variants",
@@ -436,6 +498,12 @@ def main() -> int:
     sizes = args.sizes or (["d256"] if args.quick else ["d256", "d768"])
     for size_name in sizes:
         size = SIZES[size_name]
+        if args.interleave:
+            res["steps"][size_name] = interleaved_steps(args.variants or VARIANTS, size, args.steps, args.interleave)
+            (out / "profile.json").write_text(json.dumps(res, indent=1))
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         rows = {}
         for variant in args.variants or VARIANTS:
             profiled = ("llama", "rbf (1 register, SuSiE)", "gka")
@@ -453,7 +521,9 @@ def main() -> int:
             for e in r.get("profile", {}).get("gpu_top", [])[:12]:
                 print(f"    gpu {e['ms_per_step']:8.2f} ms {e['calls_per_step']:5.0f}x {e['name']}", flush=True)
             for e in r.get("profile", {}).get("cpu_top", [])[:8]:
-                print(f"    cpu {e['self_cpu_ms_per_step']:8.2f} ms {e['calls_per_step']:5.0f}x {e['name']}", flush=True)
+                print(
+                    f"    cpu {e['self_cpu_ms_per_step']:8.2f} ms {e['calls_per_step']:5.0f}x {e['name']}", flush=True
+                )
             print(
                 f"[step] {size_name} {variant:26s} "
                 + (f"{r['ms_per_step']:.1f} ms" if "ms_per_step" in r else r["error"][:200]),
