@@ -13,8 +13,9 @@ Layout (per batch row; ``C`` = capacity, a multiple of the block size ``T``; ``O
   ``[B, H, C, D]`` (hybrid), validity ``[B, C]`` (False: padding or not yet written), token index ``[C]``.
 * the search structure: ``C / T`` *sorted blocks*: block ``i`` holds slots ``[iT, (i+1)T)``, its order keys sorted
   ascending (``sorted_keys [B, O, C/T, T]``, ``+inf`` for invalid slots) and the slot of each entry
-  (``sorted_slots``).  The block being filled is re-sorted at every insert (``T log T`` work, constant), so there is
-  no unsorted tail and no merge at all: the insert cost does not depend on ``n``.
+  (``sorted_slots``).  A single-token insert places the token in its block's sorted run by a binary search and a
+  shift (``O(T)``, constant: no sort); a multi-token step re-sorts the blocks it touched.  There is no unsorted tail
+  and no merge at all: the insert cost does not depend on ``n``.
 
 Decode step (one query per row and head, window ``k``)
 ------------------------------------------------------
@@ -188,6 +189,24 @@ class StaticSortedLayer(CacheLayerMixin):
         self.sorted_keys.index_copy_(2, blocks, sorted_keys)
         self.sorted_slots.index_copy_(2, blocks, idx + (blocks * t).view(1, 1, -1, 1))
 
+    def _insert_one(self, position: torch.Tensor, scalar_keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """Insert one token (``position [1]``) into its block's sorted run: a binary search and a shift, ``O(T)``
+        (no sort).  ``right=True`` puts it after equal keys, i.e. in slot order as the stable sort would; an invalid
+        token is ``+inf`` and lands past the end (the run is unchanged)."""
+        b = self.keys.shape[0]
+        block = position // self.block_size
+        keys = self.sorted_keys.index_select(2, block).squeeze(2)  # [B, O, T]
+        slots = self.sorted_slots.index_select(2, block).squeeze(2)
+        new_key = scalar_keys[:, self.order_head].masked_fill(~valid.view(b, 1, 1), _INF)  # [B, O, 1]
+        at = torch.searchsorted(keys, new_key, right=True)
+        j = torch.arange(self.block_size, device=self.device)
+        shifted_keys = torch.cat([keys[..., :1], keys[..., :-1]], dim=-1)  # entry j - 1 at j
+        shifted_slots = torch.cat([slots[..., :1], slots[..., :-1]], dim=-1)
+        keys = torch.where(j < at, keys, torch.where(j == at, new_key, shifted_keys))
+        slots = torch.where(j < at, slots, torch.where(j == at, position.view(1, 1, 1), shifted_slots))
+        self.sorted_keys.index_copy_(2, block, keys.unsqueeze(2))
+        self.sorted_slots.index_copy_(2, block, slots.unsqueeze(2))
+
     def append(self, scalar_keys, values, vector_keys=None, valid=None) -> None:
         """Write ``N`` new tokens (``scalar_keys [B, H, N]``, ``values [B, G, N, Dv]``, ``vector_keys [B, H, N, D]``,
         ``valid [B, N]``) at the next slots and re-sort the blocks they fall in."""
@@ -215,11 +234,11 @@ class StaticSortedLayer(CacheLayerMixin):
         self.token_index.index_copy_(0, positions, positions)
         self.cumulative_length.add_(n)
         if n == 1:
-            blocks = positions // self.block_size
-        else:  # eager: the blocks the step touched, once each
-            first, last = int(positions[0]) // self.block_size, int(positions[-1]) // self.block_size
-            blocks = torch.arange(first, last + 1, device=self.device)
-        self._resort_blocks(blocks)
+            self._insert_one(positions, scalar_keys, valid.to(torch.bool).expand(b, 1))
+            return
+        # eager (prompt, chunks): sort the blocks the step touched again, once each
+        first, last = int(positions[0]) // self.block_size, int(positions[-1]) // self.block_size
+        self._resort_blocks(torch.arange(first, last + 1, device=self.device))
 
     # -- read ------------------------------------------------------------------------------------------------------
     def sequence_view(self, num_tokens: int):
