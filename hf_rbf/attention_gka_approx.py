@@ -59,16 +59,11 @@ def gaussian_orthogonal_projection(
     if num_features < 1 or dim < 1 or heads < 1:
         raise ValueError(f"gaussian_orthogonal_projection: sizes must be >= 1; got {num_features}, {dim}, {heads}")
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    out = torch.empty(heads, num_features, dim, dtype=torch.float64)
-    for h in range(heads):
-        blocks = []
-        for _ in range(math.ceil(num_features / dim)):
-            q, _ = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
-            blocks.append(q.T)
-        rows = torch.cat(blocks, dim=0)[:num_features]
-        norms = torch.randn(num_features, dim, generator=gen, dtype=torch.float64).norm(dim=-1, keepdim=True)
-        out[h] = rows * norms
-    return out.to(dtype)
+    blocks = math.ceil(num_features / dim)
+    q, _ = torch.linalg.qr(torch.randn(heads, blocks, dim, dim, generator=gen, dtype=torch.float64))
+    rows = q.transpose(-1, -2).reshape(heads, blocks * dim, dim)[:, :num_features]
+    norms = torch.randn(heads, num_features, dim, generator=gen, dtype=torch.float64).norm(dim=-1, keepdim=True)
+    return (rows * norms).to(dtype)
 
 
 def _inv_sigma(log_sigma, heads: int, ct, device) -> torch.Tensor:
