@@ -254,7 +254,7 @@ def test_decoder_random_features_config_is_validated_by_name():
 def test_decoder_random_features_track_exact_gka_and_cache_generate_and_reload(tmp_path):
     """More features: the approximate model's logits approach the exact model's (same weights; a wide kernel,
     sigma^2 = e^2 against squared feature norms of about head_dim = 8, where the estimator's variance is moderate); a
-    cached generate equals an uncached one; a reload draws the same features."""
+    cached generate (dynamic or static cache) equals an uncached one; a reload draws the same features."""
     overrides = dict(
         attention_layers=["gka", "dot"],
         num_register_tokens=1,
@@ -280,6 +280,10 @@ def test_decoder_random_features_track_exact_gka_and_cache_generate_and_reload(t
     assert torch.equal(a.sequences, b.sequences)
     for x, y in zip(a.logits, b.logits):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    static = generate_with_logits(
+        approx, ids, mask, use_cache=True, max_new_tokens=3, do_sample=False, cache_implementation="static"
+    )
+    assert torch.equal(static.sequences, a.sequences)
     assert approx.model.layers[0].self_attn.last_backend == "random_features"
     approx.save_pretrained(tmp_path)
     from transformers import AutoModelForCausalLM
