@@ -1,0 +1,142 @@
+"""Milliseconds per generated token of every family against ``LlamaForCausalLM`` of the same size, with the dynamic
+cache and with ``cache_implementation="static"`` (where transformers compiles the decode step), in one process.
+
+    PYTHONPATH=. python benchmarks/bench_generate.py --out DIR [--cases 1x512,8x2048] [--new-tokens 64]
+        [--variants "llama;rbf;gka;scalar_sort;hybrid_sort"] [--modes dynamic,static] [--rounds 2]
+
+d768 L12 H12 (110M parameters with the 8192-token vocabulary), bf16 weights, greedy, random prompt tokens, no EOS.
+The time per token is ``(t(new_tokens) - t(1)) / (new_tokens - 1)``: the prefill and the first token cancel.  Every
+(model, case, mode) runs once as a warm-up (compilation, autotuning), then ``--rounds`` interleaved rounds, the
+best kept.  Writes ``generate.json`` and ``generate.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SIZE = dict(vocab_size=8192, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048)
+
+
+def build(variant: str, max_positions: int):
+    import hf_rbf  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if variant == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SIZE, max_position_embeddings=max_positions, attn_implementation="sdpa"))
+    else:
+        cfg = AutoConfig.for_model(variant, **SIZE, max_position_embeddings=max_positions)
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to("cuda", torch.bfloat16).eval()
+
+
+def timed_generate(model, ids, new_tokens: int, mode: str) -> float:
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if mode == "static":
+        kwargs["cache_implementation"] = "static"
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    torch.cuda.synchronize()
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="1x512,8x2048")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--variants", default="llama;rbf;gka;scalar_sort;hybrid_sort")
+    ap.add_argument("--modes", default="dynamic,static")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    max_pos = max(n for _, n in cases) + args.new_tokens + 8
+    import transformers
+    import triton
+
+    res = dict(
+        gpu=torch.cuda.get_device_name(0),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        transformers=transformers.__version__,
+        rows=[],
+    )
+    g = torch.Generator(device="cpu").manual_seed(0)
+    prompts = {c: torch.randint(2, 8192, c, generator=g).cuda() for c in cases}
+    models = {}
+    for variant in args.variants.split(";"):
+        try:
+            models[variant] = build(variant, max_pos)
+        except Exception as err:
+            res["rows"].append(dict(variant=variant, error=f"{type(err).__name__}: {err}"))
+    best: dict = {}
+    for rnd in range(args.rounds + 1):  # round 0 is the warm-up
+        for case in cases:
+            for mode in args.modes.split(","):
+                for variant, model in models.items():
+                    key = (variant, case, mode)
+                    if best.get(key) == "error":
+                        continue
+                    try:
+                        t1 = timed_generate(model, prompts[case], 1, mode)
+                        tn = timed_generate(model, prompts[case], args.new_tokens, mode)
+                        ms = 1e3 * (tn - t1) / (args.new_tokens - 1)
+                    except Exception as err:  # a failing family or mode must not hide the others
+                        best[key] = "error"
+                        res["rows"].append(
+                            dict(variant=variant, batch=case[0], prompt=case[1], mode=mode, error=f"{err}"[:300])
+                        )
+                        print(f"[error] {key}: {err}", flush=True)
+                        continue
+                    if rnd == 0:
+                        print(f"[warm-up] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
+                        continue
+                    best[key] = min(best.get(key, float("inf")), ms)
+                    print(f"[round {rnd}] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
+    for (variant, case, mode), ms in best.items():
+        if ms != "error":
+            res["rows"].append(dict(variant=variant, batch=case[0], prompt=case[1], mode=mode, ms_per_token=ms))
+    (out / "generate.json").write_text(json.dumps(res, indent=1))
+    lines = [
+        f"# ms per generated token ({res['gpu']}, torch {res['torch']}, triton {res['triton']}, transformers "
+        f"{res['transformers']}; d768 L12 H12 bf16, greedy, {args.new_tokens} new tokens, best of {args.rounds} "
+        "interleaved rounds)",
+        "",
+        "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        if "error" in r:
+            lines.append(
+                f"| {r['variant']} | {r.get('batch', '')}x{r.get('prompt', '')} | {r.get('mode', '')} | "
+                f"error: {r['error'][:100]} | |"
+            )
+            continue
+        base = best.get(("llama", (r["batch"], r["prompt"]), r["mode"]))
+        ratio = f"{base / r['ms_per_token']:.2f}x" if isinstance(base, float) else ""
+        lines.append(
+            f"| {r['variant']} | {r['batch']}x{r['prompt']} | {r['mode']} | {r['ms_per_token']:.2f} | {ratio} |"
+        )
+    (out / "generate.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
