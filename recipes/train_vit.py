@@ -21,7 +21,7 @@ Kinds: "gka", "dot" (DeiT) and "vlt" (the paper's Value-Less Transformer ablatio
 ``--config FILE.yaml`` sets any option by its name with underscores (``epochs: 10``, ``attention_type: gka,vlt``,
 ``mixup_alpha: 0.8``); options given on the command line win.  The DeiT ingredients of the paper's recipe (EMA,
 RandAugment, random erasing, Mixup / CutMix, repeated augmentation) are timm's, each switched by its own option and
-off by default (see :mod:`vit_deit`; ``recipes/configs/vit_mnist_deit.yaml`` turns them all on); with an EMA the
+off by default (see :mod:`vit_deit`; ``recipes/configs/vit/mnist_deit.yaml`` turns them all on); with an EMA the
 results also hold ``ema_test_accuracy`` and the EMA model is saved in ``<kind>/model_ema``.
 """
 

@@ -66,7 +66,7 @@ def test_yaml_config_sets_options_and_the_command_line_wins(tmp_path):
     assert args.kinds == ["gka", "vlt"] and args.epochs == 2.0
     assert args.deit.mixup_alpha == 0.8 and args.deit.rand_augment == "rand-m9-mstd0.5" and args.deit.mixes
     shipped = train_vit.parse_args(
-        ["--config", os.path.join(REPO, "recipes", "configs", "vit_mnist_deit.yaml"), "--data-dir", str(tmp_path)]
+        ["--config", os.path.join(REPO, "recipes", "configs", "vit", "mnist_deit.yaml"), "--data-dir", str(tmp_path)]
     )
     assert shipped.kinds == ["gka", "vlt", "dot"]
     assert shipped.deit == DeitOptions(
