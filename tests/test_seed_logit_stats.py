@@ -8,8 +8,7 @@ import pytest
 import torch
 from conftest import build_model
 
-import hf_rbf.modeling_decoder as modeling_decoder
-import hf_rbf.modeling_gka as modeling_gka
+from hf_rbf import modeling_decoder, modeling_gka
 from hf_rbf.eval.logit_stats import (
     attention_logit_stats,
     call_logits,
@@ -123,12 +122,11 @@ def test_every_kind_is_recorded_and_nothing_stays_wrapped(family, overrides):
 def test_nothing_is_recorded_outside_a_layer_and_the_recorder_unwraps_on_error():
     model = build_model("gka", dict(attention_layers=["dot"], num_register_tokens=0))
     original = modeling_decoder.dot_attention
-    with pytest.raises(RuntimeError, match="boom"):
-        with record_attention_logits(model) as rec:
-            assert modeling_decoder.dot_attention is not original
-            q = torch.randn(1, 1, 2, 4)
-            modeling_decoder.dot_attention(q, q, q)  # a call outside any attention layer: not recorded
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), record_attention_logits(model) as rec:
+        assert modeling_decoder.dot_attention is not original
+        q = torch.randn(1, 1, 2, 4)
+        modeling_decoder.dot_attention(q, q, q)  # a call outside any attention layer: not recorded
+        raise RuntimeError("boom")
     assert modeling_decoder.dot_attention is original
     assert all(s["calls"] == 0 and s["max_logit"] is None for s in rec.stats)
     with pytest.raises(ValueError, match="no hf_rbf attention layers"):
