@@ -118,14 +118,23 @@ def block_mask_for(mask: MaskArgs, batch: int, device: torch.device):
         if cached is not None:
             return cached
     b = batch if mask.attention_mask is not None else None
-    block_mask = create_block_mask(
-        _mask_mod(mask), b, None, mask.nq, mask.nk, device=device, _compile=device.type == "cuda"
-    )
+    block_mask = _block_mask_builder(device)(_mask_mod(mask), b, None, mask.nq, mask.nk, device=device)
     if key is not None:
         if len(_BLOCK_MASK_CACHE) >= _BLOCK_MASK_CACHE_SIZE:
             _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
         _BLOCK_MASK_CACHE[key] = block_mask
     return block_mask
+
+
+def _block_mask_builder(device: torch.device):
+    """``create_block_mask``, compiled on CUDA (so that it never materialises the ``[Nq, Nk]`` mask), the way torch
+    2.11 asks for it: ``torch.compile(create_block_mask)`` (its ``_compile=True`` flag is deprecated)."""
+    if device.type != "cuda":
+        return create_block_mask
+    fn = _COMPILED.get("block_mask")
+    if fn is None:
+        fn = _COMPILED["block_mask"] = torch.compile(create_block_mask)
+    return fn
 
 
 def bias_score_mod(bias: torch.Tensor):

@@ -79,9 +79,13 @@ def autocast_inputs(*tensors):
     (``benchmarks/results/h100-profile-2026-11-25/run4-register-rows``).
     """
     first = next(t for t in tensors if t is not None)
-    device_type = first.device.type
-    if not torch.is_autocast_enabled(device_type):
+    try:
+        enabled = torch.is_autocast_enabled(first.device.type)
+    except RuntimeError:  # a device type without autocast (e.g. "meta", as parameter counting uses)
         return tensors
+    if not enabled:
+        return tensors
+    device_type = first.device.type
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 

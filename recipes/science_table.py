@@ -1,7 +1,7 @@
 """Every variant x seed of a science config trained, evaluated and measured, then one table, the claim verdicts and
 the loss-curve figures written into a model card; resumable.
 
-    python recipes/science_table.py --config recipes/configs/science_tinystories.yaml [--only rbf,llama]
+    python recipes/science_table.py --config recipes/configs/science/tinystories.yaml [--only rbf,llama]
         [--seeds 0,1,2] [--output outputs/science] [--set training.max_steps=500 ...] [--stop-at-step N]
         [--max-minutes M] [--report-only] [--card model_cards/science.md] [--figures model_cards/figures]
         [--store DIR]

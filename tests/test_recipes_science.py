@@ -1,4 +1,4 @@
-"""recipes/science_table.py: the science table trained on recipes/configs/science_cpu_test.yaml (3 variants x 2 seeds
+"""recipes/science_table.py: the science table trained on recipes/configs/science/cpu_test.yaml (3 variants x 2 seeds
 x 8 steps), interrupted and resumed (finished runs not redone, cut runs continue from their checkpoint, an incomplete
 newest checkpoint skipped); the measurements against hand computations; the verdict rule, the table and the card
 blocks on constructed numbers."""
@@ -17,7 +17,7 @@ import torch
 pytestmark = pytest.mark.contract
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CPU_CONFIG = os.path.join(REPO, "recipes", "configs", "science_cpu_test.yaml")
+CPU_CONFIG = os.path.join(REPO, "recipes", "configs", "science", "cpu_test.yaml")
 
 
 @pytest.fixture
