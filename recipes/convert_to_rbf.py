@@ -2,7 +2,7 @@
 
     python recipes/convert_to_rbf.py --config recipes/configs/cpu_convert.yaml [--set key=value ...]
         [--model DIR] [--targets rbf hybrid_sort] [--steps 150] [--learning-rate 1e-3] [--lora-rank 8]
-        [--output outputs/convert_to_rbf] [--retrain]
+        [--hybrid-set KEY=VALUE ...] [--speed-rounds 5] [--output outputs/convert_to_rbf] [--retrain]
 
 1. The dot-product model: ``--model DIR`` (any causal LM whose attention dispatches through transformers'
    ``ALL_ATTENTION_FUNCTIONS``, with its tokenizer), or, without it, the recipe's model trained by
@@ -17,13 +17,15 @@
      classes: a stock model has no scalar projections.  It starts with the original's logits (``qs_proj`` small and
      random, ``ks_proj`` zero: the scalar term is a constant per query, which the softmax removes; both at zero would
      never get a gradient) and has to learn its scalar term.  Llama-architecture sources only (Llama, Mistral, Qwen2).
+     ``--hybrid-set KEY=VALUE`` sets a field of its config (e.g. ``tau_init_range=[0.5,1.0]``).
 
 3. For each target: validation loss right after the switch, after LoRA (rank ``--lora-rank`` on W_Q, W_K, W_V, W_O; the
    hybrid's new scalar projections ``qs_proj`` / ``ks_proj`` are trained in full, as PEFT ``modules_to_save``: they
    are ``H x D`` each, smaller than a LoRA pair) and after full fine-tuning.  Every recovery uses ``Trainer`` with the
    same steps, batch and learning rate on the recipe's training blocks.
-4. A control: the dot-product model fine-tuned the same way (the extra steps alone also lower the loss).
-5. Forward tokens/s over validation blocks: the original and every converted model, interleaved in this process.
+4. Controls: the dot-product model fine-tuned the same two ways (the extra steps alone also lower the loss).
+5. Forward tokens/s over validation blocks: the original and every converted model, ``--speed-rounds`` rounds
+   interleaved in this process, the best of each.
 6. For the hybrid: how much its scalar term does, before and after the recoveries (:func:`scalar_term_share`).
 
 Writes ``<output>/conversion.json`` and ``conversion.md`` (the table).
@@ -41,6 +43,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+import torch.nn.functional as F
 import yaml
 
 from recipes.pretrain_config import load_config
@@ -49,6 +52,8 @@ TARGETS = ("rbf", "hybrid_sort")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The hybrid's new parameters that LoRA runs train in full (PEFT modules_to_save).
 HYBRID_NEW_MODULES = ("qs_proj", "ks_proj")
+# Windows of the hybrid's captured mass (the recipes' blocks are 128 tokens: the last 64 queries see 65 to 128 keys).
+CAPTURED_MASS_WINDOWS = (16, 32)
 TARGET_TITLES = {
     "rbf": 'switched to `attn_implementation="rbf"`',
     "hybrid_sort": "converted to `HybridSortForCausalLM` (scalar term from zero)",
@@ -56,7 +61,8 @@ TARGET_TITLES = {
 
 
 def validation_loss(model, blocks, batch_size: int = 16) -> float:
-    """Mean next-token loss over the validation blocks (every block has the same length)."""
+    """Mean next-token loss over the validation blocks (every block has the same length).  Computed from the logits:
+    a hybrid with regularizers (``--hybrid-set align_loss_weight=...``) adds them to its ``loss``."""
     model.eval()
     total, count = 0.0, 0
     device = next(model.parameters()).device
@@ -64,7 +70,8 @@ def validation_loss(model, blocks, batch_size: int = 16) -> float:
         for start in range(0, len(blocks), batch_size):
             ids = torch.stack([torch.as_tensor(x, dtype=torch.long) for x in blocks[start : start + batch_size]])
             ids = ids.to(device)
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            logits = model(input_ids=ids, use_cache=False).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
             total += float(loss) * ids.shape[0]
             count += ids.shape[0]
     return total / max(count, 1)
@@ -126,6 +133,18 @@ def scalar_term_share(model, blocks, batch_size: int = 8) -> float:
         for h in handles:
             h.remove()
     return scalar_spread / max(dot_spread, 1e-30)
+
+
+def window_captured_mass(model, blocks, windows=CAPTURED_MASS_WINDOWS, batch_size: int = 8) -> dict:
+    """The hybrid's captured mass (:func:`hf_rbf.eval.captured_mass_callback.batch_captured_mass`): the share of each
+    query's exact attention that the sorted cache's window of the ``k`` keys nearest in scalar space would read, mean
+    over layers, heads and the last 64 queries of validation blocks; ``{str(k): mass}``.  It says whether the learned
+    scalar term makes the cache sortable, which is what the hybrid is for."""
+    from hf_rbf.eval.captured_mass_callback import batch_captured_mass
+
+    ids = torch.stack([torch.as_tensor(x, dtype=torch.long) for x in blocks[:batch_size]])
+    result = batch_captured_mass(model, ids, windows=windows)
+    return {str(k): v for k, v in result["mean"].items()}
 
 
 def _masked_row_std(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -208,6 +227,7 @@ def convert(
     output: str,
     targets=TARGETS,
     hybrid_overrides: dict | None = None,
+    speed_rounds: int = 5,
     log=print,
 ):
     import peft
@@ -264,11 +284,13 @@ def convert(
         r["max_abs_logit_difference"] = max_logit_difference(switched[target], original, val_blocks)
         if target == "hybrid_sort":
             r["scalar_term_share_after_switch"] = scalar_term_share(switched[target], val_blocks)
+            r["captured_mass_after_switch"] = window_captured_mass(switched[target], val_blocks)
         log(
             f"[convert] {target}: right after the switch {r['loss_after_switch']:.4f} (max |logit difference| "
             f"{r['max_abs_logit_difference']:.3g}, backend {r['backend']})"
         )
-    speed = forward_tokens_per_second({"original": original, **switched}, val_blocks)
+    speed = forward_tokens_per_second({"original": original, **switched}, val_blocks, rounds=speed_rounds)
+    result["speed_rounds"] = speed_rounds
     result["tokens_per_s_original"] = speed["original"]
     for target in targets:
         result["targets"][target]["tokens_per_s"] = speed[target]
@@ -307,12 +329,14 @@ def convert(
         r["loss_after_lora"] = recover(lora_model, r, "lora", f"{target}-lora")
         if target == "hybrid_sort":
             r["scalar_term_share_after_lora"] = scalar_term_share(lora_model, val_blocks)
+            r["captured_mass_after_lora"] = window_captured_mass(lora_model, val_blocks)
         log(f"[convert] {target}: after LoRA (rank {lora_rank}, {steps} steps): {r['loss_after_lora']:.4f}")
         del lora_model
         full = converted(target)
         r["loss_after_full"] = recover(full, r, "full", f"{target}-full")
         if target == "hybrid_sort":
             r["scalar_term_share_after_full"] = scalar_term_share(full, val_blocks)
+            r["captured_mass_after_full"] = window_captured_mass(full, val_blocks)
         log(f"[convert] {target}: after full fine-tuning ({steps} steps): {r['loss_after_full']:.4f}")
         del full
     # The controls: the dot-product model fine-tuned the same two ways, so the recoveries are compared with what the
@@ -362,14 +386,20 @@ def markdown(result: dict) -> str:
     if hybrid is not None:
         lines += [
             "",
-            (
-                f"Hybrid start: max |logit difference| to the original {hybrid['max_abs_logit_difference']:.2g}.  "
-                "Scalar term's spread over keys relative to the dot term's: "
-                f"{hybrid['scalar_term_share_after_switch']:.3f} after the switch, "
-                f"{hybrid['scalar_term_share_after_lora']:.3f} after LoRA, "
-                f"{hybrid['scalar_term_share_after_full']:.3f} after full fine-tuning."
-            ),
+            f"Hybrid start: max |logit difference| to the original {hybrid['max_abs_logit_difference']:.2g}.",
+            "",
+            "| hybrid | scalar term's spread over keys / dot term's | "
+            + " | ".join(f"captured mass, window {k}" for k in hybrid["captured_mass_after_switch"])
+            + " |",
+            "|---|---|" + "---|" * len(hybrid["captured_mass_after_switch"]),
         ]
+        for stage, title in (("switch", "right after the switch"), ("lora", "after LoRA"), ("full", "after full")):
+            mass = hybrid[f"captured_mass_after_{stage}"]
+            lines.append(
+                f"| {title} | {hybrid[f'scalar_term_share_after_{stage}']:.3f} | "
+                + " | ".join(f"{m:.3f}" for m in mass.values())
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -384,6 +414,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--speed-rounds", type=int, default=5, help="interleaved forward rounds; the best is reported")
     parser.add_argument("--output", default="outputs/convert_to_rbf")
     parser.add_argument("--retrain", action="store_true", help="train the recipe's model even if its final/ exists")
     parser.add_argument(
@@ -395,7 +426,7 @@ def main(argv=None) -> int:
         help="a HybridSortConfig field of the converted hybrid (YAML value), e.g. tau_init_range=[0.5,1.0]",
     )
     args = parser.parse_args(argv)
-    for name in ("steps", "lora_rank"):
+    for name in ("steps", "lora_rank", "speed_rounds"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.learning_rate <= 0:
@@ -456,6 +487,7 @@ def main(argv=None) -> int:
         output=args.output,
         targets=tuple(args.targets),
         hybrid_overrides=hybrid_overrides,
+        speed_rounds=args.speed_rounds,
     )
     with open(os.path.join(args.output, "conversion.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)

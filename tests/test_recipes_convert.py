@@ -297,6 +297,10 @@ def test_conversion_recipe_runs_and_reports_every_stage(tmp_path):
     # the hybrid's scalar term does nothing at the start and has been learned by both recoveries
     assert hybrid["scalar_term_share_after_switch"] < 1e-6
     assert hybrid["scalar_term_share_after_lora"] > 1e-3 and hybrid["scalar_term_share_after_full"] > 1e-3
+    for stage in ("switch", "lora", "full"):
+        mass = hybrid[f"captured_mass_after_{stage}"]
+        assert set(mass) == {"16", "32"} and all(0 < m <= 1 + 1e-6 for m in mass.values())
+    assert mass["32"] == pytest.approx(1.0, abs=1e-5)  # a window as long as the blocks reads every key
     # LoRA on the hybrid also trains the new scalar projections in full: 2 * H * D per layer more than rbf's LoRA
     assert hybrid["lora_trainable_parameters"] - rbf["lora_trainable_parameters"] == 2 * 2 * 2 * 32
     table = (out / "conversion.md").read_text()
@@ -321,6 +325,7 @@ def test_conversion_recipe_runs_and_reports_every_stage(tmp_path):
         (["--steps", "0"], "--steps"),
         (["--lora-rank", "-1"], "--lora-rank"),
         (["--learning-rate", "0"], "--learning-rate"),
+        (["--speed-rounds", "0"], "--speed-rounds"),
         (["--targets", "gka"], "--targets"),
         (["--targets", "rbf", "rbf"], "--targets"),
         (["--hybrid-set", "tau_init_range"], "--hybrid-set"),
