@@ -195,17 +195,20 @@ class StaticSortedLayer(CacheLayerMixin):
         token is ``+inf`` and lands past the end (the run is unchanged)."""
         b = self.keys.shape[0]
         block = position // self.block_size
-        keys = self.sorted_keys.index_select(2, block).squeeze(2)  # [B, O, T]
-        slots = self.sorted_slots.index_select(2, block).squeeze(2)
-        new_key = scalar_keys[:, self.order_head].masked_fill(~valid.view(b, 1, 1), _INF)  # [B, O, 1]
+        # The block's run is searched as the [B, O, 1, T] buffer index_select makes, not a squeezed view of it:
+        # inductor's GPU lowering of searchsorted (torch 2.11) needs a named buffer and fails on a view
+        # ("NotImplementedError: View").
+        keys = self.sorted_keys.index_select(2, block)  # [B, O, 1, T]
+        slots = self.sorted_slots.index_select(2, block)
+        new_key = scalar_keys[:, self.order_head].masked_fill(~valid.view(b, 1, 1), _INF).unsqueeze(-1)  # [B, O, 1, 1]
         at = torch.searchsorted(keys, new_key, right=True)
         j = torch.arange(self.block_size, device=self.device)
         shifted_keys = torch.cat([keys[..., :1], keys[..., :-1]], dim=-1)  # entry j - 1 at j
         shifted_slots = torch.cat([slots[..., :1], slots[..., :-1]], dim=-1)
         keys = torch.where(j < at, keys, torch.where(j == at, new_key, shifted_keys))
-        slots = torch.where(j < at, slots, torch.where(j == at, position.view(1, 1, 1), shifted_slots))
-        self.sorted_keys.index_copy_(2, block, keys.unsqueeze(2))
-        self.sorted_slots.index_copy_(2, block, slots.unsqueeze(2))
+        slots = torch.where(j < at, slots, torch.where(j == at, position.view(1, 1, 1, 1), shifted_slots))
+        self.sorted_keys.index_copy_(2, block, keys)
+        self.sorted_slots.index_copy_(2, block, slots)
 
     def append(self, scalar_keys, values, vector_keys=None, valid=None) -> None:
         """Write ``N`` new tokens (``scalar_keys [B, H, N]``, ``values [B, G, N, Dv]``, ``vector_keys [B, H, N, D]``,

@@ -991,6 +991,11 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         if max_len is None:
             max_len = generation_config.max_length
         max_len = max(int(max_len), int(getattr(generation_config, "max_cache_len", None) or 0))
+        # As transformers' own static cache: never smaller than the previous call's, so that a later generate with
+        # fewer new tokens or a shorter prompt reuses the compiled decode step (a new capacity is a new buffer shape,
+        # i.e. a recompilation, then a dynamic-shape graph)
+        max_len = max(max_len, getattr(self, "_previous_max_cache_length", -1))
+        self._previous_max_cache_length = max_len
         # `generate(..., cache_config={...})`: the sorted families' static settings (e.g. "block_size", "decode_window")
         settings = dict(generation_config.cache_config or {})
         return self.make_static_cache(max_len, **settings)
