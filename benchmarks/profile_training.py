@@ -252,7 +252,7 @@ def train_steps(model, size, steps: int, warmup: int, profile_steps: int = 0):
     return result
 
 
-def interleaved_steps(variants, size: dict, steps: int, rounds: int) -> dict:
+def interleaved_steps(variants, size: dict, steps: int, rounds: int, compile_model: bool = False) -> dict:
     """Every variant's model built side by side, then ``rounds`` rounds in which each model runs ``steps`` timed steps
     in turn: the best round of each is reported (the hosts are noisy: one Llama step took 13.6 and 29.7 ms in one
     process), with the step's activation peak (peak allocated during its own steps minus what was allocated before:
@@ -264,8 +264,9 @@ def interleaved_steps(variants, size: dict, steps: int, rounds: int) -> dict:
         try:
             model = build(variant, size)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            forward = torch.compile(model) if compile_model else model
 
-            def step(model=model, opt=opt):
+            def step(model=forward, opt=opt):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
@@ -459,6 +460,9 @@ def main() -> int:
     ap.add_argument("--profile-all", action="store_true", help="a torch.profiler summary for every variant and size")
     ap.add_argument("--no-host", action="store_true", help="skip the host-cost section")
     ap.add_argument("--interleave", type=int, default=0, help="R rounds of interleaved timing, all models resident")
+    ap.add_argument(
+        "--compile", action="store_true", help="with --interleave: torch.compile every model (default mode)"
+    )
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel-time section")
     ap.add_argument(
         "--variants",
@@ -499,7 +503,9 @@ def main() -> int:
     for size_name in sizes:
         size = SIZES[size_name]
         if args.interleave:
-            res["steps"][size_name] = interleaved_steps(args.variants or VARIANTS, size, args.steps, args.interleave)
+            res["steps"][size_name] = interleaved_steps(
+                args.variants or VARIANTS, size, args.steps, args.interleave, compile_model=args.compile
+            )
             (out / "profile.json").write_text(json.dumps(res, indent=1))
             gc.collect()
             torch.cuda.empty_cache()
