@@ -85,7 +85,11 @@ SIZES = {
     ),
 }
 # The regularized variant: L_align dominant (the gist's advice), L_spread on the fixed range [-3, 3], L_tau.
-REGULARIZERS = dict(align_loss_weight=1.0, spread_loss_weight=0.1, tau_loss_weight=0.1)
+# L_align's gradient reaches the scalar projections only, as in the runs behind the model cards' numbers (the
+# config's default, "upstream", is the gist's code; docs/scalar_sort.md).
+REGULARIZERS = dict(
+    align_loss_weight=1.0, spread_loss_weight=0.1, tau_loss_weight=0.1, align_gradient="scalar_projections"
+)
 FAMILIES = {
     # G = 2 value groups of 4 heads (the family default for H = 8), so the sort-head scheme differs from per-head
     "scalar_sort": dict(),
