@@ -54,7 +54,7 @@ from .modeling_decoder import (
     DecoderPreTrainedModel,
     DotAttention,
 )
-from .modeling_gka import GkaAttention, GkaForCausalLM, GkaModel, GkaPreTrainedModel
+from .modeling_gka import GkaAttention, GkaForCausalLM, GkaModel, GkaPreTrainedModel, ValueLessAttention
 from .modeling_gka_vit import GkaVitForImageClassification, GkaVitModel
 from .modeling_hybrid_sort import (
     HybridSortAttention,
@@ -118,6 +118,7 @@ __all__ = [
     "DecoderPreTrainedModel",
     "DotAttention",
     "GkaAttention",
+    "ValueLessAttention",
     "GkaConfig",
     "GkaForCausalLM",
     "GkaModel",
