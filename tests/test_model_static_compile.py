@@ -33,8 +33,15 @@ TOL = 3e-5
 FAMILIES = {
     "rbf": {},
     "gka": {},
-    "scalar_sort": dict(decode_window=3),
-    "hybrid_sort": dict(head_kinds=["hybrid", "scalar", "dot", "hybrid"], num_value_groups=2, decode_window=3),
+    # a sliding layer (the fused scalar / hybrid op over the window's ring) and a full one (the sorted blocks)
+    "scalar_sort": dict(decode_window=3, window_pattern="SL", sliding_window=3),
+    "hybrid_sort": dict(
+        head_kinds=["hybrid", "scalar", "dot", "hybrid"],
+        num_value_groups=2,
+        decode_window=3,
+        window_pattern="SL",
+        sliding_window=3,
+    ),
 }
 SORTED_FAMILIES = ("scalar_sort", "hybrid_sort")
 
