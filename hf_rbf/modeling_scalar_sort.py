@@ -764,6 +764,9 @@ class RegularizedCausalLMMixin:
 
     def _register_capture_hooks(self) -> None:
         for layer in self.model.layers:
+            # set from the start: the forward resets it to None afterwards, and under torch.compile an attribute that
+            # appears after the first call is a guard failure (a recompile at the second step)
+            layer._hf_rbf_capture = None
             layer.register_forward_pre_hook(_capture_layer_inputs, with_kwargs=True)
 
     def forward(
