@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 # transformers contract: Trainer checkpoints and resume (CI also runs this module against the oldest versions)
 pytestmark = pytest.mark.contract
@@ -90,3 +91,72 @@ def test_checkpoint_resumes_on_another_process_count(straight_run, tmp_path, sav
         assert resumed[step] == pytest.approx(straight_run[step], abs=LOSS_TOLERANCE), (step, resumed, straight_run)
     # the losses after the resume are not the ones before it: the test would see a restart from scratch
     assert abs(resumed[5] - straight_run[1]) > 10 * LOSS_TOLERANCE
+
+
+ACCELERATE_DIR = os.path.join(REPO, "recipes", "accelerate")
+FAMILIES = ("rbf", "gka", "scalar_sort", "hybrid_sort", "llama")
+
+
+def _fsdp_plugin(config_name: str, monkeypatch, *launch_args: str):
+    """The FSDP plugin that ``accelerate launch --config_file recipes/accelerate/<config_name> ...`` gives the
+    processes (built from the environment the launcher exports)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--config_file", os.path.join(ACCELERATE_DIR, config_name), *launch_args]
+    args = launch_command_parser().parse_args([*argv, os.path.join(REPO, "recipes", "pretrain.py")])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    for key, value in env.items():
+        if key.startswith(("FSDP_", "ACCELERATE_")):
+            monkeypatch.setenv(key, value)
+    return args, env, FullyShardedDataParallelPlugin()
+
+
+def _scale_model(size: str, family: str):
+    """The model of recipes/configs/scale_<size>_<family>.yaml on the meta device (no memory)."""
+    from recipes.pretrain_config import load_config
+    from recipes.pretrain_models import build_config, build_model, resolve_model_config
+
+    cfg = load_config(os.path.join(REPO, "recipes", "configs", f"scale_{size}_{family}.yaml"))
+    kwargs, _ = resolve_model_config(cfg["model"], cfg["tokenizer"]["vocab_size"], cfg["data"]["block_size"], {})
+    return build_model(build_config(family, kwargs), device="meta")
+
+
+@pytest.mark.parametrize("config_name", ["fsdp2.yaml", "fsdp2_ac.yaml"])
+def test_fsdp2_configs(config_name, monkeypatch):
+    from torch.distributed.fsdp import StateDictType
+
+    args, env, plugin = _fsdp_plugin(config_name, monkeypatch)
+    assert args.num_processes == 2 and args.num_machines == 1 and env["ACCELERATE_USE_FSDP"] == "true"
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True  # full shard (ZeRO-3)
+    assert plugin.state_dict_type == StateDictType.FULL_STATE_DICT  # checkpoints independent of the process count
+    assert plugin.transformer_cls_names_to_wrap == ["DecoderLayer"]
+    assert plugin.activation_checkpointing is (config_name == "fsdp2_ac.yaml")
+    plugin.set_mixed_precision("bf16")
+    policy = plugin.mixed_precision_policy
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.bfloat16
+    # the documented command-line override gives fsdp2_ac.yaml's activation checkpointing
+    _, _, overridden = _fsdp_plugin(config_name, monkeypatch, "--fsdp_activation_checkpointing", "true")
+    assert overridden.activation_checkpointing is True
+
+
+@pytest.mark.parametrize("size", ["d768", "1b"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp2_wraps_every_decoder_layer_of_the_scale_recipes(family, size, monkeypatch):
+    """One FSDP unit per decoder layer for every family; Llama needs the documented command-line override, and without
+    it accelerate stops rather than wrapping nothing."""
+    override = ["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"] if family == "llama" else []
+    _, _, plugin = _fsdp_plugin("fsdp2.yaml", monkeypatch, *override)
+    model = _scale_model(size, family)
+    plugin.set_auto_wrap_policy(model)
+    (layer_class,) = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
+    assert layer_class.__name__ == ("LlamaDecoderLayer" if family == "llama" else "DecoderLayer")
+    layers = [m for m in model.modules() if isinstance(m, layer_class)]
+    assert len(layers) == model.config.num_hidden_layers == (12 if size == "d768" else 16)
+    if family == "llama":
+        _, _, plain = _fsdp_plugin("fsdp2.yaml", monkeypatch)
+        with pytest.raises(ValueError, match="DecoderLayer"):
+            plain.set_auto_wrap_policy(model)
