@@ -7,18 +7,20 @@ Because of ``eps`` the weights are not shift-invariant, so the query norm stays 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .attention_gka_flex import gka_attention_flex, gka_flex_reason
-from .attention_gka_sdpa import gka_attention_sdpa, gka_sdpa_reason
-from .attention_gka_triton import gka_attention_triton, gka_triton_reason
+from .attention_distance_triton import distance_attention, distance_reason
+from .attention_flex_utils import bias_score_mod, flex_reason, key_bias, run_flex, zero_rows_without_live_keys
+from .attention_sdpa_utils import ScoreFeatures, padded_sdpa, sdpa_reason
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
     autocast_inputs,
     check_dim,
-    check_same,
     check_return_weights,
+    check_same,
     check_tensor,
     choose_backend,
     choose_weights_backend,
@@ -29,7 +31,6 @@ from .attention_utils import (
     per_head_param,
 )
 from .kernels_common import auto_order
-
 
 OP = "gka_attention"
 
@@ -145,3 +146,149 @@ def gka_attention(
         return gka_attention_naive(query, x, log_sigma, eps, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, x.device, _candidates(query, x, log_sigma, eps, mask, backend))
     return fn(query, x, log_sigma, eps, mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "sdpa" backend (the dimension-padding trick)
+# --------------------------------------------------------------------------------------------------------------------
+# Gaussian kernel attention through ``F.scaled_dot_product_attention`` (the dimension-padding trick).
+#
+# ``W_ij = K_ij / (sum_j' K_ij' + eps)`` with ``K_ij = exp(-||x_i - x_j||^2 / (2 sigma^2) + log w_j)`` is a softmax
+# over the keys plus one dummy key of score ``log eps`` and value 0.  Writing ``s = 1 / sigma^2``::
+#
+#     q'_i = [s x_i, 1, s ||x_i||^2 / 2 + log eps]      k'_j = [x_j, -s ||x_j||^2 / 2 + log w_j, 0]
+#     dummy key k* = [0, 0, 1]                            (value 0)
+#
+# gives ``q'_i . k'_j = -s ||x_i - x_j||^2 / 2 + log w_j + r_i`` and ``q'_i . k* = log eps + r_i`` with the same row
+# shift ``r_i = s ||x_i||^2 / 2`` on both, so the softmax is exactly the paper's ``W``.  With ``eps = 0`` the dummy key
+# is dropped and the query norm is a plain row constant.  The scalar columns are split in two for half precision
+# (see :mod:`hf_rbf.attention_sdpa_utils`), and ``r_i`` is taken from the query's own key as the kernel computes it
+# (:func:`row_shift`), so that a query's own key keeps its exact score next to ``log eps`` at any norm.
+
+
+def gka_attention_sdpa(query, x, log_sigma, eps: float, mask: MaskArgs) -> torch.Tensor:
+    """The sdpa backend of :func:`hf_rbf.gka_attention` (arguments already validated)."""
+    ct = compute_dtype(x.dtype)
+    b, h, nq, _ = query.shape
+    if isinstance(log_sigma, float):
+        inv_var = math.exp(-2.0 * log_sigma)
+        inv_var4 = inv_var
+    else:
+        inv_var = torch.exp(-2.0 * log_sigma.to(ct)).view(1, -1, 1)  # [1, H, 1]
+        inv_var4 = inv_var.unsqueeze(-1)
+    qf = query.to(ct)
+    q_scaled = (inv_var4 * qf).to(x.dtype)  # rounded once: the row shift below must use the same q
+    features = ScoreFeatures(x.dtype, ct, b, h, nq, mask.nk, x.device)
+    features.add_dot(q_scaled, x)
+    norm_bias = -0.5 * inv_var * x.to(ct).square().sum(-1)
+    bias = norm_bias if mask.key_log_weights is None else norm_bias + mask.key_log_weights.to(ct)
+    features.add_key_bias(bias)
+    if eps > 0:
+        features.add_dummy_key(row_shift(q_scaled, qf, x, norm_bias, inv_var, ct) + math.log(eps))
+    return padded_sdpa(features, x, mask)
+
+
+def row_shift(q_scaled, qf, x, norm_bias, inv_var, ct) -> torch.Tensor:
+    """The row shift ``r_i = s ||x_i||^2 / 2`` of the scores, computed the way the kernel sees it.
+
+    For any key ``j``, ``r_i = q'_i . x_j - s ||x_j||^2 / 2 + s ||q_i - x_j||^2 / 2`` exactly.  Taking for ``j`` the
+    query's own position (``Nk - Nq + i``) and the *rounded* ``q'`` that the kernel uses, the query's own key gets
+    exactly its true score ``-s ||q_i - x_j||^2 / 2`` (0 in self-attention) next to the dummy key's ``log eps``:
+    computing ``r_i`` from ``||q_i||^2`` instead would leave the kernel's rounding of ``q' . x_j`` (large for large
+    norms in half precision) in the balance between the kernel and ``eps``.
+    """
+    nq, nk = qf.shape[2], x.shape[2]
+    own = (torch.arange(nq, device=x.device) + (nk - nq)).clamp(0, nk - 1)
+    x_own = x.to(ct).index_select(2, own)  # [B, H, Nq, d]
+    dot = (q_scaled.to(ct) * x_own).sum(-1)
+    dist = 0.5 * inv_var * (qf - x_own).square().sum(-1)
+    return dot + norm_bias.index_select(-1, own) + dist
+
+
+def gka_sdpa_reason(mask: MaskArgs) -> str | None:
+    """Why :func:`gka_attention_sdpa` cannot serve a call, or None."""
+    return sdpa_reason(mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "flex" backend (FlexAttention)
+# --------------------------------------------------------------------------------------------------------------------
+# Gaussian kernel attention with FlexAttention.
+#
+# With ``s = 1 / sigma^2``: ``q' = s x_i`` (or the separate ``query``), ``k' = x_j`` and the score_mod adds the
+# per-key bias ``-s ||x_j||^2 / 2 + log w_j`` (one captured float32 tensor, indexed once), so flex computes
+# ``O_i = sum_j K_ij x_j / Z_i`` with ``Z_i = sum_j K_ij`` and returns ``lse_i = log Z_i + s ||x_i||^2 / 2`` (that
+# row shift is computed as the kernel sees it, see :func:`row_shift` above).
+# The paper's ``eps`` then enters exactly: ``sum_j K_ij x_j / (Z_i + eps) = O_i * sigmoid(log Z_i - log eps)``.
+
+
+def gka_attention_flex(query, x, log_sigma, eps: float, mask: MaskArgs) -> torch.Tensor:
+    """The flex backend of :func:`hf_rbf.gka_attention` (arguments already validated)."""
+    ct = compute_dtype(x.dtype)
+    b, h = x.shape[:2]
+    if isinstance(log_sigma, float):
+        inv_var = inv_var4 = math.exp(-2.0 * log_sigma)
+    else:
+        inv_var = torch.exp(-2.0 * log_sigma.to(ct)).view(1, -1, 1)  # [1, H, 1]
+        inv_var4 = inv_var.unsqueeze(-1)
+    qf = query.to(ct)
+    q_scaled = (inv_var4 * qf).to(x.dtype)
+    norm_bias = -0.5 * inv_var * x.to(ct).square().sum(-1)
+    bias = norm_bias if mask.key_log_weights is None else norm_bias + mask.key_log_weights.to(ct)
+    bias = key_bias(bias, b, h)
+    out, lse = run_flex(q_scaled, x, x, bias_score_mod, (bias,), mask, return_lse=eps > 0)
+    if eps == 0:
+        return zero_rows_without_live_keys(out, mask)
+    # lse_i = log Z_i + r_i; r_i as the kernel sees it (see row_shift above)
+    log_z = lse.to(ct) - row_shift(q_scaled, qf, x, norm_bias, inv_var, ct)
+    # Z / (Z + eps) = sigmoid(log Z - log eps); 0 for a row without keys (log Z = -inf)
+    return (out.to(ct) * torch.sigmoid(log_z - math.log(eps)).unsqueeze(-1)).to(x.dtype)
+
+
+def gka_flex_reason(query, x, log_sigma, mask: MaskArgs) -> str | None:
+    """Why :func:`gka_attention_flex` cannot serve a call, or None."""
+    inputs = {"x": x, "query": query, "log_sigma": log_sigma, "key_log_weights": mask.key_log_weights}
+    return flex_reason(x.device, mask, inputs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "triton" backend (the fused kernels)
+# --------------------------------------------------------------------------------------------------------------------
+# Gaussian kernel attention on the fused Triton kernels (``backend="triton"``).
+#
+# ``S_ij = -||x_i - x_j||^2 / (2 sigma_h^2) + log w_j`` and ``W_ij = e^S_ij / (sum_j e^S_ij + eps)``: the shared
+# distance op with ``a = 1/sigma^2``, ``b = -1/(2 sigma^2)``, the query norm kept (``eps`` breaks shift invariance)
+# and ``x`` as key *and* value (``kv_same``: every key tile is read once and serves both products; the backward
+# writes one gradient for both roles, and autograd adds the query role's).  ``log_sigma`` gets its gradient through
+# ``a`` and ``b``.
+
+
+def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs) -> torch.Tensor:
+    """Fused GKA; same arguments and result as ``gka_attention_naive``."""
+    heads = x.shape[1]
+    if isinstance(log_sigma, torch.Tensor):
+        ls = log_sigma.float()
+    else:
+        ls = torch.full((heads,), float(log_sigma), device=x.device, dtype=torch.float32)
+    c = 0.5 * torch.exp(-2.0 * ls)  # 1 / (2 sigma^2)
+    return distance_attention(
+        query,
+        x,
+        x,
+        None,
+        None,
+        None,
+        2.0 * c,
+        -c,
+        mask,
+        normalize=True,
+        qnorm=True,
+        knorm=True,
+        kv_same=True,
+        eps=eps,
+    )
+
+
+def gka_triton_reason(query, x, log_sigma, eps, mask) -> str | None:
+    """None when ``gka_attention_triton`` can serve the call, else why not."""
+    return distance_reason((query, x), (("feature dim d", x.shape[-1]),))

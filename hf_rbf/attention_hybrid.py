@@ -11,17 +11,17 @@ import math
 
 import torch
 
-from .attention_hybrid_flex import hybrid_attention_flex, hybrid_flex_reason
-from .attention_hybrid_sdpa import hybrid_attention_sdpa, hybrid_sdpa_reason
-from .attention_hybrid_triton import hybrid_attention_triton, hybrid_triton_reason
-from .attention_scalar import check_grouped_values, scalar_scores
+from .attention_distance_triton import distance_attention, distance_reason
+from .attention_flex_utils import flex_reason, run_flex, zero_rows_without_live_keys
+from .attention_scalar import add_scalar_kernel, check_grouped_values, scalar_captured, scalar_score_mod, scalar_scores
+from .attention_sdpa_utils import ScoreFeatures, padded_sdpa, sdpa_reason
 from .attention_utils import (
     MaskArgs,
-    autocast_inputs,
     allowed_mask,
+    autocast_inputs,
     check_dim,
-    check_same,
     check_return_weights,
+    check_same,
     check_tensor,
     choose_backend,
     choose_weights_backend,
@@ -34,7 +34,6 @@ from .attention_utils import (
     per_query_param,
 )
 from .kernels_common import auto_order
-
 
 OP = "hybrid_attention"
 
@@ -145,3 +144,102 @@ def hybrid_attention(
         return hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, qs, ks, tau, scale, mask, backend))
     return fn(q, k, v, qs, ks, tau, scale, mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "sdpa" backend (the dimension-padding trick)
+# --------------------------------------------------------------------------------------------------------------------
+# Hybrid attention through ``F.scaled_dot_product_attention`` (the dimension-padding trick).
+#
+# ``scale q.k - (qs - ks)^2 / tau + log w`` less its row constant is the dot product of
+# ``q' = [scale q, 2 qs / tau, -1 / tau, 1]`` and ``k' = [k, ks, ks^2, log w]`` (see
+# the sdpa section of :mod:`hf_rbf.attention_scalar` for the scalar part).  A float ``scale`` of 0 drops the vector part.
+
+
+def hybrid_attention_sdpa(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch.Tensor:
+    """The sdpa backend of :func:`hf_rbf.hybrid_attention` (arguments already validated)."""
+    ct = compute_dtype(q.dtype)
+    b, h, nq, _ = q.shape
+    features = ScoreFeatures(q.dtype, ct, b, h, nq, mask.nk, q.device)
+    if isinstance(scale, float):
+        if scale != 0.0:
+            features.add_dot(scale * q.to(ct), k)
+    else:
+        features.add_dot(scale.to(ct).view(1, -1, 1, 1) * q.to(ct), k)
+    add_scalar_kernel(features, qs, ks, tau, mask, ct)
+    return padded_sdpa(features, expand_value_groups(v, h), mask)
+
+
+def hybrid_sdpa_reason(mask: MaskArgs) -> str | None:
+    """Why :func:`hybrid_attention_sdpa` cannot serve a call, or None."""
+    return sdpa_reason(mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "flex" backend (FlexAttention)
+# --------------------------------------------------------------------------------------------------------------------
+# Hybrid attention with FlexAttention: flex's ``(scale q).k`` plus the scalar score_mod of
+# the flex section of :mod:`hf_rbf.attention_scalar` (``-(qs_i - ks_j)^2 / tau_i + log w_j`` in float32).
+
+
+def hybrid_attention_flex(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch.Tensor:
+    """The flex backend of :func:`hf_rbf.hybrid_attention` (arguments already validated)."""
+    ct = compute_dtype(q.dtype)
+    h = q.shape[1]
+    s = scale if isinstance(scale, float) else scale.to(ct).view(1, -1, 1, 1)
+    q_scaled = (s * q.to(ct)).to(q.dtype)
+    captured = scalar_captured(qs, ks, tau, mask, ct)
+    out, _ = run_flex(q_scaled, k, expand_value_groups(v, h), scalar_score_mod, captured, mask, return_lse=False)
+    return zero_rows_without_live_keys(out, mask)
+
+
+def hybrid_flex_reason(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> str | None:
+    """Why :func:`hybrid_attention_flex` cannot serve a call, or None."""
+    inputs = {"q": q, "k": k, "v": v, "qs": qs, "ks": ks, "tau": tau, "scale": scale}
+    inputs["key_log_weights"] = mask.key_log_weights
+    return flex_reason(q.device, mask, inputs, captured_scalars={"qs": qs, "ks": ks, "tau": tau})
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "triton" backend (the fused kernels)
+# --------------------------------------------------------------------------------------------------------------------
+# Hybrid scalar + dot-product attention on the fused Triton kernels (``backend="triton"``).
+#
+# ``S_ij = scale_h q_i.k_j - (qs_i - ks_j)^2 / tau_i + log w_j``: the shared distance op with ``a = scale``, ``b = 0``
+# and the scalar term with ``beta = 1 / tau`` evaluated per score element in fp32 (the exact difference, not an
+# expanded product, so large scalar keys lose no precision).  Grouped values ``[B, G, Nk, Dv]`` are indexed by group
+# in the forward and their gradient is summed over the group's heads inside the dK/dV program.
+
+
+def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch.Tensor:
+    """Fused hybrid attention; same arguments and result as ``hybrid_attention_naive``."""
+    heads = q.shape[1]
+    if isinstance(scale, torch.Tensor):
+        a = scale.float()
+    else:
+        a = torch.full((heads,), float(scale), device=q.device, dtype=torch.float32)
+    if isinstance(tau, torch.Tensor):
+        beta = 1.0 / tau.float()
+    else:
+        beta = torch.full((1, 1, 1), 1.0 / float(tau), device=q.device, dtype=torch.float32)
+    return distance_attention(
+        q,
+        k,
+        v,
+        qs,
+        ks,
+        beta,
+        a,
+        torch.zeros_like(a),
+        mask,
+        normalize=True,
+        qnorm=False,
+        knorm=False,
+        kv_same=False,
+        eps=0.0,
+    )
+
+
+def hybrid_triton_reason(q, k, v, qs, ks, tau, scale, mask) -> str | None:
+    """None when ``hybrid_attention_triton`` can serve the call, else why not."""
+    return distance_reason((q, k, v), (("head dim D", q.shape[-1]), ("value dim Dv", v.shape[-1])))

@@ -11,17 +11,18 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from .attention_rbf_flex import rbf_attention_flex, rbf_flex_reason
-from .attention_rbf_sdpa import rbf_attention_sdpa, rbf_sdpa_reason
-from .attention_rbf_triton import rbf_attention_triton, rbf_triton_reason
+from .attention_distance_triton import distance_attention, distance_reason
+from .attention_flex_utils import bias_score_mod, flex_reason, key_bias, run_flex, zero_rows_without_live_keys
+from .attention_sdpa_utils import ScoreFeatures, padded_sdpa, sdpa_reason
 from .attention_utils import (
     MaskArgs,
-    autocast_inputs,
     allowed_mask,
+    autocast_inputs,
     check_dim,
-    check_same,
     check_return_weights,
+    check_same,
     check_tensor,
     choose_backend,
     choose_weights_backend,
@@ -32,7 +33,6 @@ from .attention_utils import (
     per_head_param,
 )
 from .kernels_common import auto_order
-
 
 OP = "rbf_attention"
 
@@ -151,3 +151,132 @@ def rbf_attention(
         return rbf_attention_naive(q, k, v, gamma, normalize, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, gamma, normalize, mask, backend))
     return fn(q, k, v, gamma, normalize, mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "sdpa" backend (the dimension-padding trick)
+# --------------------------------------------------------------------------------------------------------------------
+# RBF attention through ``F.scaled_dot_product_attention`` (the dimension-padding trick).
+#
+# With softmax the query norm is a row constant, so the score is ``2 gamma q.k - gamma ||k||^2 + log w``:
+# ``q' = [2 gamma q, 1]`` and ``k' = [k, -gamma ||k||^2 + log w]`` (the scalar column split in two for half
+# precision, see :mod:`hf_rbf.attention_sdpa_utils`).
+#
+# Softmax-free (``normalize=False``): ``out_i = sum_j exp(-gamma ||q_i - k_j||^2 + log w_j) v_j = A_i``.  A dummy key
+# with score ``gamma ||q_i||^2`` and value ``[0, ..., 0, 1]`` next to values ``[v_j, 0]`` makes SDPA return
+# ``[A_i, 1] / (Z_i + 1)`` with ``Z_i = sum_j exp(-gamma ||q_i - k_j||^2 + log w_j)``, so ``A_i`` is the ratio of the
+# value part and the last column.  Both parts are softmax averages, so neither overflows; the last column is
+# ``1 / (1 + Z_i)``, which float16 cannot hold once ``Z_i`` passes about 1.6e4, so float16 is left to other backends.
+
+
+def rbf_attention_sdpa(q, k, v, gamma, normalize: bool, mask: MaskArgs) -> torch.Tensor:
+    """The sdpa backend of :func:`hf_rbf.rbf_attention` (arguments already validated)."""
+    ct = compute_dtype(q.dtype)
+    b, h, nq, _ = q.shape
+    g = gamma if isinstance(gamma, float) else gamma.to(ct).view(1, -1, 1)  # [1, H, 1]
+    qf = q.to(ct)
+    features = ScoreFeatures(q.dtype, ct, b, h, nq, mask.nk, q.device)
+    features.add_dot(2.0 * (g if isinstance(g, float) else g.unsqueeze(-1)) * qf, k)
+    bias = -g * k.to(ct).square().sum(-1)
+    if mask.key_log_weights is not None:
+        bias = bias + mask.key_log_weights.to(ct)
+    features.add_key_bias(bias)
+    if normalize:
+        return padded_sdpa(features, v, mask)
+    dv = v.shape[-1]
+    features.add_dummy_key(g * qf.square().sum(-1))
+    unit = torch.zeros(dv + 1, dtype=v.dtype, device=v.device)
+    unit[dv] = 1.0
+    out = padded_sdpa(features, F.pad(v, (0, 1)), mask, dummy_value=unit)
+    # out = [A, 1] / (Z + 1): the last column is >= 1 / (1 + Z) > 0, so the division is safe
+    return (out[..., :dv].to(ct) / out[..., dv:].to(ct)).to(q.dtype)
+
+
+def rbf_sdpa_reason(q, normalize: bool, mask: MaskArgs) -> str | None:
+    """Why :func:`rbf_attention_sdpa` cannot serve a call, or None."""
+    reason = sdpa_reason(mask)
+    if reason is None and not normalize and q.dtype == torch.float16:
+        reason = (
+            "sdpa cannot compute normalize=False exactly in float16 (its normaliser 1 / (1 + sum of weights) "
+            "underflows float16); use bfloat16, float32 or another backend"
+        )
+    return reason
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "flex" backend (FlexAttention)
+# --------------------------------------------------------------------------------------------------------------------
+# RBF attention with FlexAttention.
+#
+# ``q' = 2 gamma q`` and ``k' = k`` give flex's ``q'.k'``; the score_mod adds the per-key bias
+# ``-gamma ||k_j||^2 + log w_j`` (one captured float32 tensor ``[B, H, Nk]``, indexed once, which flex
+# differentiates).  The softmax drops the query norm.  Softmax-free (``normalize=False``):
+# ``out_i = sum_j exp(s_ij) v_j = softmax_out_i * exp(lse_i - gamma ||q_i||^2)``, from flex's log-sum-exp.
+
+
+def rbf_attention_flex(q, k, v, gamma, normalize: bool, mask: MaskArgs) -> torch.Tensor:
+    """The flex backend of :func:`hf_rbf.rbf_attention` (arguments already validated)."""
+    ct = compute_dtype(q.dtype)
+    b, h = q.shape[:2]
+    g = gamma if isinstance(gamma, float) else gamma.to(ct).view(1, -1, 1)  # [1, H, 1]
+    qf = q.to(ct)
+    q_scaled = (2.0 * (g if isinstance(g, float) else g.unsqueeze(-1)) * qf).to(q.dtype)
+    bias = -g * k.to(ct).square().sum(-1)
+    if mask.key_log_weights is not None:
+        bias = bias + mask.key_log_weights.to(ct)
+    bias = key_bias(bias, b, h)
+    out, lse = run_flex(q_scaled, k, v, bias_score_mod, (bias,), mask, return_lse=not normalize)
+    if normalize:
+        return zero_rows_without_live_keys(out, mask)
+    # lse_i = log sum_j exp(s_ij + gamma ||q_i||^2): remove the row shift; exp(-inf) = 0 for empty rows
+    log_z = lse.to(ct) - g * qf.square().sum(-1)
+    return (out.to(ct) * torch.exp(log_z).unsqueeze(-1)).to(q.dtype)
+
+
+def rbf_flex_reason(q, k, v, gamma, mask: MaskArgs) -> str | None:
+    """Why :func:`rbf_attention_flex` cannot serve a call, or None."""
+    inputs = {"q": q, "k": k, "v": v, "gamma": gamma, "key_log_weights": mask.key_log_weights}
+    return flex_reason(q.device, mask, inputs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "triton" backend (the fused kernels)
+# --------------------------------------------------------------------------------------------------------------------
+# RBF attention on the fused Triton kernels (``backend="triton"``).
+#
+# ``S_ij = -gamma_h ||q_i - k_j||^2 + log w_j``: the shared distance op with ``a = 2 gamma`` and ``b = -gamma``.
+# With the softmax (``normalize=True``) ``-gamma ||q_i||^2`` is a row constant and is dropped (the blog's
+# ``2 gamma q.k - gamma ||k||^2`` form); the softmax-free variant keeps it (``qnorm``), folded into the row statistics.
+
+
+def _per_head(value, heads: int, device) -> torch.Tensor:
+    """A float or a tensor ``[H]`` as a float32 tensor ``[H]`` (differentiable)."""
+    if isinstance(value, torch.Tensor):
+        return value.float()
+    return torch.full((heads,), float(value), device=device, dtype=torch.float32)
+
+
+def rbf_attention_triton(q, k, v, gamma, normalize: bool, mask: MaskArgs) -> torch.Tensor:
+    """Fused RBF attention; same arguments and result as ``rbf_attention_naive``."""
+    g = _per_head(gamma, q.shape[1], q.device)
+    return distance_attention(
+        q,
+        k,
+        v,
+        None,
+        None,
+        None,
+        2.0 * g,
+        -g,
+        mask,
+        normalize=normalize,
+        qnorm=not normalize,
+        knorm=True,
+        kv_same=False,
+        eps=0.0,
+    )
+
+
+def rbf_triton_reason(q, k, v, gamma, normalize, mask) -> str | None:
+    """None when ``rbf_attention_triton`` can serve the call, else why not."""
+    return distance_reason((q, k, v), (("head dim D", q.shape[-1]), ("value dim Dv", v.shape[-1])))

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from .attention_scalar_flex import scalar_attention_flex, scalar_flex_reason
-from .attention_scalar_sdpa import scalar_attention_sdpa, scalar_sdpa_reason
+from .attention_flex_utils import flex_reason, key_bias, per_query, run_flex, zero_rows_without_live_keys
 from .attention_scalar_triton import scalar_attention_triton, scalar_triton_reason
+from .attention_sdpa_utils import ScoreFeatures, padded_sdpa, sdpa_reason
 from .attention_utils import (
     MaskArgs,
-    autocast_inputs,
     allowed_mask,
+    autocast_inputs,
     check_dim,
-    check_same,
     check_return_weights,
+    check_same,
     check_tensor,
     choose_backend,
     choose_weights_backend,
@@ -28,7 +28,6 @@ from .attention_utils import (
     per_query_param,
 )
 from .kernels_common import auto_order
-
 
 OP = "scalar_attention"
 
@@ -149,3 +148,96 @@ def scalar_attention(
         return scalar_attention_naive(qs, ks, v, tau, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, qs.device, _candidates(qs, ks, v, tau, mask, backend))
     return fn(qs, ks, v, tau, mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "sdpa" backend (the dimension-padding trick)
+# --------------------------------------------------------------------------------------------------------------------
+# Scalar sort attention through ``F.scaled_dot_product_attention`` (the dimension-padding trick).
+#
+# The softmax drops the row constant ``-qs_i^2 / tau_i``, leaving ``2 qs_i ks_j / tau_i - ks_j^2 / tau_i + log w_j``:
+# ``q' = [2 qs / tau, -1 / tau, 1]`` and ``k' = [ks, ks^2, log w]``.  When ``tau`` does not vary over the queries
+# (a float or per head) ``-ks^2 / tau + log w`` is one per-key bias column.  The grouped values are expanded to the
+# heads.  Half precision splits the scalar columns in two (see :mod:`hf_rbf.attention_sdpa_utils`).
+
+
+def add_scalar_kernel(features: ScoreFeatures, qs, ks, tau, mask: MaskArgs, ct) -> None:
+    """Add ``-(qs_i - ks_j)^2 / tau_i + log w_j`` (less the row constant) to ``features``; shared with hybrid."""
+    qf, kf = qs.to(ct), ks.to(ct)
+    inv_tau = 1.0 / tau if isinstance(tau, float) else 1.0 / tau.to(ct)  # float or [B|1, H|1, Nq|1]
+    features.add_product(2.0 * qf * inv_tau, ks, b_exact=True)
+    bias = None
+    if isinstance(inv_tau, float) or inv_tau.shape[-1] == 1:
+        bias = -kf.square() * inv_tau  # inv_tau [B|1, H|1, 1] broadcasts over the keys
+    else:
+        features.add_product(-inv_tau, kf.square())
+    if mask.key_log_weights is not None:
+        klw = mask.key_log_weights.to(ct)
+        bias = klw if bias is None else bias + klw
+    if bias is not None:
+        features.add_key_bias(bias)
+
+
+def scalar_attention_sdpa(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
+    """The sdpa backend of :func:`hf_rbf.scalar_attention` (arguments already validated)."""
+    ct = compute_dtype(v.dtype)
+    b, h, nq = qs.shape
+    features = ScoreFeatures(v.dtype, ct, b, h, nq, mask.nk, v.device)
+    add_scalar_kernel(features, qs, ks, tau, mask, ct)
+    return padded_sdpa(features, expand_value_groups(v, h), mask)
+
+
+def scalar_sdpa_reason(mask: MaskArgs) -> str | None:
+    """Why :func:`scalar_attention_sdpa` cannot serve a call, or None."""
+    return sdpa_reason(mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the "flex" backend (FlexAttention)
+# --------------------------------------------------------------------------------------------------------------------
+# Scalar sort attention with FlexAttention.
+#
+# The score_mod computes ``-(qs_i - ks_j)^2 / tau_i + log w_j`` in float32 from captured tensors (the difference is
+# formed before squaring, so large ``qs``/``ks`` lose nothing to cancellation).  There is no vector part: flex is
+# given zero queries and keys of width 16 (its smallest tile), whose zero product the score_mod still adds (flex's
+# backward expects the score to be used).  The grouped values are expanded to the heads.
+
+
+def scalar_score_mod(qs, ks, inv_tau, bias):
+    """``score - (qs_i - ks_j)^2 * inv_tau_i (+ bias_j)`` from ``[B, H, Nq]``, ``[B, H, Nk]``, ``[B, H, Nq]`` and
+    ``[B, H, Nk]`` or None (float32); ``score`` is flex's ``q'.k'`` (zero for scalar, ``scale q.k`` for hybrid)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        diff = qs[b, h, q_idx] - ks[b, h, kv_idx]
+        out = score - (diff * diff) * inv_tau[b, h, q_idx]
+        if bias is not None:
+            out = out + bias[b, h, kv_idx]
+        return out
+
+    return score_mod
+
+
+def scalar_captured(qs, ks, tau, mask: MaskArgs, ct) -> tuple:
+    """The tensors :func:`scalar_score_mod` captures; shared with hybrid."""
+    b, h, nq = qs.shape
+    inv_tau = per_query(1.0 / tau if isinstance(tau, float) else 1.0 / tau.to(ct), b, h, nq, ct, qs.device)
+    bias = None if mask.key_log_weights is None else key_bias(mask.key_log_weights.to(ct), b, h)
+    return (qs.to(ct).contiguous(), ks.to(ct).contiguous(), inv_tau, bias)
+
+
+def scalar_attention_flex(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
+    """The flex backend of :func:`hf_rbf.scalar_attention` (arguments already validated)."""
+    ct = compute_dtype(v.dtype)
+    b, h, nq = qs.shape
+    zeros_q = torch.zeros(b, h, nq, 16, dtype=v.dtype, device=v.device)
+    zeros_k = torch.zeros(b, h, mask.nk, 16, dtype=v.dtype, device=v.device)
+    captured = scalar_captured(qs, ks, tau, mask, ct)
+    values = expand_value_groups(v, h)
+    out, _ = run_flex(zeros_q, zeros_k, values, scalar_score_mod, captured, mask, return_lse=False)
+    return zero_rows_without_live_keys(out, mask)
+
+
+def scalar_flex_reason(qs, ks, v, tau, mask: MaskArgs) -> str | None:
+    """Why :func:`scalar_attention_flex` cannot serve a call, or None."""
+    inputs = {"qs": qs, "ks": ks, "v": v, "tau": tau, "key_log_weights": mask.key_log_weights}
+    return flex_reason(v.device, mask, inputs, captured_scalars={"qs": qs, "ks": ks, "tau": tau})
