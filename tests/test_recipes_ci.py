@@ -85,7 +85,7 @@ def test_the_contract_marker_covers_the_transformers_facing_tests():
         "test_model_static_cache.py", "test_seed_qk_norm_registers.py", "test_seed_gka_variants.py",
         "test_seed_deit_recipe.py",
         "test_scalar_sort_schedule.py", "test_scalar_sort_sink.py", "test_scalar_sort_captured_mass_callback.py",
-        "test_recipes_science.py", "test_model_static_compile.py",
+        "test_recipes_science.py", "test_model_static_compile.py", "test_recipes_scaling.py",
     }  # fmt: skip
     for name in sorted(expected):
         text = Path(REPO, "tests", name).read_text(encoding="utf-8")
