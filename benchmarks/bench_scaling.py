@@ -11,22 +11,29 @@ memory of each process) for ``--steps`` optimizer steps, and writes ``scaling.js
 
 * tokens/s per GPU: the recipe's own measure (``ThroughputCallback``: the steps after the first 5, evaluation and
   saving excluded) divided by N;
-* peak memory per GPU: the largest ``torch.cuda.max_memory_allocated`` over the N processes (on the CPU dry run the
-  largest resident set size, ``ru_maxrss``, which includes the Python interpreter and is only a sanity figure);
+* peak memory per GPU: the largest ``torch.cuda.max_memory_allocated`` over the N processes during training (from the
+  first step to the last, the weights included; evaluation and saving come after); on the CPU dry run the largest
+  resident set size (``ru_maxrss``, the whole process so far, interpreter included: only a sanity figure);
 * scaling efficiency: tokens/s per GPU at N over tokens/s per GPU at 1 process, same recipe and strategy.
 
 Weak scaling: every process gets ``--blocks-per-gpu`` blocks per step (``global_batch_size = blocks x N``), so the work
 per GPU is the same at every N and an efficiency of 1.0 means linear scaling.  The Llama recipe is wrapped for FSDP by
 its ``LlamaDecoderLayer`` (the accelerate config names hf_rbf's ``DecoderLayer``).  ``--cpu`` runs the same commands
 with gloo processes on the CPU (DDP only: accelerate's FSDP needs GPUs), as a dry run of the whole chain.
+
+The tokenizer and the packed data are prepared once per distinct (tokenizer, data) recipe section (``pretrain.py
+--prepare-only``) and shared by the runs; each run's ``final/`` model is deleted after its numbers are read (a ~1B model
+is 4.4 GB in float32), its logs and summary kept under ``<output>/runs``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -42,11 +49,7 @@ ACCELERATE_CONFIGS = {
 }
 SIZES = ("d768", "1b")
 FAMILIES = ("llama", "rbf", "gka", "scalar_sort", "hybrid_sort")
-DEFAULT_CONFIGS = [
-    f"recipes/configs/scale_{size}_{family}.yaml"
-    for size in SIZES
-    for family in FAMILIES
-]
+DEFAULT_CONFIGS = [f"recipes/configs/scale_{size}_{family}.yaml" for size in SIZES for family in FAMILIES]
 # a short run measures speed only: no evaluation, checkpoints, story, bits per byte or remote-code check
 BENCH_OVERRIDES = [
     "training.eval_strategy='no'",
@@ -56,13 +59,12 @@ BENCH_OVERRIDES = [
     "evaluation.bpb.enabled=false",
     "evaluation.remote_code_check=false",
     "model.expected_num_parameters=null",
+    "data.max_validation_blocks=16",  # run() still evaluates the final weights once
 ]
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--output",
         required=True,
@@ -120,17 +122,11 @@ def parse_args(argv=None):
     )
     args = parser.parse_args(argv)
     if args.steps < 6:
-        parser.error(
-            f"--steps must be at least 6 (the first 5 steps are not timed); got {args.steps}"
-        )
+        parser.error(f"--steps must be at least 6 (the first 5 steps are not timed); got {args.steps}")
     if args.blocks_per_gpu < 1:
-        parser.error(
-            f"--blocks-per-gpu must be a positive int; got {args.blocks_per_gpu}"
-        )
+        parser.error(f"--blocks-per-gpu must be a positive int; got {args.blocks_per_gpu}")
     if args.cpu and "fsdp2" in args.strategies:
-        parser.error(
-            "--cpu runs DDP only (accelerate's FSDP needs GPUs): pass --strategies ddp"
-        )
+        parser.error("--cpu runs DDP only (accelerate's FSDP needs GPUs): pass --strategies ddp")
     if args.processes is None:
         args.processes = default_process_counts(args.cpu)
     if not args.processes or min(args.processes) < 1:
@@ -156,86 +152,77 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_command(
-    config: str, strategy: str, processes: int, run_dir: str, args
-) -> list[str]:
-    """The ``accelerate launch`` command of one run."""
+def _recipe(config: str, overrides) -> dict:
     from recipes.pretrain_config import load_config
 
-    family = load_config(os.path.join(REPO, config), list(args.overrides))["model"][
-        "family"
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        ACCELERATE_CONFIGS[strategy],
-    ]
+    return load_config(os.path.join(REPO, config), list(overrides))
+
+
+def _env(args) -> dict:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.cpu:
+        env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def prepare(config: str, args, prepared: dict) -> list[str]:
+    """Train the tokenizer and pack the data once per distinct (tokenizer, data) recipe section; returns the ``--set``
+    overrides that point the runs of ``config`` at them."""
+    cfg = _recipe(config, args.overrides)
+    key = hashlib.sha1(json.dumps([cfg["tokenizer"], cfg["data"]], sort_keys=True).encode()).hexdigest()[:12]
+    root = os.path.join(os.path.abspath(args.output), "prepared", key)
+    overrides = [f"data.cache_dir={os.path.join(root, 'data_cache')}"]
+    if cfg["tokenizer"]["path"] is None:
+        overrides.append(f"tokenizer.path={os.path.join(root, 'tokenizer')}")
+    if key not in prepared:
+        cmd = [sys.executable, os.path.join(REPO, "recipes", "pretrain.py"), "--config", config, "--prepare-only"]
+        cmd += ["--output-dir", root, "--set", *args.overrides, overrides[0]]
+        subprocess.run(cmd, cwd=REPO, env=_env(args), check=True)
+        prepared[key] = root
+    return overrides
+
+
+def launch_command(config: str, strategy: str, processes: int, run_dir: str, args, prepared=()) -> list[str]:
+    """The ``accelerate launch`` command of one run (``prepared``: the overrides from :func:`prepare`)."""
+    family = _recipe(config, args.overrides)["model"]["family"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ACCELERATE_CONFIGS[strategy]]
     cmd += ["--num_processes", str(processes), "--main_process_port", str(_free_port())]
     if strategy == "fsdp2" and family == "llama":
         cmd += ["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"]
     if args.cpu:  # gloo: Trainer sets it up for several CPU processes; bf16 autocast is the GPU recipes' setting
         cmd += ["--mixed_precision", "no"]
-    cmd += [
-        os.path.abspath(__file__),
-        "worker",
-        "--config",
-        config,
-        "--output-dir",
-        run_dir,
-        "--set",
-    ]
+    cmd += [os.path.abspath(__file__), "worker", "--config", config, "--output-dir", run_dir, "--set"]
     cmd += [*BENCH_OVERRIDES, f"training.max_steps={args.steps}"]
-    cmd += [f"global_batch_size={args.blocks_per_gpu * processes}", *args.overrides]
+    cmd += [f"global_batch_size={args.blocks_per_gpu * processes}", *args.overrides, *prepared]
     if args.cpu:
-        cmd += [
-            "training.bf16=false",
-            "training.optim=adamw_torch",
-            "training.dataloader_num_workers=0",
-        ]
+        cmd += ["training.bf16=false", "training.optim=adamw_torch", "training.dataloader_num_workers=0"]
     return cmd
 
 
-def run_one(config: str, strategy: str, processes: int, args) -> dict:
+def run_one(config: str, strategy: str, processes: int, args, prepared=()) -> dict:
     name = f"{os.path.splitext(os.path.basename(config))[0]}-{strategy}-{processes}"
     run_dir = os.path.join(os.path.abspath(args.output), "runs", name)
-    os.makedirs(run_dir, exist_ok=True)
-    cmd = launch_command(config, strategy, processes, run_dir, args)
-    env = dict(
-        os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
-    if args.cpu:
-        env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    row = {
-        "config": config,
-        "strategy": strategy,
-        "processes": processes,
-        "run_dir": run_dir,
-    }
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier invocation must not be read as this one's
+    os.makedirs(run_dir)
+    cmd = launch_command(config, strategy, processes, run_dir, args, prepared)
+    env = _env(args)
+    row = {"config": config, "strategy": strategy, "processes": processes, "run_dir": run_dir}
     t0 = time.time()
     with open(os.path.join(run_dir, "launch.log"), "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
         try:
             proc = subprocess.run(
-                cmd,
-                check=False,
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=args.timeout,
+                cmd, check=False, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
             )
             row["returncode"] = proc.returncode
         except subprocess.TimeoutExpired:
             row["returncode"] = None
     row["wall_seconds"] = time.time() - t0
+    shutil.rmtree(os.path.join(run_dir, "final"), ignore_errors=True)
     summary_path = os.path.join(run_dir, "summary.json")
     if row["returncode"] != 0 or not os.path.exists(summary_path):
-        row["error"] = (
-            f"failed (returncode {row['returncode']}); see {os.path.join(run_dir, 'launch.log')}"
-        )
+        row["error"] = f"failed (returncode {row['returncode']}); see {os.path.join(run_dir, 'launch.log')}"
         return row
     with open(summary_path) as f:
         s = json.load(f)
@@ -253,9 +240,7 @@ def run_one(config: str, strategy: str, processes: int, args) -> dict:
         steps=s["steps"],
         measured_steps=s["throughput"]["measured_steps"],
         tokens_per_second=tokens_per_second,
-        tokens_per_second_per_gpu=tokens_per_second / s["world_size"]
-        if tokens_per_second
-        else None,
+        tokens_per_second_per_gpu=tokens_per_second / s["world_size"] if tokens_per_second else None,
         peak_memory_gib=max(p["peak_bytes"] for p in peaks) / 2**30,
         peak_memory_kind=peaks[0]["kind"],
         attention_backends=s["attention_backends"],
@@ -295,9 +280,7 @@ def markdown_table(rows: list[dict], title: str) -> str:
     for r in rows:
         recipe = os.path.splitext(os.path.basename(r["config"]))[0]
         if "error" in r:
-            lines.append(
-                f"| {recipe} | | | {r['strategy']} | {r['processes']} | {r['error']} | | |"
-            )
+            lines.append(f"| {recipe} | | | {r['strategy']} | {r['processes']} | {r['error']} | | |")
             continue
         lines.append(
             f"| {recipe} | {r['family']} | {r['num_parameters']:,} | {r['strategy']} | {r['processes']} | "
@@ -312,41 +295,44 @@ def markdown_table(rows: list[dict], title: str) -> str:
             f"Device: {r['device']} ({r['versions'].get('cuda') or 'CPU'}); torch {r['versions']['torch']}, "
             f"transformers {r['versions']['transformers']}.  Weak scaling: {r['tokens_per_step'] // r['world_size']} "
             "tokens per GPU and step.  Peak memory: "
-            + (
-                "torch.cuda.max_memory_allocated"
-                if r["peak_memory_kind"] == "cuda"
-                else "max resident set size"
-            )
+            + ("torch.cuda.max_memory_allocated" if r["peak_memory_kind"] == "cuda" else "max resident set size")
             + ", largest over the processes.",
         ]
     return "\n".join(lines) + "\n"
 
 
-def worker(argv) -> int:
-    """One process of a run: ``recipes/pretrain.py``'s ``run`` and then this process's peak memory."""
+def peak_memory_callback(output_dir: str):
+    """A ``TrainerCallback`` that writes this process's peak memory of the training loop (from the first step to the
+    last, the model's weights included) to ``<output_dir>/peak_memory_rank<RANK>.json``."""
     import torch
+    from transformers import TrainerCallback
 
+    class PeakMemoryCallback(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                peak = {"kind": "cuda", "peak_bytes": torch.cuda.max_memory_allocated()}
+            else:  # Linux reports ru_maxrss in KiB
+                peak = {"kind": "rss", "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            rank = int(os.environ.get("RANK", "0"))
+            with open(os.path.join(output_dir, f"peak_memory_rank{rank}.json"), "w") as f:
+                json.dump(peak, f)
+
+    return PeakMemoryCallback()
+
+
+def worker(argv) -> int:
+    """One process of a run: ``recipes/pretrain.py``'s ``run`` with the peak-memory callback."""
     from recipes.pretrain import parse_args as pretrain_args
     from recipes.pretrain import run
     from recipes.pretrain_config import load_config
 
     args = pretrain_args(argv)
     cfg = load_config(args.config, args.overrides, output_dir=args.output_dir)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    run(cfg)
-    if torch.cuda.is_available():
-        peak = {"kind": "cuda", "peak_bytes": torch.cuda.max_memory_allocated()}
-    else:  # Linux reports ru_maxrss in KiB
-        peak = {
-            "kind": "rss",
-            "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        }
-    rank = int(os.environ.get("RANK", "0"))
-    with open(
-        os.path.join(cfg["output_dir"], f"peak_memory_rank{rank}.json"), "w"
-    ) as f:
-        json.dump(peak, f)
+    run(cfg, callbacks=[peak_memory_callback(cfg["output_dir"])])
     return 0
 
 
@@ -356,26 +342,20 @@ def main(argv=None) -> int:
         return worker(argv[1:])
     args = parse_args(argv)
     os.makedirs(args.output, exist_ok=True)
-    rows = []
+    rows, prepared = [], {}
     for config in args.configs:
+        data_overrides = prepare(config, args, prepared)
         for strategy in args.strategies:
             for processes in args.processes:
-                row = run_one(config, strategy, processes, args)
+                row = run_one(config, strategy, processes, args, data_overrides)
                 rows.append(row)
                 print(
                     f"{os.path.basename(config)} {strategy} x{processes}: "
-                    + (
-                        row.get("error")
-                        or f"{row['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU"
-                    ),
+                    + (row.get("error") or f"{row['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU"),
                     flush=True,
                 )
     add_efficiency(rows)
-    title = (
-        "Scaling: tokens/s per GPU, peak memory and efficiency ("
-        + ("CPU dry run" if args.cpu else "GPUs")
-        + ")"
-    )
+    title = "Scaling: tokens/s per GPU, peak memory and efficiency (" + ("CPU dry run" if args.cpu else "GPUs") + ")"
     with open(os.path.join(args.output, "scaling.json"), "w") as f:
         json.dump(
             {

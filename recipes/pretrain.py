@@ -300,8 +300,9 @@ def _versions() -> dict:
     }
 
 
-def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=print) -> dict:
-    """Run a recipe (see the module docstring); returns the summary (also written to ``summary.json``)."""
+def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=print, callbacks=()) -> dict:
+    """Run a recipe (see the module docstring); returns the summary (also written to ``summary.json``).  ``callbacks``:
+    more ``TrainerCallback``s for the Trainer (benchmarks/bench_scaling.py adds its peak-memory one)."""
     import datasets
     import transformers
     from transformers import set_seed
@@ -392,7 +393,7 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
     )
     metrics_cb = MetricsCallback(out_dir, tokens_per_step, cfg["run_name"])
     throughput_cb = ThroughputCallback(tokens_per_step)
-    callbacks = [metrics_cb, throughput_cb]
+    callbacks = [metrics_cb, throughput_cb, *callbacks]
     if stop_at_step is not None:
         callbacks.append(StopAtStepCallback(stop_at_step))
     # HfRbfTrainer: Trainer plus the model's no-decay parameters and the regularizer terms in the logs

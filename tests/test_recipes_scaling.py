@@ -34,9 +34,7 @@ NO_EXTRAS = [
     "training.eval_strategy='no'",  # quoted: YAML reads a bare no as false
     "cpu_threads=1",
 ]
-LOSS_TOLERANCE = (
-    1e-4  # 1 vs 2 processes: float summation order only (see the module docstring)
-)
+LOSS_TOLERANCE = 1e-4  # 1 vs 2 processes: float summation order only (see the module docstring)
 
 
 def _free_port() -> int:
@@ -77,9 +75,7 @@ def _pretrain(output_dir, processes: int, *extra: str) -> None:
         ]
         cmd += ["--dynamo_backend", "no", *script]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False
-    )
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -99,9 +95,7 @@ def straight_run(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)])
-def test_checkpoint_resumes_on_another_process_count(
-    straight_run, tmp_path, saved_on, resumed_on
-):
+def test_checkpoint_resumes_on_another_process_count(straight_run, tmp_path, saved_on, resumed_on):
     out = tmp_path / f"saved{saved_on}_resumed{resumed_on}"
     _pretrain(out, saved_on, "--stop-at-step", "4")
     assert os.path.isdir(out / "checkpoint-4") and not os.path.isdir(out / "final")
@@ -109,11 +103,7 @@ def test_checkpoint_resumes_on_another_process_count(
     _pretrain(out, resumed_on, "--resume")
     with open(out / "summary.json") as f:
         summary = json.load(f)
-    assert (
-        summary["world_size"] == resumed_on
-        and summary["global_batch_size"] == 8
-        and summary["steps"] == 8
-    )
+    assert summary["world_size"] == resumed_on and summary["global_batch_size"] == 8 and summary["steps"] == 8
     assert summary["resumed_from"].endswith("checkpoint-4")
     resumed = _losses(out)
     assert sorted(first) == [1, 2, 3, 4] and sorted(resumed) == list(range(1, 9))
@@ -142,9 +132,7 @@ def _fsdp_plugin(config_name: str, monkeypatch, *launch_args: str):
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     argv = ["--config_file", os.path.join(ACCELERATE_DIR, config_name), *launch_args]
-    args = launch_command_parser().parse_args(
-        [*argv, os.path.join(REPO, "recipes", "pretrain.py")]
-    )
+    args = launch_command_parser().parse_args([*argv, os.path.join(REPO, "recipes", "pretrain.py")])
     args, _, _ = _validate_launch_command(args)
     env = prepare_multi_gpu_env(args)
     for key, value in env.items():
@@ -158,12 +146,8 @@ def _scale_model(size: str, family: str):
     from recipes.pretrain_config import load_config
     from recipes.pretrain_models import build_config, build_model, resolve_model_config
 
-    cfg = load_config(
-        os.path.join(REPO, "recipes", "configs", f"scale_{size}_{family}.yaml")
-    )
-    kwargs, _ = resolve_model_config(
-        cfg["model"], cfg["tokenizer"]["vocab_size"], cfg["data"]["block_size"], {}
-    )
+    cfg = load_config(os.path.join(REPO, "recipes", "configs", f"scale_{size}_{family}.yaml"))
+    kwargs, _ = resolve_model_config(cfg["model"], cfg["tokenizer"]["vocab_size"], cfg["data"]["block_size"], {})
     return build_model(build_config(family, kwargs), device="meta")
 
 
@@ -172,55 +156,33 @@ def test_fsdp2_configs(config_name, monkeypatch):
     from torch.distributed.fsdp import StateDictType
 
     args, env, plugin = _fsdp_plugin(config_name, monkeypatch)
-    assert (
-        args.num_processes == 2
-        and args.num_machines == 1
-        and env["ACCELERATE_USE_FSDP"] == "true"
-    )
+    assert args.num_processes == 2 and args.num_machines == 1 and env["ACCELERATE_USE_FSDP"] == "true"
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
-    assert (
-        plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
-    )  # full shard (ZeRO-3)
-    assert (
-        plugin.state_dict_type == StateDictType.FULL_STATE_DICT
-    )  # checkpoints independent of the process count
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True  # full shard (ZeRO-3)
+    assert plugin.state_dict_type == StateDictType.FULL_STATE_DICT  # checkpoints independent of the process count
     assert plugin.transformer_cls_names_to_wrap == ["DecoderLayer"]
     assert plugin.activation_checkpointing is (config_name == "fsdp2_ac.yaml")
     plugin.set_mixed_precision("bf16")
     policy = plugin.mixed_precision_policy
-    assert (
-        policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.bfloat16
-    )
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.bfloat16
     # the documented command-line override gives fsdp2_ac.yaml's activation checkpointing
-    _, _, overridden = _fsdp_plugin(
-        config_name, monkeypatch, "--fsdp_activation_checkpointing", "true"
-    )
+    _, _, overridden = _fsdp_plugin(config_name, monkeypatch, "--fsdp_activation_checkpointing", "true")
     assert overridden.activation_checkpointing is True
 
 
 @pytest.mark.parametrize("size", ["d768", "1b"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fsdp2_wraps_every_decoder_layer_of_the_scale_recipes(
-    family, size, monkeypatch
-):
+def test_fsdp2_wraps_every_decoder_layer_of_the_scale_recipes(family, size, monkeypatch):
     """One FSDP unit per decoder layer for every family; Llama needs the documented command-line override, and without
     it accelerate stops rather than wrapping nothing."""
-    override = (
-        ["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"]
-        if family == "llama"
-        else []
-    )
+    override = ["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"] if family == "llama" else []
     _, _, plugin = _fsdp_plugin("fsdp2.yaml", monkeypatch, *override)
     model = _scale_model(size, family)
     plugin.set_auto_wrap_policy(model)
     (layer_class,) = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
-    assert layer_class.__name__ == (
-        "LlamaDecoderLayer" if family == "llama" else "DecoderLayer"
-    )
+    assert layer_class.__name__ == ("LlamaDecoderLayer" if family == "llama" else "DecoderLayer")
     layers = [m for m in model.modules() if isinstance(m, layer_class)]
-    assert (
-        len(layers) == model.config.num_hidden_layers == (12 if size == "d768" else 16)
-    )
+    assert len(layers) == model.config.num_hidden_layers == (12 if size == "d768" else 16)
     if family == "llama":
         _, _, plain = _fsdp_plugin("fsdp2.yaml", monkeypatch)
         with pytest.raises(ValueError, match="DecoderLayer"):
@@ -251,46 +213,29 @@ def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
     ]
     cmd += ["--blocks-per-gpu", "4", "--output", str(out)]
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run(
-        cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False
-    )
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "scaling.json") as f:
         rows = json.load(f)["rows"]
-    assert [
-        (r["processes"], r["world_size"], r["global_batch_size"]) for r in rows
-    ] == [(1, 1, 4), (2, 2, 8)]
+    assert [(r["processes"], r["world_size"], r["global_batch_size"]) for r in rows] == [(1, 1, 4), (2, 2, 8)]
     for r in rows:
+        assert r["family"] == "rbf" and r["steps"] == 8 and r["measured_steps"] == 3 and "error" not in r
+        assert r["tokens_per_second_per_gpu"] == pytest.approx(r["tokens_per_second"] / r["processes"])
         assert (
-            r["family"] == "rbf"
-            and r["steps"] == 8
-            and r["measured_steps"] == 3
-            and "error" not in r
+            r["tokens_per_second_per_gpu"] > 0 and 0.05 < r["peak_memory_gib"] < 16 and r["peak_memory_kind"] == "rss"
         )
-        assert r["tokens_per_second_per_gpu"] == pytest.approx(
-            r["tokens_per_second"] / r["processes"]
-        )
-        assert (
-            r["tokens_per_second_per_gpu"] > 0
-            and 0.05 < r["peak_memory_gib"] < 16
-            and r["peak_memory_kind"] == "rss"
-        )
-        assert (
-            "accelerate.commands.launch"
-            in (
-                out / "runs" / os.path.basename(r["run_dir"]) / "launch.log"
-            ).read_text()
-        )
+        run_dir = out / "runs" / os.path.basename(r["run_dir"])
+        launch = (run_dir / "launch.log").read_text()
+        # launched by accelerate, on the tokenizer and data prepared once for both runs; the final model deleted
+        assert "accelerate.commands.launch" in launch and f"tokenizer.path={out / 'prepared'}" in launch
+        assert not (run_dir / "final").exists() and (run_dir / f"peak_memory_rank{r['processes'] - 1}.json").exists()
     one, two = rows
     assert one["scaling_efficiency"] == 1.0
     assert two["scaling_efficiency"] == pytest.approx(
         two["tokens_per_second_per_gpu"] / one["tokens_per_second_per_gpu"]
     )
     table = (out / "scaling.md").read_text()
-    assert (
-        f"| cpu_test | rbf | 30,336 | ddp | 2 | {two['tokens_per_second_per_gpu']:,.0f} |"
-        in table
-    )
+    assert f"| cpu_test | rbf | 30,336 | ddp | 2 | {two['tokens_per_second_per_gpu']:,.0f} |" in table
 
 
 def test_scaling_benchmark_arguments(tmp_path):
@@ -300,35 +245,17 @@ def test_scaling_benchmark_arguments(tmp_path):
     finally:
         sys.path.remove(os.path.join(REPO, "benchmarks"))
     with pytest.raises(SystemExit):
-        bench_scaling.parse_args(
-            ["--output", str(tmp_path), "--cpu"]
-        )  # FSDP2 on the CPU: refused, not skipped
+        bench_scaling.parse_args(["--output", str(tmp_path), "--cpu"])  # FSDP2 on the CPU: refused, not skipped
     with pytest.raises(SystemExit):
-        bench_scaling.parse_args(
-            ["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--steps", "5"]
-        )
-    args = bench_scaling.parse_args(
-        ["--output", str(tmp_path), "--cpu", "--strategies", "ddp"]
-    )
+        bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--steps", "5"])
+    args = bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp"])
     assert args.processes == [1, 2] and len(args.configs) == 10
-    cmd = bench_scaling.launch_command(
-        "recipes/configs/scale_d768_llama.yaml", "fsdp2", 4, str(tmp_path), args
-    )
+    cmd = bench_scaling.launch_command("recipes/configs/scale_d768_llama.yaml", "fsdp2", 4, str(tmp_path), args)
     joined = " ".join(cmd)
     assert "--config_file recipes/accelerate/fsdp2.yaml --num_processes 4" in joined
-    assert (
-        "--fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer" in joined
-        and "global_batch_size=32" in joined
-    )
-    rbf = " ".join(
-        bench_scaling.launch_command(
-            "recipes/configs/scale_1b_rbf.yaml", "fsdp2", 2, str(tmp_path), args
-        )
-    )
-    assert (
-        "--fsdp_transformer_layer_cls_to_wrap" not in rbf
-        and "global_batch_size=16" in rbf
-    )
+    assert "--fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer" in joined and "global_batch_size=32" in joined
+    rbf = " ".join(bench_scaling.launch_command("recipes/configs/scale_1b_rbf.yaml", "fsdp2", 2, str(tmp_path), args))
+    assert "--fsdp_transformer_layer_cls_to_wrap" not in rbf and "global_batch_size=16" in rbf
     rows = [
         {
             "config": "a",
