@@ -96,6 +96,14 @@ def straight_run(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)])
 def test_checkpoint_resumes_on_another_process_count(straight_run, tmp_path, saved_on, resumed_on):
+    import transformers
+    from packaging.version import Version
+
+    if resumed_on > 1 and Version(transformers.__version__) < Version("5.18"):
+        # transformers 5.17's Trainer loads optimizer.pt with map_location=args.device, which is "cpu:0" in CPU
+        # processes, and torch.load rejects an indexed CPU device (5.18 maps it to "cpu"); GPUs (cuda:<rank>) are not
+        # affected, and the same failure hits a resume on 2 CPU processes from a 2-process checkpoint
+        pytest.skip("transformers < 5.18 cannot resume on several CPU processes (optimizer map_location 'cpu:0')")
     out = tmp_path / f"saved{saved_on}_resumed{resumed_on}"
     _pretrain(out, saved_on, "--stop-at-step", "4")
     assert os.path.isdir(out / "checkpoint-4") and not os.path.isdir(out / "final")
