@@ -43,10 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-ACCELERATE_CONFIGS = {
-    "ddp": "recipes/accelerate/ddp.yaml",
-    "fsdp2": "recipes/accelerate/fsdp2.yaml",
-}
+ACCELERATE_CONFIGS = {"ddp": "recipes/accelerate/ddp.yaml", "fsdp2": "recipes/accelerate/fsdp2.yaml"}
 SIZES = ("d768", "1b")
 FAMILIES = ("llama", "rbf", "gka", "scalar_sort", "hybrid_sort")
 DEFAULT_CONFIGS = [f"recipes/configs/scale_{size}_{family}.yaml" for size in SIZES for family in FAMILIES]
@@ -65,61 +62,17 @@ BENCH_OVERRIDES = [
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", required=True, help="folder for scaling.json, scaling.md and the runs' logs")
     parser.add_argument(
-        "--output",
-        required=True,
-        help="folder for scaling.json, scaling.md and the runs' logs",
+        "--processes", type=int, nargs="+", default=None, help="process counts (default: 1 2 4 8 up to the GPUs here)"
     )
-    parser.add_argument(
-        "--processes",
-        type=int,
-        nargs="+",
-        default=None,
-        help="process counts (default: 1 2 4 8 up to the GPUs here)",
-    )
-    parser.add_argument(
-        "--strategies",
-        nargs="+",
-        default=list(ACCELERATE_CONFIGS),
-        choices=list(ACCELERATE_CONFIGS),
-    )
-    parser.add_argument(
-        "--configs",
-        nargs="+",
-        default=DEFAULT_CONFIGS,
-        help="recipe YAMLs (default: scale_*.yaml)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=30,
-        help="optimizer steps per run (the first 5 are not timed)",
-    )
-    parser.add_argument(
-        "--blocks-per-gpu",
-        type=int,
-        default=8,
-        help="blocks of block_size tokens per GPU and step",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="recipe overrides",
-    )
-    parser.add_argument(
-        "--cpu",
-        action="store_true",
-        help="gloo processes on the CPU (a dry run; DDP only)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=1800,
-        help="seconds per run before it counts as failed",
-    )
+    parser.add_argument("--strategies", nargs="+", default=list(ACCELERATE_CONFIGS), choices=list(ACCELERATE_CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="recipe YAMLs (default: scale_*.yaml)")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (the first 5 are not timed)")
+    parser.add_argument("--blocks-per-gpu", type=int, default=8, help="blocks of block_size tokens per GPU and step")
+    parser.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="KEY=VALUE", help="recipe overrides")
+    parser.add_argument("--cpu", action="store_true", help="gloo processes on the CPU (a dry run; DDP only)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run before it counts as failed")
     args = parser.parse_args(argv)
     if args.steps < 6:
         parser.error(f"--steps must be at least 6 (the first 5 steps are not timed); got {args.steps}")
@@ -358,14 +311,7 @@ def main(argv=None) -> int:
     title = "Scaling: tokens/s per GPU, peak memory and efficiency (" + ("CPU dry run" if args.cpu else "GPUs") + ")"
     with open(os.path.join(args.output, "scaling.json"), "w") as f:
         json.dump(
-            {
-                "title": title,
-                "steps": args.steps,
-                "blocks_per_gpu": args.blocks_per_gpu,
-                "rows": rows,
-            },
-            f,
-            indent=2,
+            {"title": title, "steps": args.steps, "blocks_per_gpu": args.blocks_per_gpu, "rows": rows}, f, indent=2
         )
     with open(os.path.join(args.output, "scaling.md"), "w") as f:
         f.write(markdown_table(rows, title))

@@ -46,33 +46,13 @@ def _free_port() -> int:
 def _pretrain(output_dir, processes: int, *extra: str) -> None:
     """``recipes/pretrain.py`` on cpu_test.yaml, through ``accelerate launch --multi_gpu`` (gloo on the CPU) for 2
     processes, as a plain script for 1."""
-    script = [
-        os.path.join(REPO, "recipes", "pretrain.py"),
-        "--config",
-        CPU_TEST,
-        "--output-dir",
-        str(output_dir),
-    ]
+    script = [os.path.join(REPO, "recipes", "pretrain.py"), "--config", CPU_TEST, "--output-dir", str(output_dir)]
     script += [*extra, "--set", *NO_EXTRAS]
     if processes == 1:
         cmd = [sys.executable, *script]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            str(processes),
-        ]
-        cmd += [
-            "--num_machines",
-            "1",
-            "--main_process_port",
-            str(_free_port()),
-            "--mixed_precision",
-            "no",
-        ]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
+        cmd += ["--num_machines", "1", "--main_process_port", str(_free_port()), "--mixed_precision", "no"]
         cmd += ["--dynamo_backend", "no", *script]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
@@ -116,11 +96,7 @@ def test_checkpoint_resumes_on_another_process_count(straight_run, tmp_path, sav
     resumed = _losses(out)
     assert sorted(first) == [1, 2, 3, 4] and sorted(resumed) == list(range(1, 9))
     for step in range(1, 9):
-        assert resumed[step] == pytest.approx(straight_run[step], abs=LOSS_TOLERANCE), (
-            step,
-            resumed,
-            straight_run,
-        )
+        assert resumed[step] == pytest.approx(straight_run[step], abs=LOSS_TOLERANCE), (step, resumed, straight_run)
     # the losses after the resume are not the ones before it: the test would see a restart from scratch
     assert abs(resumed[5] - straight_run[1]) > 10 * LOSS_TOLERANCE
 
@@ -132,10 +108,7 @@ FAMILIES = ("rbf", "gka", "scalar_sort", "hybrid_sort", "llama")
 def _fsdp_plugin(config_name: str, monkeypatch, *launch_args: str):
     """The FSDP plugin that ``accelerate launch --config_file recipes/accelerate/<config_name> ...`` gives the
     processes (built from the environment the launcher exports)."""
-    from accelerate.commands.launch import (
-        _validate_launch_command,
-        launch_command_parser,
-    )
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_multi_gpu_env
 
@@ -203,22 +176,8 @@ def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
     ``accelerate launch`` at the asked process count, with the asked blocks per process, and the table holds their
     measured speed, memory and efficiency."""
     out = tmp_path / "scaling"
-    cmd = [
-        sys.executable,
-        os.path.join(REPO, "benchmarks", "bench_scaling.py"),
-        "--cpu",
-        "--strategies",
-        "ddp",
-    ]
-    cmd += [
-        "--configs",
-        "recipes/configs/cpu_test.yaml",
-        "--processes",
-        "1",
-        "2",
-        "--steps",
-        "8",
-    ]
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_scaling.py"), "--cpu", "--strategies", "ddp"]
+    cmd += ["--configs", "recipes/configs/cpu_test.yaml", "--processes", "1", "2", "--steps", "8"]
     cmd += ["--blocks-per-gpu", "4", "--output", str(out)]
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
@@ -265,24 +224,9 @@ def test_scaling_benchmark_arguments(tmp_path):
     rbf = " ".join(bench_scaling.launch_command("recipes/configs/scale_1b_rbf.yaml", "fsdp2", 2, str(tmp_path), args))
     assert "--fsdp_transformer_layer_cls_to_wrap" not in rbf and "global_batch_size=16" in rbf
     rows = [
-        {
-            "config": "a",
-            "strategy": "ddp",
-            "processes": 1,
-            "tokens_per_second_per_gpu": 100.0,
-        },
-        {
-            "config": "a",
-            "strategy": "ddp",
-            "processes": 2,
-            "tokens_per_second_per_gpu": 90.0,
-        },
-        {
-            "config": "a",
-            "strategy": "fsdp2",
-            "processes": 2,
-            "tokens_per_second_per_gpu": 80.0,
-        },  # no 1-GPU run
+        {"config": "a", "strategy": "ddp", "processes": 1, "tokens_per_second_per_gpu": 100.0},
+        {"config": "a", "strategy": "ddp", "processes": 2, "tokens_per_second_per_gpu": 90.0},
+        {"config": "a", "strategy": "fsdp2", "processes": 2, "tokens_per_second_per_gpu": 80.0},  # no 1-GPU run
     ]
     bench_scaling.add_efficiency(rows)
     assert [r["scaling_efficiency"] for r in rows] == [1.0, 0.9, None]
