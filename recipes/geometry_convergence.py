@@ -59,6 +59,10 @@ from hf_rbf import gka_attention, rbf_attention
 from hf_rbf.geometry_mesh import graph_key_log_weights, mesh_key_log_weights
 from hf_rbf.geometry_warp import grid_key_log_weights, warp_key_log_weights
 
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from recipes import sphere_convergence  # noqa: E402  (its table and plot)
+
 WARP_A0, WARP_A1, WARP_B = 1.6, 0.6, 1.6
 GRAPH_RADIUS = 6.0  # the ball radius times n: covers the coarsest spacing (corners, 2.25 * 2 / n)
 DOMAINS = ("warp_autograd", "warp_grid", "mesh_barycentric", "mesh_mixed_voronoi", "graph_inverse_degree")
@@ -232,43 +236,21 @@ COLUMNS = [
 
 
 def to_markdown(rows) -> str:
-    head = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
-    body = ""
-    for r in rows:
-        cells = [f"{r[c]:.2e}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS]
-        body += "| " + " | ".join(cells) + " |\n"
-    return head + body
+    return sphere_convergence.to_markdown(rows, COLUMNS)
 
 
 def plot(rows, path: str, gamma: float, gka_sigma: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    domains = list(dict.fromkeys(r["domain"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.4), sharey=True)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, op, title in (
-        (axes[0], "rbf", f"rbf_attention smoothing f (gamma={gamma:g})"),
-        (axes[1], "gka", f"gka_attention smoothing the identity (sigma={gka_sigma:g})"),
-    ):
-        for i, domain in enumerate(domains):
-            rs = [r for r in rows if r["domain"] == domain]
-            n = [r["num_keys"] for r in rs]
-            c = colors[i % len(colors)]
-            ax.loglog(n, [r[f"{op}_weighted_max_err"] for r in rs], "o-", color=c, label=f"{domain}, weighted")
-            ax.loglog(n, [r[f"{op}_unweighted_max_err"] for r in rs], "x--", color=c, label=f"{domain}, unweighted")
-        ax.set_xlabel("number of keys")
-        ax.set_title(title, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("max |attention - continuous integral| over queries")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=len(domains))
-    fig.suptitle("Attention over an unevenly sampled square vs the continuous kernel average over the plane")
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    sphere_convergence.plot(
+        rows,
+        path,
+        gamma,
+        gka_sigma,
+        group="domain",
+        weighted_label="weighted",
+        xlabel="number of keys",
+        suptitle="Attention over an unevenly sampled square vs the continuous kernel average over the plane",
+        legend_space=0.12,
+    )
 
 
 def main(argv=None):

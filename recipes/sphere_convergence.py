@@ -204,22 +204,36 @@ COLUMNS = [
 ]
 
 
-def to_markdown(rows) -> str:
-    head = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+def to_markdown(rows, columns=COLUMNS) -> str:
+    """The rows as a markdown table (floats in scientific notation); also used by ``geometry_convergence.py``."""
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
     body = ""
     for r in rows:
-        cells = [f"{r[c]:.2e}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS]
+        cells = [f"{r[c]:.2e}" if isinstance(r[c], float) else str(r[c]) for c in columns]
         body += "| " + " | ".join(cells) + " |\n"
     return head + body
 
 
-def plot(rows, path: str, gamma: float, gka_sigma: float) -> None:
+def plot(
+    rows,
+    path: str,
+    gamma: float,
+    gka_sigma: float,
+    *,
+    group: str = "grid",
+    weighted_label: str = "area-weighted",
+    xlabel: str = "number of keys (grid points)",
+    suptitle: str = "Attention over a sphere grid vs the continuous spherical kernel average",
+    legend_space: float = 0.1,
+) -> None:
+    """Max error against the number of keys, weighted and unweighted, one curve pair per value of ``group``, for rbf
+    and gka side by side; also used by ``geometry_convergence.py``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = list(dict.fromkeys(r["grid"] for r in rows))
+    kinds = list(dict.fromkeys(r[group] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.4), sharey=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, op, title in (
@@ -227,19 +241,19 @@ def plot(rows, path: str, gamma: float, gka_sigma: float) -> None:
         (axes[1], "gka", f"gka_attention smoothing the identity (sigma={gka_sigma:g})"),
     ):
         for i, kind in enumerate(kinds):
-            rs = [r for r in rows if r["grid"] == kind]
+            rs = [r for r in rows if r[group] == kind]
             n = [r["num_keys"] for r in rs]
             c = colors[i % len(colors)]
-            ax.loglog(n, [r[f"{op}_weighted_max_err"] for r in rs], "o-", color=c, label=f"{kind}, area-weighted")
+            ax.loglog(n, [r[f"{op}_weighted_max_err"] for r in rs], "o-", color=c, label=f"{kind}, {weighted_label}")
             ax.loglog(n, [r[f"{op}_unweighted_max_err"] for r in rs], "x--", color=c, label=f"{kind}, unweighted")
-        ax.set_xlabel("number of keys (grid points)")
+        ax.set_xlabel(xlabel)
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("max |attention - continuous integral| over queries")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=len(kinds))
-    fig.suptitle("Attention over a sphere grid vs the continuous spherical kernel average")
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.suptitle(suptitle)
+    fig.tight_layout(rect=(0, legend_space, 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
