@@ -15,6 +15,13 @@
 #   throughput   recipes/throughput.py (tokens/s of every family against LlamaForCausalLM with SDPA)          [150]
 #   lm           recipes/gpu_all.sh (every family: train, val loss, bpb, CORE-20, throughput, cards)       [560]
 #   multi        recipes/gpu_multi.sh (1 GPU vs DDP vs FSDP on 2 GPUs, STEPS env)                          [400]
+#   deit         tests/test_seed_deit_recipe.py (the timm DeiT ingredients: the image has timm + torchvision)   [120]
+#   science      recipes/science_table.py on SCIENCE_CONFIG (default science/tinystories.yaml), SCIENCE_WORKERS
+#                processes at once (default 6), SCIENCE_ARGS appended (e.g. "--seeds 0 --max-minutes 5"); output in
+#                ./outputs/science_tinystories (kept between calls while the machine is warm); every results.json,
+#                worker log and failure.json packed                                                            [560]
+# Wheels: every *.whl of ./.whl or ./wheels that the image lacks (datasets, evaluate, dill, multiprocess) goes into
+# /tmp/hf_rbf_site (on PYTHONPATH) before the first job.
 # Data: DATA_ROOT (default ./gpu_data, a copy of shared/data carried with the call, else ../shared/data).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT JOB[:SECONDS] ...}
@@ -31,7 +38,17 @@ export HF_RBF_DATA_ROOT="$DATA_ROOT" DATA_ROOT
 export WORK=${WORK:-/tmp/hf_rbf_gpu_session}
 mkdir -p "$WORK" "$OUT"
 
-declare -A LIMIT=([env]=120 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
+# the image has no index: the wheels carried with the call, --no-deps (the image has their dependencies)
+SITE=/tmp/hf_rbf_site
+export PYTHONPATH="$SITE:$PYTHONPATH"
+if ! python3 -c "import datasets, evaluate" 2>/dev/null; then
+    for d in .whl wheels; do
+        ls "$d"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target "$SITE" "$d"/*.whl 2>&1 | tail -3
+    done
+fi
+
+declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
                   [lm]=560 [multi]=400 [throughput]=150)
 
 job_env() {
@@ -56,6 +73,16 @@ job_mass() {
 job_vit() { EPOCHS=${EPOCHS:-4} WORK="$WORK/vit" bash recipes/gpu_vit_mnist.sh "$1" "$DATA_ROOT/images/mnist"; }
 job_throughput() { python3 recipes/throughput.py --output "$1/throughput" ${THROUGHPUT_ARGS:-}; }
 job_lm() { WORK="$WORK/lm" bash recipes/gpu_all.sh "$1" "$DATA_ROOT"; }
+job_deit() { python3 -m pytest -q -p no:cacheprovider -rs tests/test_seed_deit_recipe.py; }
+job_science() {
+    local out=outputs/science_tinystories rc
+    OMP_NUM_THREADS=2 python3 recipes/science_table.py --config "${SCIENCE_CONFIG:-recipes/configs/science/tinystories.yaml}" \
+        --output "$out" --workers "${SCIENCE_WORKERS:-6}" --no-report --store "$1/store" ${SCIENCE_ARGS:-}
+    rc=$?
+    (cd "$out" && find runs \( -name worker.log -o -name failure.json -o -name summary.json \) -print0 |
+        tar --null -czf "$1/logs.tar.gz" -T - 2>/dev/null)
+    return $rc
+}
 job_multi() { WORK="$WORK/multi" bash recipes/gpu_multi.sh "$1" "$DATA_ROOT"; }
 
 summary="$OUT/session.txt"

@@ -11,6 +11,11 @@ Per run (``measure_run``):
   ``output_attentions``, whose first keys are the prefix: the scalar sink first for scalar/hybrid layers, then the
   registers) over validation blocks, as a share of the row's total weight (the softmax-free RBF's rows are
   unnormalised kernel values, so the share is the comparable number).
+* ``self_weight``: per layer, the mean share of each text query's weight on its own key (the diagonal: the column
+  after the prefix keys), over validation blocks.  A Gaussian kernel over shared features (GKA: query = key = the
+  token's feature) gives the own key the largest score, so this measures how close a layer is to the identity.
+* ``gka_sigma``: per GKA layer, the bandwidth ``sigma = exp(log_sigma)`` averaged over heads, at initialisation and
+  after training.
 * ``tau``: per layer, the mean temperature over heads (and over the validation tokens for ``tau_mode="per_token"``) of
   scalar / hybrid layers, at initialisation and after training.  The initial model is rebuilt exactly as
   ``pretrain.py`` built it (``set_seed(seed)`` then ``build_model``), so no extra checkpoint is needed.
@@ -96,6 +101,48 @@ def register_mass(model, blocks, num_blocks: int, batch_size: int, device) -> li
             sums[i] += share.sum().item()
             counts[i] += share.numel()
     return [s / c if c else None for s, c in zip(sums, counts)]
+
+
+def self_share(weights: torch.Tensor) -> torch.Tensor:
+    """Per text row of ``weights [B, H, N, P + N]`` (``P`` prefix keys: sink, registers), the share of the row's total
+    weight on its own key (column ``P + i`` of row ``i``); rows without weight are left out.  1-D, float64."""
+    w = weights.double()
+    n, k = w.shape[-2], w.shape[-1]
+    if k < n:
+        raise ValueError(f"self_share: {k} keys for {n} query rows; expected the prefix keys then every text key")
+    rows = torch.arange(n, device=w.device)
+    own = w[..., rows, (k - n) + rows]
+    total = w.sum(-1)
+    keep = total > 0
+    return (own[keep] / total[keep]).flatten()
+
+
+@torch.no_grad()
+def self_weight(model, blocks, num_blocks: int, batch_size: int, device) -> list[float] | None:
+    """Per layer, the mean share of attention weight a text query puts on its own key over ``num_blocks`` validation
+    blocks (:func:`self_share`); None when the model returns no attention weights (e.g. Llama on SDPA)."""
+    sums, counts = None, None
+    for ids in _batches(blocks, min(num_blocks, len(blocks)), batch_size):
+        attentions = model(ids.to(device), use_cache=False, output_attentions=True).attentions
+        if not attentions or any(a is None for a in attentions):
+            return None
+        if sums is None:
+            sums, counts = [0.0] * len(attentions), [0] * len(attentions)
+        for i, weights in enumerate(attentions):
+            share = self_share(weights)
+            sums[i] += share.sum().item()
+            counts[i] += share.numel()
+    return None if sums is None else [s / c if c else None for s, c in zip(sums, counts)]
+
+
+def gka_bandwidths(model) -> list[float] | None:
+    """Per GKA layer, ``exp(log_sigma)`` averaged over heads; None when no layer has a ``log_sigma``."""
+    sigmas = [
+        layer.self_attn.log_sigma.detach().float().exp().mean().item()
+        for layer in model.model.layers
+        if isinstance(getattr(layer.self_attn, "log_sigma", None), torch.Tensor)
+    ]
+    return sigmas or None
 
 
 @torch.no_grad()
@@ -219,16 +266,19 @@ def measure_run(cfg: dict, summary: dict, settings: dict, log=print) -> dict:
         "blocks": min(gap_blocks, len(data["train"]), len(data["validation"])),
     }
     out["register_mass"] = register_mass(model, data["validation"], blocks, batch, device)
+    out["self_weight"] = (
+        self_weight(model, data["validation"], blocks, batch, device) if hasattr(model, "model") else None
+    )
     tau_end = temperatures(model, data["validation"], blocks, batch, device)
-    if tau_end is not None:
+    sigma_end = gka_bandwidths(model) if hasattr(model, "model") else None
+    out["tau"], out["gka_sigma"] = None, None
+    if tau_end is not None or sigma_end is not None:
         start = initial_model(summary, int(cfg["training"].get("seed", cfg["seed"]))).to(device).eval()
-        out["tau"] = {
-            "start": temperatures(start, data["validation"], blocks, batch, device),
-            "end": tau_end,
-        }
+        if tau_end is not None:
+            out["tau"] = {"start": temperatures(start, data["validation"], blocks, batch, device), "end": tau_end}
+        if sigma_end is not None:
+            out["gka_sigma"] = {"start": gka_bandwidths(start), "end": sigma_end}
         del start
-    else:
-        out["tau"] = None
     cm = settings.get("captured_mass")
     if cm and hasattr(model, "make_cache") and tau_end is not None:
         max_context = max(cm["contexts"])
@@ -306,6 +356,8 @@ def flat_metrics(
         "attention_parameters": measured["attention_parameters"],
         "register_mass_mean": mean(reg),
         "register_mass_max": max((v for v in reg or [] if v is not None), default=None),
+        "self_weight_mean": mean(measured.get("self_weight")),
+        "gka_sigma_end": mean((measured.get("gka_sigma") or {}).get("end")),
         "tau_start": mean(tau.get("start")),
         "tau_end": mean(tau.get("end")),
         "captured_mass_longest": long_mass,
@@ -319,6 +371,7 @@ __all__ = [
     "capped_contexts",
     "captured_mass_curve",
     "flat_metrics",
+    "gka_bandwidths",
     "initial_model",
     "language_model_curve",
     "mean_token_loss",
@@ -326,5 +379,7 @@ __all__ = [
     "prefix_layout",
     "register_mass",
     "register_share",
+    "self_share",
+    "self_weight",
     "temperatures",
 ]

@@ -344,6 +344,20 @@ def measurements_block(results: dict, variants: list[str], k: int | None) -> str
             "tau per layer after training",
             ".3f",
         ),
+        _per_layer_table(
+            results,
+            variants,
+            meas("self_weight"),
+            "Attention share of each text query on its own key per layer (validation blocks; Llama: not measured)",
+            ".3f",
+        ),
+        _per_layer_table(
+            results,
+            variants,
+            lambda r: (meas("gka_sigma")(r) or {}).get("end"),
+            "GKA bandwidth sigma per layer after training (mean over heads)",
+            ".3f",
+        ),
         captured_mass_table(results, variants, k),
     ]
     return "\n".join(parts)

@@ -3,8 +3,8 @@ the loss-curve figures written into a model card; resumable.
 
     python recipes/science_table.py --config recipes/configs/science/tinystories.yaml [--only rbf,llama]
         [--seeds 0,1,2] [--output outputs/science] [--set training.max_steps=500 ...] [--stop-at-step N]
-        [--max-minutes M] [--report-only] [--card model_cards/science.md] [--figures model_cards/figures]
-        [--store DIR]
+        [--max-minutes M] [--workers N] [--report-only] [--no-report] [--card model_cards/science.md]
+        [--figures model_cards/figures] [--store DIR]
 
 A science config (``recipes/configs/science_*.yaml``) names the pretraining recipes the variants start from
 (``recipes/configs/*.yaml``, read by ``recipes/pretrain_config.load_config``) and the overrides that make each
@@ -20,6 +20,10 @@ Per (variant, seed), in ``<output>/runs/<variant>/seed<seed>/``, each stage skip
 3. ``recipes/science_measure.measure_run`` into ``measure.json``: attention parameters, train-validation gap,
    register mass per layer, tau at the start and end per layer, captured mass against the context.
 4. ``results.json``: the numbers the report reads.  A (variant, seed) with ``results.json`` is never redone.
+
+Runs go seed by seed (every variant's seed 0 first), so a cut session leaves whole seeds.  ``--workers N`` trains N
+runs at once, each in its own process (``--only V --seeds S --no-report``, its log in ``<run dir>/worker.log``): the
+small models leave one GPU mostly idle (the host is the bottleneck at d=256), so several processes share it.
 
 Then ``recipes/science_report``: the table (mean ± std over seeds; variants or seeds without results are listed
 as "not run", failed ones as "failed"), the claims with their verdicts, the per-layer measurements, and one loss
@@ -448,6 +452,85 @@ def store(science: dict, output: str, target: str) -> None:
                 shutil.copy(src, dst)
 
 
+def _past_deadline(args, output: str, variant: str, seed: int, t_start: float) -> bool:
+    """True when ``--max-minutes`` has passed: the run is not started (and says so unless it is already done)."""
+    if args.max_minutes is None or time.time() - t_start < 60 * args.max_minutes:
+        return False
+    if not os.path.exists(os.path.join(run_dir(output, variant, seed), RESULT_FILE)):
+        print(f"[science] {variant} seed {seed}: not started (--max-minutes {args.max_minutes:g})")
+    return True
+
+
+def _run_guarded(science: dict, variant: str, seed: int, output: str, tokenizer: str, args) -> bool:
+    """One run in this process; a failure is written to its ``failure.json`` and reported, not raised."""
+    t0 = time.time()
+    try:
+        status = run_one(
+            science,
+            variant,
+            seed,
+            output,
+            prepared=tokenizer,
+            extra=args.overrides,
+            stop_at_step=args.stop_at_step,
+        )
+    except Exception as err:  # noqa: BLE001  (one failed run must not stop the table: recorded, reported, exit 1)
+        d = run_dir(output, variant, seed)
+        os.makedirs(d, exist_ok=True)
+        _write_json(
+            os.path.join(d, "failure.json"),
+            {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()},
+        )
+        print(f"[science] {variant} seed {seed}: FAILED ({type(err).__name__}: {err}); see failure.json")
+        return False
+    print(f"[science] {variant} seed {seed}: {status} in {time.time() - t0:.0f}s")
+    return True
+
+
+def worker_command(args, variant: str, seed: int, output: str) -> list[str]:
+    """The command line of one ``--workers`` process: this script on one (variant, seed), without the report."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--only", variant]
+    cmd += ["--seeds", str(seed), "--output", output, "--no-report"]
+    if args.overrides:
+        cmd += ["--set", *args.overrides]
+    if args.stop_at_step is not None:
+        cmd += ["--stop-at-step", str(args.stop_at_step)]
+    return cmd
+
+
+def run_in_workers(args, jobs: list, output: str, t_start: float) -> int:
+    """Run ``jobs`` (``(variant, seed)`` pairs) in up to ``args.workers`` processes at once; returns how many failed.
+    Finished runs are skipped without a process; each process writes its own files, so the only shared state is the
+    prepared tokenizer and data, built before."""
+    import subprocess
+
+    pending = [(v, s) for v, s in jobs if not os.path.exists(os.path.join(run_dir(output, v, s), RESULT_FILE))]
+    running: dict = {}
+    failed = 0
+    while pending or running:
+        while pending and len(running) < args.workers:
+            variant, seed = pending.pop(0)
+            if _past_deadline(args, output, variant, seed, t_start):
+                continue
+            d = run_dir(output, variant, seed)
+            os.makedirs(d, exist_ok=True)
+            log = open(os.path.join(d, "worker.log"), "a", encoding="utf-8")  # noqa: SIM115  (closed when it exits)
+            proc = subprocess.Popen(worker_command(args, variant, seed, output), stdout=log, stderr=subprocess.STDOUT)
+            running[proc] = (variant, seed, log, time.time())
+            print(f"[science] {variant} seed {seed}: started (worker pid {proc.pid}, log {log.name})", flush=True)
+        if not running:
+            break
+        time.sleep(1.0)
+        for proc in [p for p in running if p.poll() is not None]:
+            variant, seed, log, t0 = running.pop(proc)
+            log.close()
+            ok = proc.returncode == 0
+            failed += 0 if ok else 1
+            state = "finished" if ok else f"FAILED (exit {proc.returncode}; see {log.name})"
+            print(f"[science] {variant} seed {seed}: {state} in {time.time() - t0:.0f}s", flush=True)
+    return failed
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # command line
 # ----------------------------------------------------------------------------------------------------------------
@@ -498,6 +581,17 @@ def parse_args(argv=None):
         "time limit and resumes next time); the runs left are listed as not run",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="runs trained at once, each in its own process sharing the device (default 1: in this process)",
+    )
+    p.add_argument(
+        "--no-report",
+        action="store_true",
+        help="train and measure only; leave the card and figures alone (what each --workers process runs)",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="write the card and figures from existing results",
@@ -519,6 +613,8 @@ def parse_args(argv=None):
     )
     args = p.parse_args(argv)
     args.overrides = [item for group in args.overrides for item in group]
+    if args.workers < 1:
+        p.error(f"--workers must be a positive integer; got {args.workers}")
     return args
 
 
@@ -552,40 +648,21 @@ def main(argv=None) -> int:
         }
         check_shared_setup(recipes)
         tokenizer = prepare(science, output, args.overrides)
-        for variant in variants:
-            for seed in seeds:
-                t0 = time.time()
-                if args.max_minutes is not None and t0 - t_start >= 60 * args.max_minutes:
-                    if not os.path.exists(os.path.join(run_dir(output, variant, seed), RESULT_FILE)):
-                        print(f"[science] {variant} seed {seed}: not started (--max-minutes {args.max_minutes:g})")
+        jobs = [
+            (variant, seed) for seed in seeds for variant in variants
+        ]  # seed-major: a cut session keeps whole seeds
+        if args.workers > 1:
+            failed = run_in_workers(args, jobs, output, t_start)
+        else:
+            for variant, seed in jobs:
+                if _past_deadline(args, output, variant, seed, t_start):
                     continue
-                try:
-                    status = run_one(
-                        science,
-                        variant,
-                        seed,
-                        output,
-                        prepared=tokenizer,
-                        extra=args.overrides,
-                        stop_at_step=args.stop_at_step,
-                    )
-                except Exception as err:  # noqa: BLE001  (one failed run must not stop the table: recorded, reported, exit 1)
+                if not _run_guarded(science, variant, seed, output, tokenizer, args):
                     failed += 1
-                    d = run_dir(output, variant, seed)
-                    os.makedirs(d, exist_ok=True)
-                    _write_json(
-                        os.path.join(d, "failure.json"),
-                        {
-                            "error": f"{type(err).__name__}: {err}",
-                            "traceback": traceback.format_exc(),
-                        },
-                    )
-                    print(f"[science] {variant} seed {seed}: FAILED ({type(err).__name__}: {err}); see failure.json")
-                    continue
-                print(f"[science] {variant} seed {seed}: {status} in {time.time() - t0:.0f}s")
     if args.store:
         store(science, output, args.store)
-    write_report(science, output, card, figures)
+    if not args.no_report:
+        write_report(science, output, card, figures)
     return 1 if failed else 0
 
 

@@ -133,6 +133,26 @@ def test_science_table_trains_resumes_and_fills_the_card(tmp_path, keep_threads)
     assert "](figures/science_cpu_test_all.png)" in text
 
 
+def test_workers_train_runs_in_their_own_processes(tmp_path, keep_threads):
+    """``--workers 2``: two runs at once, each in its own process with its log, the same numbers as a run in this
+    process, and a finished run not redone."""
+    from recipes.science_table import main
+
+    out, out_serial = str(tmp_path / "workers"), str(tmp_path / "serial")
+    common = ["--config", CPU_CONFIG, "--card", str(tmp_path / "card.md"), "--figures", str(tmp_path / "figures")]
+    assert main(common + ["--output", out, "--only", "rbf,dot", "--seeds", "0", "--workers", "2"]) == 0
+    for v in ("rbf", "dot"):
+        log = Path(out, "runs", v, "seed0", "worker.log").read_text()
+        assert f"[science] {v} seed 0: finished" in log
+    assert "| rbf | 1/2 |" in Path(tmp_path / "card.md").read_text()
+    mtime = _results_mtime(out, "rbf", 0)
+    assert main(common + ["--output", out, "--only", "rbf", "--seeds", "0", "--workers", "2", "--no-report"]) == 0
+    assert _results_mtime(out, "rbf", 0) == mtime
+
+    assert main(common + ["--output", out_serial, "--only", "rbf", "--seeds", "0", "--no-report"]) == 0
+    assert _results(out, "rbf", 0)["metrics"]["eval_loss"] == _results(out_serial, "rbf", 0)["metrics"]["eval_loss"]
+
+
 def test_initial_model_is_the_one_pretrain_started_from(tmp_path, keep_threads):
     """With learning rate 0 the trained weights are the initial ones: the rebuilt start must equal them exactly."""
     from recipes.pretrain import run
@@ -219,6 +239,37 @@ def test_register_share_and_mass_against_the_weights():
     expected = [(a[..., 1].double() / a.double().sum(-1)).mean().item() for a in attentions]
     assert got == pytest.approx(expected, rel=1e-6)
     assert register_mass(_tiny("dot"), blocks, 3, 2, "cpu") is None
+
+
+def test_self_share_weight_and_gka_bandwidths():
+    from recipes.science_measure import gka_bandwidths, self_share, self_weight
+
+    # one prefix key (column 0), then 2 text keys: row 0 puts 0.6 of 1.0 on itself, row 1 puts 1.0 of 4.0 on itself
+    w = torch.tensor([[[[0.4, 0.6, 0.0], [2.0, 1.0, 1.0]]]])
+    assert self_share(w).tolist() == pytest.approx([0.6, 0.25])
+    with pytest.raises(ValueError, match="keys for 3 query rows"):
+        self_share(torch.ones(1, 1, 3, 2))
+    model = _tiny("gka", num_register_tokens=1).eval()
+    blocks = [{"input_ids": torch.randint(0, 64, (10,))} for _ in range(3)]
+    got = self_weight(model, blocks, 3, 2, "cpu")
+    ids = torch.stack([b["input_ids"] for b in blocks])
+    with torch.no_grad():
+        attentions = model(ids, output_attentions=True).attentions
+    n = ids.shape[1]
+    expected = [
+        (a[..., torch.arange(n), a.shape[-1] - n + torch.arange(n)].double() / a.double().sum(-1)).mean().item()
+        for a in attentions
+    ]
+    assert got == pytest.approx(expected, rel=1e-6)
+    # the Gaussian kernel over shared features: the own key has the largest weight of its row, more than uniform
+    assert all(g > 1 / n for g in got)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.log_sigma.copy_(torch.tensor([0.0, math.log(3.0)]))
+    sigmas = gka_bandwidths(model)
+    assert sigmas[1] == pytest.approx(2.0) and sigmas[0] == pytest.approx(
+        math.exp(model.config.resolved_log_sigma_init)
+    )
+    assert gka_bandwidths(_tiny("dot")) is None
 
 
 def test_temperatures_at_initialisation():
