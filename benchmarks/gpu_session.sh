@@ -75,7 +75,7 @@ job_throughput() { python3 recipes/throughput.py --output "$1/throughput" ${THRO
 job_lm() { WORK="$WORK/lm" bash recipes/gpu_all.sh "$1" "$DATA_ROOT"; }
 job_deit() { python3 -m pytest -q -p no:cacheprovider -rs tests/test_seed_deit_recipe.py; }
 job_science() {
-    local out=outputs/science_tinystories rc
+    local out=${SCIENCE_OUTPUT:-outputs/science_tinystories} rc
     OMP_NUM_THREADS=2 python3 recipes/science_table.py --config "${SCIENCE_CONFIG:-recipes/configs/science/tinystories.yaml}" \
         --output "$out" --workers "${SCIENCE_WORKERS:-6}" --no-report --store "$1/store" ${SCIENCE_ARGS:-}
     rc=$?
