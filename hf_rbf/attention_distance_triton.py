@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .attention_utils import MaskArgs
-from .kernels_common import LOG2E, key_bias, triton_unavailable_reason
+from .kernels_common import key_bias, triton_unavailable_reason
 from .kernels_flash_bwd import distance_backward
 from .kernels_flash_fwd import distance_decode, distance_forward
 
@@ -51,11 +51,6 @@ def _has_kb(knorm: bool, key_log_weights, attention_mask) -> bool:
 
 def _contig(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
-def _log2_units(coefficient: Tensor) -> Tensor:
-    """A per-head score coefficient in the kernels' base-2 units (they use ``exp2``): fp32, times ``log2(e)``."""
-    return (coefficient.float() * LOG2E).contiguous()
 
 
 def _forward_impl(
@@ -81,8 +76,7 @@ def _forward_impl(
     """Launch the key-bias pass and the flash forward: ``(out, lse, kb | None, kn | None)``."""
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2]
-    b32 = b.float()
-    kb, kn = key_bias(k, b32.contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm)
+    kb, kn = key_bias(k, b.float().contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm)
     out, lse = distance_forward(
         q,
         k,
@@ -91,8 +85,8 @@ def _forward_impl(
         qs,
         ks,
         beta,
-        _log2_units(a),
-        _log2_units(b32),
+        a,
+        b,
         causal=causal,
         window=window,
         num_prefix_keys=num_prefix_keys,
@@ -215,8 +209,8 @@ def _backward_impl(
         qs,
         ks,
         beta,
-        _log2_units(a),
-        _log2_units(b),
+        a,
+        b,
         out,
         lse,
         causal=causal,
@@ -459,8 +453,8 @@ def _decode_impl(
         qs,
         ks,
         beta,
-        _log2_units(a),
-        _log2_units(b),
+        a,
+        b,
         causal=causal,
         window=window,
         num_prefix_keys=num_prefix_keys,
@@ -563,7 +557,7 @@ def distance_attention(
     eps: float,
 ) -> Tensor:
     """Run the fused op: the split-K decode kernel for a few query rows without gradients, else the flash op."""
-    q, k = _contig(q), _contig(k)
+    q, k, a, b = _contig(q), _contig(k), _contig(a), _contig(b)
     v = k if kv_same else _contig(v)
     args = (
         q,

@@ -304,7 +304,8 @@ if HAS_TRITON:
                 vt = k  # x is key and value: the tile is read once
             else:
                 vt = v
-            a = tl.load(A + h)
+            a_nat = tl.load(A + h).to(tl.float32)  # natural-log units; the scores use base 2
+            a = a_nat * 1.4426950408889634
             if HAS_KB:
                 kb = tl.load(KB + bh * NK + j, mask=key_ok, other=float("-inf"))
             else:
@@ -441,9 +442,9 @@ if HAS_TRITON:
                 DOT_PREC,
             )
             # natural-log units: the kernels' scores carry log2(e); dS and the values do not
-            dk = dk * (a * 0.6931471805599453)
+            dk = dk * a_nat
             if KNORM:
-                dk += (2.0 * 0.6931471805599453 * tl.load(BC + h)) * c_acc[:, None] * k.to(tl.float32)
+                dk += (2.0 * tl.load(BC + h).to(tl.float32)) * c_acc[:, None] * k.to(tl.float32)
             if KV_SAME:
                 dk += dv  # x is key and value: one gradient
                 dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
@@ -634,7 +635,9 @@ if HAS_TRITON:
         )
         lse = tl.load(LSE + bh * NQ + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + bh * NQ + offs_m, mask=row_ok, other=0.0)
-        a = tl.load(A + h)
+        a_nat = tl.load(A + h).to(tl.float32)  # natural-log units; the scores use base 2
+        a = a_nat * 1.4426950408889634
+        b_nat = tl.load(BC + h).to(tl.float32)
         if SCALAR:
             qs_r = tl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
             beta_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
@@ -828,18 +831,18 @@ if HAS_TRITON:
         qf = q.to(tl.float32)
         # sum_ij dS_ij q_i.k_j per row: the gradient of the dot coefficient
         tl.store(QR + bh * NQ + offs_m, tl.sum(qf * dq, 1), mask=row_ok)
-        dq = dq * (a * 0.6931471805599453)
+        dq = dq * a_nat
         if QNORM:
             qn = tl.sum(qf * qf, 1)
             if NORMALIZE:
                 if HAS_EPS:
-                    e = LOG2_EPS - qn * tl.load(BC + h)
+                    e = LOG2_EPS - qn * (b_nat * 1.4426950408889634)
                     rs = delta * tl.math.exp2(e - lse)
                 else:
                     rs = tl.zeros([BLOCK_M], dtype=tl.float32)
             else:
                 rs = delta
-            dq += (2.0 * 0.6931471805599453 * tl.load(BC + h)) * rs[:, None] * qf
+            dq += (2.0 * b_nat) * rs[:, None] * qf
             tl.store(RSQ + bh * NQ + offs_m, rs * qn, mask=row_ok)
         tl.store(
             DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :],
@@ -903,8 +906,8 @@ def distance_backward(
     qs,
     ks,
     beta,
-    a_log2,
-    b_log2,
+    a,
+    b,
     out,
     lse,
     *,
@@ -959,7 +962,7 @@ def distance_backward(
             dks.zero_(),
             dbeta.zero_(),
         )
-    dummy = a_log2
+    dummy = a
     if scalar:
         sqs, sks, sbeta = _strides3(qs, bsz, heads, nq), _strides3(ks, bsz, heads, nk), _strides3(beta, bsz, heads, nq)
     else:
@@ -972,8 +975,8 @@ def distance_backward(
         qs if scalar else dummy,
         ks if scalar else dummy,
         beta if scalar else dummy,
-        a_log2,
-        b_log2,
+        a,
+        b,
         dout,
         lse,
         delta,

@@ -249,7 +249,8 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
         q = _load_tile(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], row_ok, offs_d, D, D_PAD, True)
-        a = tl.load(A + h)
+        # the per-head coefficients (any float dtype, natural-log units) in the kernel's base-2 units
+        a = tl.load(A + h).to(tl.float32) * 1.4426950408889634
         if SCALAR:
             qs_r = tl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
             beta_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
@@ -257,7 +258,8 @@ if HAS_TRITON:
         else:
             qs_r = tl.zeros([BLOCK_M], dtype=tl.float32)
             beta_r = tl.zeros([BLOCK_M], dtype=tl.float32)
-        kn_coef = tl.load(BC + h)  # b_h * log2(e): the key-norm coefficient (used here only with KNORM_INLINE)
+        # b_h * log2(e): the norm coefficient (key norms with KNORM_INLINE, query norms with QNORM)
+        kn_coef = tl.load(BC + h).to(tl.float32) * 1.4426950408889634
         if QNORM:
             qf = q.to(tl.float32)
             r = tl.sum(qf * qf, 1) * kn_coef
@@ -526,11 +528,11 @@ def _strides3(t, b, h, n):
     return e.stride(0), e.stride(1), e.stride(2)
 
 
-def _launch_args(q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps):
+def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps):
     bsz, heads, nq, d = q.shape
     nk = k.shape[2]
     groups, dv = v.shape[1], v.shape[3]
-    dummy = a_log2
+    dummy = a
     if qs is not None:
         sqs = _strides3(qs, bsz, heads, nq)
         sks = _strides3(ks, bsz, heads, nk)
@@ -545,8 +547,8 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_k
         qs if qs is not None else dummy,
         ks if ks is not None else dummy,
         beta if beta is not None else dummy,
-        a_log2,
-        b_log2,
+        a,
+        b,
     )
     strides = (
         q.stride(0),
@@ -592,17 +594,17 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
 
 
 def distance_forward(
-    q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps
+    q, k, v, kb, qs, ks, beta, a, b, *, causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
 
     ``q [B,H,Nq,D]``, ``k [B,H,Nk,D]``, ``v [B,G,Nk,Dv]`` (last dim contiguous; ``k is v`` with ``kv_same``);
     ``kb``: key bias from ``key_bias`` or None; ``qs [B,H,Nq]``, ``ks [B,H,Nk]``, ``beta [B|1,H|1,Nq|1]`` (the
-    scalar term, ``1/tau``) or None; ``a_log2``/``b_log2``: fp32 ``[H]`` dot and query-norm coefficients times
-    ``log2(e)``.
+    scalar term, ``1/tau``) or None; ``a``/``b``: ``[H]`` (contiguous, any float dtype) dot and norm coefficients
+    in natural-log units (the kernel multiplies them by ``log2(e)``).
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
-        q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps
+        q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps
     )
     out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(bsz, heads, nq, device=q.device, dtype=torch.float32)
@@ -645,7 +647,7 @@ def decode_splits(bsz: int, heads: int, nq: int, span: int, device) -> int:
 
 
 def distance_decode(
-    q, k, v, kb, qs, ks, beta, a_log2, b_log2, *, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
+    q, k, v, kb, qs, ks, beta, a, b, *, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
 ):
     """Forward for a few query rows (a decode step) with the key range split over programs; output only.
 
@@ -653,7 +655,7 @@ def distance_decode(
     the key tiles inside the kernel.
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
-        q, k, v, kb, qs, ks, beta, a_log2, b_log2, window, num_prefix_keys, eps
+        q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps
     )
     out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
     if nq == 0:
