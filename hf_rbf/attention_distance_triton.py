@@ -13,8 +13,9 @@ and ``beta`` into ``gamma``, ``log_sigma``, ``scale`` and ``tau``.
 Ops (registered under a namespace unique to this module's import name, so that a checkpoint's remote-code copy can
 be imported next to the installed package):
 
-* ``distance_fwd``: the flash forward; returns ``(out, lse, kb, kn)`` (``kb``/``kn``: the key bias and key norms,
-  kept for the backward).
+* ``distance_fwd``: the flash forward; returns ``(out, lse, kb)`` (``kb``: the key bias of the key log-weights and
+  padding, with the key norms folded in, kept for the backward; an empty tensor when there are neither: then the
+  kernels compute the key norms from the key tiles they load anyway, and no key-bias pass runs).
 * ``distance_bwd``: its gradients (see ``kernels_flash_bwd.distance_backward``).
 * ``distance_decode``: the split-K forward for a few query rows (a decode step), no autograd; used by
   :func:`distance_attention` when at most ``DECODE_MAX_QUERIES`` rows are asked for and no gradient is needed.
@@ -45,8 +46,11 @@ _NS = (
 DECODE_MAX_QUERIES = 16
 
 
-def _has_kb(knorm: bool, key_log_weights, attention_mask) -> bool:
-    return knorm or key_log_weights is not None or attention_mask is not None
+def _has_kb(key_log_weights, attention_mask) -> bool:
+    """Whether the key-bias pass runs: only for key log-weights or padding.  The key norms alone are computed
+    inside the forward, dQ and dK/dV kernels from the key tiles they load anyway (one launch and two ``[B, H, Nk]``
+    buffers less per call; the FLOPs, ``D`` per key and tile, are a ``1 / BLOCK_M`` fraction of the tile's dot)."""
+    return key_log_weights is not None or attention_mask is not None
 
 
 def _contig(t):
@@ -73,10 +77,11 @@ def _forward_impl(
     kv_same,
     eps,
 ):
-    """Launch the key-bias pass and the flash forward: ``(out, lse, kb | None, kn | None)``."""
-    bsz, heads, nq, _ = q.shape
-    nk = k.shape[2]
-    kb, kn = key_bias(k, b.float().contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm)
+    """Launch the key-bias pass (only for key weights or padding) and the flash forward: ``(out, lse, kb | None)``."""
+    kb = None
+    if _has_kb(key_log_weights, attention_mask):
+        bsz, heads, _, _ = q.shape
+        kb, _ = key_bias(k, b.float().contiguous(), key_log_weights, attention_mask, heads, k.shape[2], bsz, knorm)
     out, lse = distance_forward(
         q,
         k,
@@ -94,8 +99,9 @@ def _forward_impl(
         qnorm=qnorm,
         kv_same=kv_same,
         eps=eps,
+        knorm_inline=knorm and kb is None,
     )
-    return out, lse, kb, kn
+    return out, lse, kb
 
 
 @torch.library.custom_op(f"{_NS}::distance_fwd", mutates_args=())
@@ -118,8 +124,8 @@ def distance_fwd(
     knorm: bool,
     kv_same: bool,
     eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    out, lse, kb, kn = _forward_impl(
+) -> tuple[Tensor, Tensor, Tensor]:
+    out, lse, kb = _forward_impl(
         q,
         k,
         v,
@@ -139,10 +145,9 @@ def distance_fwd(
         kv_same,
         eps,
     )
-    # empty placeholders: a custom op returns tensors, and its outputs must not alias each other
+    # an empty placeholder: a custom op returns tensors
     kb = torch.empty(0, device=q.device, dtype=torch.float32) if kb is None else kb
-    kn = torch.empty(0, device=q.device, dtype=torch.float32) if kn is None else kn
-    return out, lse, kb, kn
+    return out, lse, kb
 
 
 @distance_fwd.register_fake
@@ -170,10 +175,9 @@ def _(
     nk = k.shape[2]
     out = q.new_empty(bsz, heads, nq, v.shape[3])
     lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
-    kb_shape = (bsz, heads, nk) if _has_kb(knorm, key_log_weights, attention_mask) else (0,)
+    kb_shape = (bsz, heads, nk) if _has_kb(key_log_weights, attention_mask) else (0,)
     kb = q.new_empty(kb_shape, dtype=torch.float32)
-    kn = q.new_empty((bsz, heads, nk) if knorm else (0,), dtype=torch.float32)
-    return out, lse, kb, kn
+    return out, lse, kb
 
 
 def _backward_impl(
@@ -199,7 +203,7 @@ def _backward_impl(
     eps,
     need_dbeta,
 ):
-    """The backward kernels: ``(dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta)`` (see ``distance_backward``)."""
+    """The backward kernels: ``(dq, dk, dv, dkb, qr, rsq, ckn, dqs, dks, dbeta)`` (see ``distance_backward``)."""
     return distance_backward(
         dout,
         q,
@@ -248,7 +252,7 @@ def distance_bwd(
     kv_same: bool,
     eps: float,
     need_dbeta: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _backward_impl(
         dout,
         q,
@@ -259,7 +263,7 @@ def distance_bwd(
         beta,
         a,
         b,
-        kb if kb.numel() else None,
+        kb if kb.dim() == 3 else None,
         out,
         lse,
         causal,
@@ -306,9 +310,10 @@ def _(
         torch.empty_like(q),
         torch.empty_like(k),
         v.new_empty((0,)) if kv_same else torch.empty_like(v),
-        q.new_empty((bsz, heads, nk), **f32),
+        q.new_empty((bsz, heads, nk) if kb.dim() == 3 else (0,), **f32),
         q.new_empty((bsz, heads, nq), **f32),
         q.new_empty((bsz, heads, nq) if qnorm else (0,), **f32),
+        q.new_empty((bsz, heads, nk) if knorm else (0,), **f32),
         q.new_empty((bsz, heads, nq) if scalar else (0,), **f32),
         q.new_empty((bsz, heads, nk) if scalar else (0,), **f32),
         q.new_empty((bsz, heads, nq) if scalar and need_dbeta else (0,), **f32),
@@ -322,12 +327,12 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, qs, ks, beta, a, b, klw, am, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps) = (
         inputs
     )
-    out, lse, kb, kn = output
-    ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, kn)
+    out, lse, kb = output
+    ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb)
     ctx.flags = (causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps)
     ctx.klw_shape = None if klw is None else tuple(klw.shape)
     ctx.klw_dtype = None if klw is None else klw.dtype
-    ctx.mark_non_differentiable(lse, kb, kn)
+    ctx.mark_non_differentiable(lse, kb)
 
 
 def _reduce_to(grad: Tensor, shape) -> Tensor:
@@ -340,10 +345,10 @@ def _gradients(ctx, dout, run_backward):
     """The input gradients from the backward kernels' outputs; shared by the custom op's autograd (traced under
     ``torch.compile``) and :class:`_DistanceFunction` (eager).  ``run_backward`` is ``distance_bwd`` (the op) or
     ``_backward_impl`` (the same kernels without the op's dispatch)."""
-    q, k, v, qs, ks, beta, a, b, out, lse, kb, kn = ctx.saved_tensors
+    q, k, v, qs, ks, beta, a, b, out, lse, kb = ctx.saved_tensors
     causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps = ctx.flags
     need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
-    dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta = run_backward(
+    dq, dk, dv, dkb, qr, rsq, ckn, dqs, dks, dbeta = run_backward(
         dout,
         q,
         k,
@@ -374,7 +379,7 @@ def _gradients(ctx, dout, run_backward):
         if qnorm:
             db = db + rsq.sum(dim=(0, 2))
         if knorm:
-            db = db + (dkb * kn).sum(dim=(0, 2))
+            db = db + ckn.sum(dim=(0, 2))
         grads["b"] = db.to(b.dtype)
     if need["key_log_weights"]:
         grads["key_log_weights"] = _reduce_to(dkb, ctx.klw_shape).to(ctx.klw_dtype)
@@ -388,7 +393,7 @@ def _gradients(ctx, dout, run_backward):
     return tuple(grads.get(name) for name in _FWD_ARGS) + (None,) * 8
 
 
-def _backward(ctx, dout, _dlse, _dkb, _dkn):
+def _backward(ctx, dout, _dlse, _dkb):
     return _gradients(ctx, dout, distance_bwd)
 
 
@@ -408,9 +413,9 @@ class _DistanceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *args):
         """``args``: those of ``distance_fwd`` (tensors ``q .. attention_mask``, then the flags)."""
-        out, lse, kb, kn = _forward_impl(*args)
+        out, lse, kb = _forward_impl(*args)
         q, k, v, qs, ks, beta, a, b, klw = args[:9]
-        ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, kn)
+        ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb)
         ctx.flags = tuple(args[10:])  # causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
         ctx.klw_shape = None if klw is None else tuple(klw.shape)
         ctx.klw_dtype = None if klw is None else klw.dtype

@@ -4,14 +4,16 @@ Every family reduces to one online-softmax loop over key tiles whose score is (l
 
     s_ij = a_h * (q_i . k_j) + kb_j - beta_i * (qs_i - ks_j)^2        (dot part, key bias, scalar part)
 
-``kb_j`` (the *key bias*) is a per-key fp32 vector written once by :func:`key_bias` (``_key_bias_kernel``): it holds
-``-c_h * ||k_j||^2`` (RBF and GKA), ``log w_j`` (``key_log_weights``) and ``-inf`` for padded keys.  The reference
-RBF kernel recomputes ``||k||^2`` from every key tile, i.e. ``Nq / BLOCK_M`` times per key, and the RBF blog's
-postscript names that reduction (registers, an O(N^2)-times-repeated subtraction) as the cost of the distance form.
-Folding it into one fp32 vector of 4 bytes per key (1/32 of a bf16 key at D=64) turns it into the same
-``fma(qk, a, kb_j)`` that a dot-product kernel spends on its scale, and merges the key-log-weights and padding terms
-into that single load.  Per-query constants (the query norm of GKA / softmax-free RBF) never enter the inner loop:
-they are folded into the row statistics (see ``kernels_flash_fwd.py``).
+``kb_j`` (the *key bias*) holds ``b_h * ||k_j||^2`` (RBF and GKA, ``b_h < 0``), ``log w_j`` (``key_log_weights``)
+and ``-inf`` for padded keys.  Where there are key log-weights or padding it is a per-key fp32 vector written once by
+:func:`key_bias` (``_key_bias_kernel``), the norm term folded in, so the inner loop spends one load and the same
+``fma(qk, a, kb_j)`` that a dot-product kernel spends on its scale.  Where the key norms are the only term (training
+without padding: the common case) the kernels compute ``||k_j||^2`` from the key tile they have just loaded
+(``KNORM_INLINE``) instead: ``D`` multiply-adds per key and tile, a ``1 / BLOCK_M`` fraction of the tile's dot, and
+the key-bias launch and its two ``[B, H, Nk]`` buffers disappear from every call (measured on an H100, each triton
+launch costs about 0.15 ms of host time: ``benchmarks/results/h100-profile-2026-11-25``).  Per-query constants (the
+query norm of GKA / softmax-free RBF) never enter the inner loop: they are folded into the row statistics (see
+``kernels_flash_fwd.py``).
 
 Masks are index arithmetic: for a block of queries the allowed sequence keys form an interval per row, so key tiles
 split into a fully allowed middle range (no mask at all) and at most two partly masked edge ranges (the diagonal and

@@ -209,6 +209,7 @@ if HAS_TRITON:
         DK,
         DV,
         DKB,
+        CKN,
         DKS,
         sqb,
         sqh,
@@ -252,6 +253,8 @@ if HAS_TRITON:
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
         KNORM: tl.constexpr,
+        KNORM_INLINE: tl.constexpr,
+        KEY_BIAS: tl.constexpr,
         SCALAR: tl.constexpr,
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
@@ -306,8 +309,14 @@ if HAS_TRITON:
                 vt = v
             a_nat = tl.load(A + h).to(tl.float32)  # natural-log units; the scores use base 2
             a = a_nat * 1.4426950408889634
+            b_nat = tl.load(BC + h).to(tl.float32)
+            if KNORM:
+                kf = k.to(tl.float32)
+                kn = tl.sum(kf * kf, 1)  # ||k_j||^2 from the stationary tile: free here
             if HAS_KB:
                 kb = tl.load(KB + bh * NK + j, mask=key_ok, other=float("-inf"))
+            elif KNORM_INLINE:
+                kb = kn * (b_nat * 1.4426950408889634)
             else:
                 kb = tl.zeros([BLOCK_N], dtype=tl.float32)
             if SCALAR:
@@ -356,7 +365,7 @@ if HAS_TRITON:
                 BLOCK_M,
                 CAUSAL,
                 HAS_WINDOW,
-                HAS_KB,
+                KEY_BIAS,
                 SCALAR,
                 NORMALIZE,
                 DOT_PREC,
@@ -396,7 +405,7 @@ if HAS_TRITON:
                 BLOCK_M,
                 CAUSAL,
                 HAS_WINDOW,
-                HAS_KB,
+                KEY_BIAS,
                 SCALAR,
                 NORMALIZE,
                 DOT_PREC,
@@ -436,7 +445,7 @@ if HAS_TRITON:
                 BLOCK_M,
                 CAUSAL,
                 HAS_WINDOW,
-                HAS_KB,
+                KEY_BIAS,
                 SCALAR,
                 NORMALIZE,
                 DOT_PREC,
@@ -444,7 +453,9 @@ if HAS_TRITON:
             # natural-log units: the kernels' scores carry log2(e); dS and the values do not
             dk = dk * a_nat
             if KNORM:
-                dk += (2.0 * tl.load(BC + h).to(tl.float32)) * c_acc[:, None] * k.to(tl.float32)
+                dk += (2.0 * b_nat) * c_acc[:, None] * kf
+                # the key-norm part of the norm coefficient's gradient, sum_j C_j ||k_j||^2, per key
+                tl.store(CKN + bh * NK + j, c_acc * kn, mask=key_ok)
             if KV_SAME:
                 dk += dv  # x is key and value: one gradient
                 dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
@@ -452,7 +463,8 @@ if HAS_TRITON:
             tl.store(
                 DK + b * sdkb + h * sdkh + j[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=dk_mask
             )
-            tl.store(DKB + bh * NK + j, c_acc, mask=key_ok)
+            if HAS_KB:
+                tl.store(DKB + bh * NK + j, c_acc, mask=key_ok)
             if SCALAR:
                 tl.store(DKS + bh * NK + j, 2.0 * dks_acc, mask=key_ok)
         if not KV_SAME:
@@ -489,6 +501,7 @@ if HAS_TRITON:
         key_base,
         bound,
         a,
+        kn_coef,
         WINDOW,
         MODE: tl.constexpr,
         D: tl.constexpr,
@@ -499,6 +512,7 @@ if HAS_TRITON:
         CAUSAL: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
+        KNORM_INLINE: tl.constexpr,
         SCALAR: tl.constexpr,
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
@@ -516,6 +530,9 @@ if HAS_TRITON:
             s = _dot(q, tl.trans(k), None, DOT_PREC) * a
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
+            if KNORM_INLINE:
+                kf = k.to(tl.float32)
+                s += (tl.sum(kf * kf, 1) * kn_coef)[None, :]
             if SCALAR:
                 ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
                 dd = qs_r[:, None] - ks[None, :]
@@ -608,6 +625,7 @@ if HAS_TRITON:
         CAUSAL: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
+        KNORM_INLINE: tl.constexpr,
         QNORM: tl.constexpr,
         SCALAR: tl.constexpr,
         NORMALIZE: tl.constexpr,
@@ -638,6 +656,7 @@ if HAS_TRITON:
         a_nat = tl.load(A + h).to(tl.float32)  # natural-log units; the scores use base 2
         a = a_nat * 1.4426950408889634
         b_nat = tl.load(BC + h).to(tl.float32)
+        b_log2 = b_nat * 1.4426950408889634
         if SCALAR:
             qs_r = tl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
             beta_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
@@ -682,6 +701,7 @@ if HAS_TRITON:
             0,
             P,
             a,
+            b_log2,
             WINDOW,
             2,
             D,
@@ -692,6 +712,7 @@ if HAS_TRITON:
             CAUSAL,
             HAS_WINDOW,
             HAS_KB,
+            KNORM_INLINE,
             SCALAR,
             NORMALIZE,
             KV_SAME,
@@ -727,6 +748,7 @@ if HAS_TRITON:
             P,
             S,
             a,
+            b_log2,
             WINDOW,
             1,
             D,
@@ -737,6 +759,7 @@ if HAS_TRITON:
             CAUSAL,
             HAS_WINDOW,
             HAS_KB,
+            KNORM_INLINE,
             SCALAR,
             NORMALIZE,
             KV_SAME,
@@ -769,6 +792,7 @@ if HAS_TRITON:
             P,
             S,
             a,
+            b_log2,
             WINDOW,
             0,
             D,
@@ -779,6 +803,7 @@ if HAS_TRITON:
             CAUSAL,
             HAS_WINDOW,
             HAS_KB,
+            KNORM_INLINE,
             SCALAR,
             NORMALIZE,
             KV_SAME,
@@ -811,6 +836,7 @@ if HAS_TRITON:
             P,
             S,
             a,
+            b_log2,
             WINDOW,
             1,
             D,
@@ -821,6 +847,7 @@ if HAS_TRITON:
             CAUSAL,
             HAS_WINDOW,
             HAS_KB,
+            KNORM_INLINE,
             SCALAR,
             NORMALIZE,
             KV_SAME,
@@ -836,7 +863,7 @@ if HAS_TRITON:
             qn = tl.sum(qf * qf, 1)
             if NORMALIZE:
                 if HAS_EPS:
-                    e = LOG2_EPS - qn * (b_nat * 1.4426950408889634)
+                    e = LOG2_EPS - qn * b_log2
                     rs = delta * tl.math.exp2(e - lse)
                 else:
                     rs = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -923,11 +950,15 @@ def distance_backward(
 ):
     """Gradients of :func:`kernels_flash_fwd.distance_forward`.
 
-    Returns ``dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta``: ``dq``/``dk``/``dv`` in the inputs' dtypes (with
+    ``kb``: the key-bias vector of the forward (key log-weights, padding, and with ``knorm`` the key norms), or
+    None: then the key norms (``knorm``) are computed from the key tiles inside the kernels, as in the forward.
+
+    Returns ``dq, dk, dv, dkb, qr, rsq, ckn, dqs, dks, dbeta``: ``dq``/``dk``/``dv`` in the inputs' dtypes (with
     ``kv_same`` ``dk`` holds key plus value gradient and ``dv`` is empty); fp32 vectors ``dkb [B,H,Nk]``
-    (``sum_i dS_ij``), ``qr [B,H,Nq]`` (``sum_j dS_ij q_i.k_j``), ``rsq [B,H,Nq]`` (``rowsum(dS)_i ||q_i||^2``,
-    qnorm only), ``dqs [B,H,Nq]``, ``dks [B,H,Nk]``, ``dbeta [B,H,Nq]`` (scalar term; natural-log-score gradients).
-    Unused outputs are empty tensors.
+    (``sum_i dS_ij``, only with ``kb``), ``qr [B,H,Nq]`` (``sum_j dS_ij q_i.k_j``), ``rsq [B,H,Nq]``
+    (``rowsum(dS)_i ||q_i||^2``, qnorm only), ``ckn [B,H,Nk]`` (``sum_i dS_ij ||k_j||^2``, knorm only), ``dqs [B,H,Nq]``,
+    ``dks [B,H,Nk]``, ``dbeta [B,H,Nq]`` (scalar term; natural-log-score gradients).  Unused outputs are empty
+    tensors.
     """
     bsz, heads, nq, d = q.shape
     nk = k.shape[2]
@@ -943,7 +974,8 @@ def distance_backward(
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty(0, device=dev, dtype=v.dtype) if kv_same else torch.empty_like(v)
-    dkb = torch.empty(bsz, heads, nk, **f32)
+    dkb = torch.empty(bsz, heads, nk, **f32) if kb is not None else empty()
+    ckn = torch.empty(bsz, heads, nk, **f32) if knorm else empty()
     qr = torch.empty(bsz, heads, nq, **f32)
     rsq = torch.empty(bsz, heads, nq, **f32) if qnorm else empty()
     scalar = qs is not None
@@ -958,6 +990,7 @@ def distance_backward(
             dkb.zero_(),
             qr.zero_(),
             rsq.zero_(),
+            ckn.zero_(),
             dqs.zero_(),
             dks.zero_(),
             dbeta.zero_(),
@@ -1006,6 +1039,7 @@ def distance_backward(
         CAUSAL=causal,
         HAS_WINDOW=window is not None,
         HAS_KB=kb is not None,
+        KNORM_INLINE=knorm and kb is None,
         SCALAR=scalar,
         NORMALIZE=normalize,
         KV_SAME=kv_same,
@@ -1053,7 +1087,8 @@ def distance_backward(
         *ins,
         dk,
         dvt,
-        dkb,
+        dkb if kb is not None else dummy,
+        ckn if knorm else dummy,
         dks if scalar else dummy,
         *strides,
         dk.stride(0),
@@ -1072,6 +1107,7 @@ def distance_backward(
         D=d,
         DV_=dv_dim,
         KNORM=knorm,
+        KEY_BIAS=kb is not None or knorm,
         **common,
     )
-    return dq, dk, dv, dkb, qr, rsq, dqs, dks, dbeta
+    return dq, dk, dv, dkb, qr, rsq, ckn, dqs, dks, dbeta

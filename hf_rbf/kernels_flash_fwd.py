@@ -6,8 +6,9 @@ One program owns ``BLOCK_M`` query rows of one (batch, head) and streams key/val
     s_ij = a_h * (q_i . k_j) + kb_j - beta_i * (qs_i - ks_j)^2  [+ r_i, folded into the row statistics]
 
 with ``a_h`` the dot coefficient times ``log2(e)`` (``2 gamma`` for RBF, ``1 / sigma^2`` for GKA, ``scale`` for the
-hybrid), ``kb_j`` the per-key bias of ``kernels_common.key_bias`` (key norm, key log-weights, padding) and the
-scalar term only for the hybrid.  ``r_i = b_h ||q_i||^2`` (GKA, softmax-free RBF) never enters the inner loop:
+hybrid), ``kb_j`` the per-key bias (key norm, key log-weights, padding: the vector of ``kernels_common.key_bias``,
+or with the key norm alone ``b_h ||k_j||^2`` computed from the key tile, ``KNORM_INLINE``) and the scalar term only
+for the hybrid.  ``r_i = b_h ||q_i||^2`` (GKA, softmax-free RBF) never enters the inner loop:
 
 * softmax with ``eps`` (GKA): ``W_ij = 2^(s_ij + r_i) / (sum_j 2^(s_ij + r_i) + eps)
   = 2^s_ij / (sum_j 2^s_ij + eps 2^(-r_i))``, so ``r_i`` only moves the ``eps`` term of the denominator;
@@ -144,8 +145,9 @@ if HAS_TRITON:
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
             if KNORM_INLINE:
-                # decode: the key norms come from the tile already loaded (memory-bound, so this is free, while a
-                # separate key-norm pass would read the whole cache a second time)
+                # the key norms from the tile already loaded: in decode (memory-bound) this is free, while a separate
+                # key-norm pass would read the whole cache a second time; in training it saves the key-bias launch
+                # (see kernels_common's docstring)
                 kf = k.to(tl.float32)
                 s += (tl.sum(kf * kf, 1) * kn_coef)[None, :]
             if SCALAR:
@@ -594,14 +596,33 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
 
 
 def distance_forward(
-    q, k, v, kb, qs, ks, beta, a, b, *, causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps
+    q,
+    k,
+    v,
+    kb,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    *,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    kv_same,
+    eps,
+    knorm_inline=False,
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
 
     ``q [B,H,Nq,D]``, ``k [B,H,Nk,D]``, ``v [B,G,Nk,Dv]`` (last dim contiguous; ``k is v`` with ``kv_same``);
     ``kb``: key bias from ``key_bias`` or None; ``qs [B,H,Nq]``, ``ks [B,H,Nk]``, ``beta [B|1,H|1,Nq|1]`` (the
     scalar term, ``1/tau``) or None; ``a``/``b``: ``[H]`` (contiguous, any float dtype) dot and norm coefficients
-    in natural-log units (the kernel multiplies them by ``log2(e)``).
+    in natural-log units (the kernel multiplies them by ``log2(e)``); ``knorm_inline``: add ``b_h ||k_j||^2``
+    computed from the key tiles (the key norms without a key-bias pass; ``kb`` then holds at most the key
+    log-weights and padding).
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
         q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps
@@ -626,7 +647,7 @@ def distance_forward(
         *sstrides,
         *scalars,
         SPLIT=False,
-        **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False),
+        **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=knorm_inline),
     )
     return out, lse
 

@@ -228,3 +228,23 @@ def test_scalar_term_with_norms():
         kv_same=False,
         eps=0.01,
     )
+
+
+def _launches(t, am, **flags):
+    count_host_ops._patch_triton_run()
+    _run(t, am, fn=distance_attention, **flags)  # warm-up (autotune)
+    with count_host_ops.counting() as c:
+        _run(t, am, fn=distance_attention, **flags)
+    return dict(c.launches)
+
+
+def test_launches_per_forward_backward():
+    """knorm alone: forward, dQ and dK/dV only (no key-bias pass, no delta pre-pass); the key-bias pass comes back
+    only for key weights or padding."""
+    flags = dict(**MASKS["causal"], normalize=True, qnorm=False, knorm=True, kv_same=False, eps=0.0)
+    t, am = _make(dtype=torch.float32, b=1, h=2, nq=8, nk=8, d=16, dv=16)
+    launches = _launches(t, am, **flags)
+    assert "_key_bias_kernel" not in launches, launches
+    t, am = _make(dtype=torch.float32, b=1, h=2, nq=8, nk=8, d=16, dv=16, klw=True)
+    launches = _launches(t, am, **flags)
+    assert launches.get("_key_bias_kernel") == 1, launches
