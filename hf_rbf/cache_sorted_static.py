@@ -28,21 +28,35 @@ Cost per (row, head): ``(C / T) log T`` compares and ``(C / T) * min(2k, T)`` ca
 gathers.  With ``C / T`` blocks the candidate set grows with the *capacity* (not with the tokens present); choose
 ``T`` near ``sqrt(C * k)`` for long contexts (a log-structured set of runs would make it ``O(k log n)``; not built).
 
+Two implementations of the single-token step, chosen by ``static_decode_backend`` ("auto": "triton" on CUDA when
+the kernel can serve the layer, else "torch"; the choice is logged once and kept in ``decode_backend_used``):
+"torch" is the chain of PyTorch ops above (``append`` inserts, ``attend`` searches and attends: the reference);
+"triton" is one fused launch per layer step (:mod:`hf_rbf.kernels_sorted_static_decode`: insert, search, window,
+softmax with the prefix, value sum), registered as a ``torch.library`` op so that ``torch.compile(fullgraph=True)``
+traces it.  For the fused step ``append`` of one token only records it and the following ``attend`` inserts it; any
+other use of the layer in between inserts it first.  Both keep two *fill copies* of the block being filled (copy
+``n % 2`` holds its run), which let the fused launch insert and search at once without a race.
+
 Multi-token steps (the prompt, prefill chunks) attend exactly over the cached tokens (as the prompt of the dynamic
 cache does), so chunked prefill equals unchunked prefill; single-token decode steps use the window.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .kernels_sorted_static_decode import static_decode_unavailable_reason, static_sorted_decode_step
 from .sorted_decode import SortedCacheState, sorted_window_attention
 
-
 _INF = float("inf")
+logger = logging.getLogger("hf_rbf")
+_LOGGED_BACKEND: set = set()
+# `static_decode_backend`: "auto" takes the fused Triton launch on CUDA when it can serve the layer, else torch.
+STATIC_DECODE_BACKENDS = ("auto", "triton", "torch")
 
 
 def _compiling() -> bool:
@@ -102,6 +116,9 @@ class StaticSortedLayer(CacheLayerMixin):
             sort head of each value group under "sort_head").
         decode_window: the window ``k`` of single-token steps (None: exact attention over every cached token).
         block_size: ``T``, the length of the sorted blocks.
+        static_decode_backend: the windowed single-token step: "auto" (default: "triton" on CUDA when the fused
+            kernel can serve the layer, else "torch"), "triton" (the fused launch; an error where it cannot run) or
+            "torch" (the PyTorch ops, the reference).  What was chosen is ``decode_backend_used`` (and logged once).
     """
 
     is_compileable = True
@@ -118,6 +135,7 @@ class StaticSortedLayer(CacheLayerMixin):
         order_heads: list[int],
         decode_window: int | None,
         block_size: int = 64,
+        static_decode_backend: str = "auto",
     ):
         super().__init__()
         name = type(self).__name__
@@ -137,6 +155,68 @@ class StaticSortedLayer(CacheLayerMixin):
         self.order_heads = list(order_heads)
         self.decode_window = decode_window
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
+        self.decode_backend_used = None  # "triton" or "torch", decided when the buffers are allocated
+        self.decode_backend_reason = None  # why "auto" did not take the fused kernel (None when it did)
+        self._pending = None  # a single token recorded by `append` for the fused step of `attend`
+        self.static_decode_backend = static_decode_backend
+
+    @property
+    def static_decode_backend(self) -> str:
+        return self._static_decode_backend
+
+    @static_decode_backend.setter
+    def static_decode_backend(self, value: str) -> None:
+        if value not in STATIC_DECODE_BACKENDS:
+            raise ValueError(
+                f"{type(self).__name__}: `static_decode_backend` must be one of {STATIC_DECODE_BACKENDS}; got {value!r}"
+            )
+        if getattr(self, "_pending", None) is not None:
+            self._flush_pending()
+        self._static_decode_backend = value
+        if self.is_initialized:
+            self._choose_decode_backend()
+
+    def _choose_decode_backend(self) -> None:
+        """Resolve ``static_decode_backend`` for the allocated buffers (device, dtype, shape) into
+        ``decode_backend_used``; "triton" where the kernel cannot serve the layer is an error naming why."""
+        reason = None
+        if self.windowed:
+            reason = static_decode_unavailable_reason(
+                self.device,
+                self.dtype,
+                num_blocks=self.num_blocks,
+                block_size=self.block_size,
+                window=self.decode_window,
+                value_dim=self.values.shape[-1],
+                head_dim=0 if self.vector_keys is None else self.vector_keys.shape[-1],
+            )
+        else:
+            reason = "the layer is not windowed (decode_window is None or covers the capacity): exact attention"
+        requested = self._static_decode_backend
+        if requested == "triton" and reason is not None and self.windowed:
+            raise ValueError(f"{type(self).__name__}: static_decode_backend='triton' cannot serve this layer: {reason}")
+        if requested == "torch":
+            used, reason = "torch", "requested"
+        elif requested == "triton":
+            used = "triton" if reason is None else "torch"
+        else:
+            if reason is None and self.device.type != "cuda":
+                reason = "'auto' takes the fused kernel on CUDA only (the CPU runs it in the Triton interpreter)"
+            used = "triton" if reason is None else "torch"
+        self.decode_backend_used, self.decode_backend_reason = used, (None if used == "triton" else reason)
+        key = (requested, used, self.device.type, reason)
+        if key not in _LOGGED_BACKEND and not _compiling():
+            _LOGGED_BACKEND.add(key)
+            logger.info(
+                "static sorted decode step: backend=%r on %s (static_decode_backend=%r)%s",
+                used,
+                self.device.type,
+                requested,
+                "" if used == "triton" else f": {reason}",
+            )
+
+    def _fused_step(self) -> bool:
+        return self.decode_backend_used == "triton" and self.windowed
 
     @property
     def num_orders(self) -> int:
@@ -167,14 +247,21 @@ class StaticSortedLayer(CacheLayerMixin):
         shape = (b, self.num_orders, self.num_blocks, self.block_size)
         self.sorted_keys = torch.full(shape, _INF, dtype=dt, device=dev)
         self.sorted_slots = torch.zeros(shape, dtype=torch.long, device=dev)
+        # the run of the block being filled, twice (copy n % 2 is current): see the module docstring
+        fill_shape = (b, self.num_orders, 2, self.block_size)
+        self.fill_keys = torch.full(fill_shape, _INF, dtype=dt, device=dev)
+        self.fill_slots = torch.zeros(fill_shape, dtype=torch.long, device=dev)
+        self.decode_counter = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused launch's finish counter
         self.order_head = torch.tensor(self.order_heads, dtype=torch.long, device=dev)
         self.cumulative_length = self.cumulative_length.to(dev)
         if not _compiling():
             for t in (self.keys, self.values, self.vector_keys, self.valid, self.token_index, self.sorted_keys,
-                      self.sorted_slots, self.cumulative_length):  # fmt: skip
+                      self.sorted_slots, self.fill_keys, self.fill_slots, self.decode_counter,
+                      self.cumulative_length):  # fmt: skip
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
         self.is_initialized = True
+        self._choose_decode_backend()
 
     # -- insert ----------------------------------------------------------------------------------------------------
     def _resort_blocks(self, blocks: torch.Tensor) -> None:
@@ -188,6 +275,13 @@ class StaticSortedLayer(CacheLayerMixin):
         sorted_keys, idx = torch.sort(keys, dim=-1, stable=True)
         self.sorted_keys.index_copy_(2, blocks, sorted_keys)
         self.sorted_slots.index_copy_(2, blocks, idx + (blocks * t).view(1, 1, -1, 1))
+        # eager only (multi-token steps): the block being filled, if partly filled, goes to fill copy n % 2
+        n = int(self.cumulative_length)
+        if n % t != 0:
+            block = torch.tensor([n // t], device=self.device)
+            parity = torch.tensor([n % 2], device=self.device)
+            self.fill_keys.index_copy_(2, parity, self.sorted_keys.index_select(2, block))
+            self.fill_slots.index_copy_(2, parity, self.sorted_slots.index_select(2, block))
 
     def _insert_one(self, position: torch.Tensor, scalar_keys: torch.Tensor, valid: torch.Tensor) -> None:
         """Insert one token (``position [1]``) into its block's sorted run: a binary search and a shift, ``O(T)``
@@ -209,6 +303,10 @@ class StaticSortedLayer(CacheLayerMixin):
         slots = torch.where(j < at, slots, torch.where(j == at, position.view(1, 1, 1, 1), shifted_slots))
         self.sorted_keys.index_copy_(2, block, keys)
         self.sorted_slots.index_copy_(2, block, slots)
+        # the run is also fill copy (n + 1) % 2, for the fused step that may follow (the two backends interleave)
+        parity = (position + 1) % 2
+        self.fill_keys.index_copy_(2, parity, keys)
+        self.fill_slots.index_copy_(2, parity, slots)
 
     def append(self, scalar_keys, values, vector_keys=None, valid=None) -> None:
         """Write ``N`` new tokens (``scalar_keys [B, H, N]``, ``values [B, G, N, Dv]``, ``vector_keys [B, H, N, D]``,
@@ -219,6 +317,11 @@ class StaticSortedLayer(CacheLayerMixin):
             if vector_keys is not None:
                 packed = torch.cat([packed, vector_keys], dim=-1)
             self.lazy_initialization(packed, values)
+        self._flush_pending()
+        if n == 1 and self._fused_step():
+            # the fused launch of `attend` inserts it (with the search, in one launch)
+            self._pending = (scalar_keys, values, vector_keys, valid)
+            return
         if n > 1 and not _compiling():
             past = int(self.cumulative_length)
             if past + n > self.capacity:
@@ -243,20 +346,44 @@ class StaticSortedLayer(CacheLayerMixin):
         first, last = int(positions[0]) // self.block_size, int(positions[-1]) // self.block_size
         self._resort_blocks(torch.arange(first, last + 1, device=self.device))
 
+    def _flush_pending(self) -> None:
+        """Insert a token that ``append`` recorded for the fused step, through the torch path (the layer is used
+        otherwise before ``attend``)."""
+        if self._pending is None:
+            return
+        scalar_keys, values, vector_keys, valid = self._pending
+        self._pending = None
+        backend, self.decode_backend_used = self.decode_backend_used, "torch"
+        try:
+            self.append(scalar_keys, values, vector_keys, valid=valid)
+        finally:
+            self.decode_backend_used = backend
+
     # -- read ------------------------------------------------------------------------------------------------------
     def sequence_view(self, num_tokens: int):
         """``(scalar_keys [B, H, S], values [B, G, S, Dv], vector_keys [B, H, S, D] | None, valid [B, S])`` of the
         first ``num_tokens`` slots (sequence order), for exact multi-token steps."""
+        self._flush_pending()
         vk = self.vector_keys[:, :, :num_tokens] if self.vector_keys is not None else None
         return self.keys[:, :, :num_tokens], self.values[:, :, :num_tokens], vk, self.valid[:, :num_tokens]
 
     def full_view(self):
         """Every slot: ``(scalar_keys, values, vector_keys, valid)`` over the whole capacity (a single-token step)."""
+        self._flush_pending()
         return self.keys, self.values, self.vector_keys, self.valid
 
     def attend(self, qs, tau, *, q=None, scale=None, prefix_ks=None, prefix_v=None, prefix_k=None) -> torch.Tensor:
-        """The windowed single-token step (``qs [B, H, 1]``): :func:`blocked_window_candidates`, then the window
-        attention of :func:`hf_rbf.sorted_decode.sorted_window_attention` over the by-slot buffers."""
+        """The windowed single-token step (``qs [B, H, 1]``).  After ``append`` recorded the token for the fused step:
+        one launch (:func:`~hf_rbf.kernels_sorted_static_decode.static_sorted_decode_step`) inserts it and attends.
+        Otherwise (torch): :func:`blocked_window_candidates`, then the window attention of
+        :func:`hf_rbf.sorted_decode.sorted_window_attention` over the by-slot buffers."""
+        if self._pending is not None:
+            scalar_keys, values, vector_keys, valid = self._pending
+            self._pending = None
+            return static_sorted_decode_step(
+                self, scalar_keys, values, vector_keys, valid, qs, tau,
+                q=q, scale=scale, prefix_ks=prefix_ks, prefix_v=prefix_v, prefix_k=prefix_k,
+            )  # fmt: skip
         candidates = blocked_window_candidates(self.sorted_keys, self.sorted_slots, qs, self.decode_window)
         b = self.keys.shape[0]
         state = SortedCacheState(
@@ -292,6 +419,7 @@ class StaticSortedLayer(CacheLayerMixin):
         packed keys and values of every slot (see :meth:`full_view` for validity)."""
         vk = key_states[..., 1:] if key_states.shape[-1] > 1 else None
         self.append(key_states[..., 0], value_states, vk, valid=(cache_kwargs or {}).get("valid"))
+        self._flush_pending()  # the caller reads every slot
         packed = self.keys.unsqueeze(-1)
         if self.vector_keys is not None:
             packed = torch.cat([packed, self.vector_keys], dim=-1)
@@ -300,6 +428,7 @@ class StaticSortedLayer(CacheLayerMixin):
     def get_seq_length(self):
         if not self.is_initialized:
             return 0
+        self._flush_pending()
         return self.cumulative_length if _compiling() else int(self.cumulative_length)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -309,9 +438,10 @@ class StaticSortedLayer(CacheLayerMixin):
         return self.max_cache_len
 
     def _row_tensors(self) -> list[str]:
-        return ["keys", "values", "vector_keys", "valid", "sorted_keys", "sorted_slots"]
+        return ["keys", "values", "vector_keys", "valid", "sorted_keys", "sorted_slots", "fill_keys", "fill_slots"]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._flush_pending()
         if self.is_initialized:
             for name in self._row_tensors():
                 t = getattr(self, name)
@@ -319,6 +449,7 @@ class StaticSortedLayer(CacheLayerMixin):
                     t.copy_(t.index_select(0, beam_idx.to(self.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._flush_pending()
         if self.is_initialized:
             for name in self._row_tensors():
                 t = getattr(self, name)
@@ -326,6 +457,7 @@ class StaticSortedLayer(CacheLayerMixin):
                     setattr(self, name, t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._flush_pending()
         if self.is_initialized:
             for name in self._row_tensors():
                 t = getattr(self, name)
@@ -333,6 +465,7 @@ class StaticSortedLayer(CacheLayerMixin):
                     setattr(self, name, t[indices].contiguous())
 
     def reset(self) -> None:
+        self._pending = None
         if self.is_initialized:
             for name in ("keys", "values", "valid"):
                 getattr(self, name).zero_()
@@ -341,6 +474,9 @@ class StaticSortedLayer(CacheLayerMixin):
             self.token_index.fill_(-1)
             self.sorted_keys.fill_(_INF)
             self.sorted_slots.zero_()
+            self.fill_keys.fill_(_INF)
+            self.fill_slots.zero_()
+            self.decode_counter.zero_()
             self.cumulative_length.zero_()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -351,8 +487,8 @@ class StaticSortedLayer(CacheLayerMixin):
     def __repr__(self) -> str:
         return (
             f"StaticSortedLayer(capacity={self.capacity}, block_size={self.block_size}, heads={self.num_heads}, "
-            f"groups={self.num_value_groups}, window={self.decode_window})"
+            f"groups={self.num_value_groups}, window={self.decode_window}, decode_backend={self.decode_backend_used})"
         )
 
 
-__all__ = ["StaticSortedLayer", "blocked_window_candidates"]
+__all__ = ["STATIC_DECODE_BACKENDS", "StaticSortedLayer", "blocked_window_candidates"]
