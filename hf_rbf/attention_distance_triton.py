@@ -202,8 +202,10 @@ def _backward_impl(
     kv_same,
     eps,
     need_dbeta,
+    need_ab,
+    need_dkb,
 ):
-    """The backward kernels: ``(dq, dk, dv, dkb, qr, rsq, ckn, dqs, dks, dbeta)`` (see ``distance_backward``)."""
+    """The backward kernels: ``(dq, dk, dv, dkb, dab, dqs, dks, dbeta)`` (see ``distance_backward``)."""
     return distance_backward(
         dout,
         q,
@@ -226,6 +228,8 @@ def _backward_impl(
         kv_same=kv_same,
         eps=eps,
         need_dbeta=need_dbeta,
+        need_ab=need_ab,
+        need_dkb=need_dkb,
     )
 
 
@@ -252,8 +256,10 @@ def distance_bwd(
     kv_same: bool,
     eps: float,
     need_dbeta: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _backward_impl(
+    need_ab: bool,
+    need_dkb: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = _backward_impl(
         dout,
         q,
         k,
@@ -275,6 +281,13 @@ def distance_bwd(
         kv_same,
         eps,
         need_dbeta,
+        need_ab,
+        need_dkb,
+    )
+    # the unused outputs as empty tensors (a custom op returns tensors, and its outputs must not alias each other)
+    return tuple(
+        torch.empty(0, device=q.device, dtype=v.dtype if i == 2 else torch.float32) if t is None else t
+        for i, t in enumerate(grads)
     )
 
 
@@ -301,6 +314,8 @@ def _(
     kv_same,
     eps,
     need_dbeta,
+    need_ab,
+    need_dkb,
 ):
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2]
@@ -310,10 +325,8 @@ def _(
         torch.empty_like(q),
         torch.empty_like(k),
         v.new_empty((0,)) if kv_same else torch.empty_like(v),
-        q.new_empty((bsz, heads, nk) if kb.dim() == 3 else (0,), **f32),
-        q.new_empty((bsz, heads, nq), **f32),
-        q.new_empty((bsz, heads, nq) if qnorm else (0,), **f32),
-        q.new_empty((bsz, heads, nk) if knorm else (0,), **f32),
+        q.new_empty((bsz, heads, nk) if kb.dim() == 3 and need_dkb else (0,), **f32),
+        q.new_empty((2, heads) if need_ab else (0,), **f32),
         q.new_empty((bsz, heads, nq) if scalar else (0,), **f32),
         q.new_empty((bsz, heads, nk) if scalar else (0,), **f32),
         q.new_empty((bsz, heads, nq) if scalar and need_dbeta else (0,), **f32),
@@ -348,7 +361,8 @@ def _gradients(ctx, dout, run_backward):
     q, k, v, qs, ks, beta, a, b, out, lse, kb = ctx.saved_tensors
     causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps = ctx.flags
     need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
-    dq, dk, dv, dkb, qr, rsq, ckn, dqs, dks, dbeta = run_backward(
+    need_ab = bool(need["a"] or need["b"])
+    dq, dk, dv, dkb, dab, dqs, dks, dbeta = run_backward(
         dout,
         q,
         k,
@@ -370,17 +384,15 @@ def _gradients(ctx, dout, run_backward):
         kv_same,
         eps,
         bool(need["beta"]),
+        need_ab,
+        bool(need["key_log_weights"]),
     )
-    grads = dict(q=dq, k=dk, v=None if kv_same else dv)
-    if need["a"]:
-        grads["a"] = qr.sum(dim=(0, 2)).to(a.dtype)
-    if need["b"]:
-        db = torch.zeros_like(a, dtype=torch.float32)
-        if qnorm:
-            db = db + rsq.sum(dim=(0, 2))
-        if knorm:
-            db = db + ckn.sum(dim=(0, 2))
-        grads["b"] = db.to(b.dtype)
+    grads = {"q": dq, "k": dk, "v": None if kv_same else dv}
+    if need_ab:
+        # dab [2, H]: the per-head sums of the dot and norm terms, reduced by distance_backward
+        da, db = dab.unbind(0)
+        grads["a"] = da.to(a.dtype) if need["a"] else None
+        grads["b"] = db.to(b.dtype) if need["b"] else None
     if need["key_log_weights"]:
         grads["key_log_weights"] = _reduce_to(dkb, ctx.klw_shape).to(ctx.klw_dtype)
     if qs is not None:

@@ -106,6 +106,15 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def bcast_strides(t: torch.Tensor, shape) -> tuple[int, ...]:
+    """Strides of ``t`` broadcast to ``shape`` (dims aligned on the right, 0 on broadcast dims), computed in Python:
+    ``t.expand(shape).stride()`` would cost an aten op per tensor and call on the host path."""
+    n = len(shape)
+    sizes = [1] * (n - t.dim()) + list(t.shape)
+    strides = [0] * (n - t.dim()) + list(t.stride())
+    return tuple(0 if size == 1 else stride for size, stride in zip(sizes, strides))
+
+
 def padded_dim(d: int) -> int:
     """Head dims are padded (with masked loads) to the next power of two, at least 16 (the smallest tl.dot size)."""
     return max(MIN_DOT_DIM, next_pow2(d))

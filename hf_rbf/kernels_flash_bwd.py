@@ -2,20 +2,22 @@
 
 With ``W_ij = 2^(s_ij - lse_i)`` from the forward, ``dP_ij = dO_i . v_j`` and ``delta_i = dO_i . O_i`` the gradient of
 the natural-log score is ``dS_ij = W_ij (dP_ij - delta_i)`` (softmax, with or without GKA's eps) or
-``W_ij dP_ij`` (softmax-free).  Three launches:
+``W_ij dP_ij`` (softmax-free).  Two launches, in this order:
 
-1. ``_bwd_preprocess_kernel``: ``delta_i`` (fp32).
+1. ``_distance_bwd_dq_kernel``: one program per query block; key tiles streamed as in the forward.  It computes
+   ``delta_i`` from its own ``O`` and ``dO`` tiles (no pre-pass launch) and writes it for the next kernel; besides
+   ``dQ`` it writes per-row partial sums for the per-head parameter gradients (``q_i . sum_j dS_ij k_j`` and
+   ``rowsum(dS)_i ||q_i||^2``), the scalar-query gradient and (on request) the ``beta = 1/tau`` gradient.
 2. ``_distance_bwd_dkdv_kernel``: one program per key block and *value group*; K, V stationary, query tiles
    streamed (the allowed rows of a key block are an interval: the same masked / unmasked / masked split as the
    forward).  The heads of a value group run one after the other in the program so that grouped values (the
-   hybrid's ``[B, G, Nk, Dv]``) get ``dV`` summed over their heads without atomics.  It also writes the per-key
-   sums ``C_j = sum_i dS_ij`` (the gradient of the key bias: key log-weights, the key-norm coefficient) and the
-   scalar-key gradient.
-3. ``_distance_bwd_dq_kernel``: one program per query block; key tiles streamed as in the forward.  Besides ``dQ``
-   it writes per-row partial sums for the per-head parameter gradients (``q_i . sum_j dS_ij k_j`` and
-   ``rowsum(dS)_i ||q_i||^2``), the scalar-query gradient and (on request) the ``beta = 1/tau`` gradient.
+   hybrid's ``[B, G, Nk, Dv]``) get ``dV`` summed over their heads without atomics.  It also forms the per-key
+   sums ``C_j = sum_i dS_ij`` (the gradient of the key bias): it writes them for the key log-weights' gradient
+   (on request) and ``C_j ||k_j||^2`` for the norm coefficient's (the key norms from the stationary key tile), and
+   the scalar-key gradient.
 
-Per-head gradients are then sums of those fp32 vectors (done by the caller): no atomics anywhere.
+The per-row and per-key partial sums of the per-head gradients share one fp32 work buffer with ``delta``, and one
+``sum`` reduces them (``distance_backward``): no atomics anywhere, and the same gradients on every run.
 
 ``rowsum(dS)`` (needed for the query-norm term of GKA / softmax-free RBF) has a closed form, so no extra reduction
 runs in the inner loop: softmax with eps: ``delta_i * eps 2^(-r_i - lse_i)``, plain softmax: 0,
@@ -31,8 +33,8 @@ import torch
 from .kernels_common import (
     HAS_TRITON,
     autotune,
-    autotune_enabled,
     autotune_subset,
+    bcast_strides,
     dot_precision,
     launch_tuned,
     make_configs,
@@ -90,22 +92,6 @@ _prune_dq = _make_prune("BLOCK_M", "BLOCK_N", lambda d, dv: d)
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _bwd_preprocess_kernel(
-        OUT, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, NQ, DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        pid = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        b = bh // H
-        h = bh % H
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        offs_dv = tl.arange(0, DV_PAD)
-        ok = offs < NQ
-        o = _load_tile(OUT + b * sob + h * soh + offs[:, None] * son + offs_dv[None, :], ok, offs_dv, DV, DV_PAD, True)
-        do = _load_tile(DO + b * sdb + h * sdh + offs[:, None] * sdn + offs_dv[None, :], ok, offs_dv, DV, DV_PAD, True)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(DELTA + bh * NQ + offs, delta, mask=ok)
 
     @triton.jit
     def _dkdv_tiles(
@@ -205,11 +191,10 @@ if HAS_TRITON:
         BC,
         DO,
         LSE,
-        DELTA,
+        WORK,
         DK,
         DV,
         DKB,
-        CKN,
         DKS,
         sqb,
         sqh,
@@ -255,6 +240,7 @@ if HAS_TRITON:
         KNORM: tl.constexpr,
         KNORM_INLINE: tl.constexpr,
         KEY_BIAS: tl.constexpr,
+        STORE_DKB: tl.constexpr,
         SCALAR: tl.constexpr,
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
@@ -271,6 +257,8 @@ if HAS_TRITON:
         t0 = S - NQ
         n_prefix_blocks = tl.cdiv(P, BLOCK_N)
         is_prefix = pid_n < n_prefix_blocks
+        # one row of the work buffer [3, B, H, Nq + Nk] (see distance_backward); the grid's second axis is B * G
+        plane = tl.num_programs(1).to(tl.int64) * HPG * (NQ + NK)
         ip = tl.minimum(n_prefix_blocks - pid_n, 1)
         ip = tl.maximum(
             ip, 0
@@ -344,7 +332,7 @@ if HAS_TRITON:
                 Q_ptr,
                 DO_ptr,
                 LSE + bh * NQ,
-                DELTA + bh * NQ,
+                WORK + 2 * plane + bh * (NQ + NK),
                 QS_ptr,
                 BETA_ptr,
                 sqn,
@@ -384,7 +372,7 @@ if HAS_TRITON:
                 Q_ptr,
                 DO_ptr,
                 LSE + bh * NQ,
-                DELTA + bh * NQ,
+                WORK + 2 * plane + bh * (NQ + NK),
                 QS_ptr,
                 BETA_ptr,
                 sqn,
@@ -424,7 +412,7 @@ if HAS_TRITON:
                 Q_ptr,
                 DO_ptr,
                 LSE + bh * NQ,
-                DELTA + bh * NQ,
+                WORK + 2 * plane + bh * (NQ + NK),
                 QS_ptr,
                 BETA_ptr,
                 sqn,
@@ -452,10 +440,15 @@ if HAS_TRITON:
             )
             # natural-log units: the kernels' scores carry log2(e); dS and the values do not
             dk = dk * a_nat
+            # the key columns of the per-head reduction rows (see distance_backward): 0 for the dot coefficient, the
+            # key-norm part of the norm coefficient's gradient C_j ||k_j||^2
+            W_keys = WORK + bh * (NQ + NK) + NQ + j
+            tl.store(W_keys, tl.zeros([BLOCK_N], dtype=tl.float32), mask=key_ok)
             if KNORM:
                 dk += (2.0 * b_nat) * c_acc[:, None] * kf
-                # the key-norm part of the norm coefficient's gradient, sum_j C_j ||k_j||^2, per key
-                tl.store(CKN + bh * NK + j, c_acc * kn, mask=key_ok)
+                tl.store(W_keys + plane, c_acc * kn, mask=key_ok)
+            else:
+                tl.store(W_keys + plane, tl.zeros([BLOCK_N], dtype=tl.float32), mask=key_ok)
             if KV_SAME:
                 dk += dv  # x is key and value: one gradient
                 dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
@@ -463,7 +456,7 @@ if HAS_TRITON:
             tl.store(
                 DK + b * sdkb + h * sdkh + j[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=dk_mask
             )
-            if HAS_KB:
+            if STORE_DKB:
                 tl.store(DKB + bh * NK + j, c_acc, mask=key_ok)
             if SCALAR:
                 tl.store(DKS + bh * NK + j, 2.0 * dks_acc, mask=key_ok)
@@ -580,10 +573,9 @@ if HAS_TRITON:
         BC,
         DO,
         LSE,
-        DELTA,
+        WORK,
+        OUT,
         DQ,
-        QR,
-        RSQ,
         DQS,
         DBETA,
         sqb,
@@ -610,6 +602,9 @@ if HAS_TRITON:
         sdqb,
         sdqh,
         sdqn,
+        sob,
+        soh,
+        son,
         H,
         HPG,
         NQ,
@@ -652,7 +647,16 @@ if HAS_TRITON:
             DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_dv[None, :], row_ok, offs_dv, DV, DV_PAD, True
         )
         lse = tl.load(LSE + bh * NQ + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + bh * NQ + offs_m, mask=row_ok, other=0.0)
+        # delta_i = dO_i . O_i (fp32) from this row block's tiles: no pre-pass launch (the dK/dV kernel, which runs
+        # after this one, reads it from the work buffer)
+        o = _load_tile(
+            OUT + b * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :], row_ok, offs_dv, DV, DV_PAD, True
+        )
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        # the work buffer [3, B, H, Nq + Nk] (see distance_backward): row 0 the q.k gradient, 1 the query-norm
+        # gradient, 2 delta; the grid's second axis is B * H
+        plane = tl.num_programs(1).to(tl.int64) * (NQ + NK)
+        W_rows = WORK + bh * (NQ + NK) + offs_m
         a_nat = tl.load(A + h).to(tl.float32)  # natural-log units; the scores use base 2
         a = a_nat * 1.4426950408889634
         b_nat = tl.load(BC + h).to(tl.float32)
@@ -857,7 +861,7 @@ if HAS_TRITON:
 
         qf = q.to(tl.float32)
         # sum_ij dS_ij q_i.k_j per row: the gradient of the dot coefficient
-        tl.store(QR + bh * NQ + offs_m, tl.sum(qf * dq, 1), mask=row_ok)
+        tl.store(W_rows, tl.sum(qf * dq, 1), mask=row_ok)
         dq = dq * a_nat
         if QNORM:
             qn = tl.sum(qf * qf, 1)
@@ -870,7 +874,9 @@ if HAS_TRITON:
             else:
                 rs = delta
             dq += (2.0 * b_nat) * rs[:, None] * qf
-            tl.store(RSQ + bh * NQ + offs_m, rs * qn, mask=row_ok)
+            tl.store(W_rows + plane, rs * qn, mask=row_ok)
+        else:
+            tl.store(W_rows + plane, tl.zeros([BLOCK_M], dtype=tl.float32), mask=row_ok)
         tl.store(
             DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :],
             dq.to(DQ.dtype.element_ty),
@@ -880,8 +886,10 @@ if HAS_TRITON:
             tl.store(DQS + bh * NQ + offs_m, -2.0 * beta_r * (a1 - dacc * b1), mask=row_ok)
             if NEED_DBETA:
                 tl.store(DBETA + bh * NQ + offs_m, dacc * b2 - a2, mask=row_ok)
-            # the exact delta replaces the rounded one for the dK/dV kernel, which runs after this one
-            tl.store(DELTA + bh * NQ + offs_m, dacc, mask=row_ok)
+            # the exact delta, not the rounded one, for the dK/dV kernel, which runs after this one
+            tl.store(W_rows + 2 * plane, dacc, mask=row_ok)
+        else:
+            tl.store(W_rows + 2 * plane, delta, mask=row_ok)
 
     _BWD_KEY = ["D_PAD", "DV_PAD", "N_BUCKET", "CAUSAL", "HAS_WINDOW", "SCALAR", "NORMALIZE", "KV_SAME"]
     _distance_bwd_dkdv = autotune(make_configs(DKDV_CONFIGS, _INTERPRET_CONFIG_DKDV), _BWD_KEY, _prune_dkdv)(
@@ -890,38 +898,6 @@ if HAS_TRITON:
     _distance_bwd_dq = autotune(make_configs(DQ_CONFIGS, _INTERPRET_CONFIG_DQ), _BWD_KEY, _prune_dq)(
         _distance_bwd_dq_kernel
     )
-
-
-def _strides3(t, b, h, n):
-    e = t.expand(b, h, n)
-    return e.stride(0), e.stride(1), e.stride(2)
-
-
-def bwd_delta(out, dout):
-    """``delta_i = dO_i . O_i`` in fp32, ``[B, H, Nq]``."""
-    bsz, heads, nq, dv = out.shape
-    delta = torch.empty(bsz, heads, nq, device=out.device, dtype=torch.float32)
-    if nq == 0:
-        return delta
-    block = 16 if not autotune_enabled() and dout.device.type == "cpu" else 64
-    _bwd_preprocess_kernel[(triton.cdiv(nq, block), bsz * heads)](
-        out,
-        dout,
-        delta,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        dout.stride(0),
-        dout.stride(1),
-        dout.stride(2),
-        heads,
-        nq,
-        DV=dv,
-        DV_PAD=padded_dim(dv),
-        BLOCK=block,
-        num_warps=4,
-    )
-    return delta
 
 
 def distance_backward(
@@ -947,57 +923,60 @@ def distance_backward(
     kv_same,
     eps,
     need_dbeta,
+    need_ab=True,
+    need_dkb=True,
 ):
-    """Gradients of :func:`kernels_flash_fwd.distance_forward`.
+    """Gradients of :func:`kernels_flash_fwd.distance_forward`: two launches (dQ, then dK/dV) and one sum.
 
     ``kb``: the key-bias vector of the forward (key log-weights, padding, and with ``knorm`` the key norms), or
     None: then the key norms (``knorm``) are computed from the key tiles inside the kernels, as in the forward.
 
-    Returns ``dq, dk, dv, dkb, qr, rsq, ckn, dqs, dks, dbeta``: ``dq``/``dk``/``dv`` in the inputs' dtypes (with
-    ``kv_same`` ``dk`` holds key plus value gradient and ``dv`` is empty); fp32 vectors ``dkb [B,H,Nk]``
-    (``sum_i dS_ij``, only with ``kb``), ``qr [B,H,Nq]`` (``sum_j dS_ij q_i.k_j``), ``rsq [B,H,Nq]``
-    (``rowsum(dS)_i ||q_i||^2``, qnorm only), ``ckn [B,H,Nk]`` (``sum_i dS_ij ||k_j||^2``, knorm only), ``dqs [B,H,Nq]``,
-    ``dks [B,H,Nk]``, ``dbeta [B,H,Nq]`` (scalar term; natural-log-score gradients).  Unused outputs are empty
-    tensors.
+    Returns ``dq, dk, dv, dkb, dab, dqs, dks, dbeta``: ``dq``/``dk``/``dv`` in the inputs' dtypes (with ``kv_same``
+    ``dk`` holds key plus value gradient and ``dv`` is empty); fp32 ``dkb [B,H,Nk]`` (``sum_i dS_ij``, the key
+    log-weights' gradient: with ``kb`` and ``need_dkb`` only), ``dab [2, H]`` (the per-head gradients of the dot
+    coefficient ``a`` and the norm coefficient ``b``, ``need_ab`` only), ``dqs [B,H,Nq]``, ``dks [B,H,Nk]``,
+    ``dbeta [B,H,Nq]`` (scalar term; natural-log-score gradients).  Unused outputs are None (no allocation: the
+    custom op ``distance_bwd`` turns them into the empty tensors its schema needs).
+
+    The per-head gradients are sums over the batch and the rows or keys of per-row and per-key terms written by the
+    kernels into one fp32 work buffer ``[3, B, H, Nq + Nk]`` (query columns, then key columns):
+
+    * row 0: ``sum_j dS_ij q_i.k_j`` per query (dQ kernel), 0 per key (dK/dV kernel): ``da``;
+    * row 1: ``rowsum(dS)_i ||q_i||^2`` per query (query norm) and ``sum_i dS_ij ||k_j||^2`` per key (key norm),
+      0 where the term is absent: ``db``;
+    * row 2: ``delta_i = dO_i . O_i`` per query, computed by the dQ kernel and read by the dK/dV kernel.
+
+    So ``dab`` is one ``sum`` over ``(B, Nq + Nk)`` of rows 0-1.  Why not fp32 atomics into an ``[H]`` buffer: that
+    buffer would need zeroing (a fill launch, or a kernel that runs before the dQ kernel, which now also computes
+    delta) and the order of the additions, so the per-head gradients, would change from run to run; one buffer and
+    one deterministic ``sum`` is the same number of launches.
     """
     bsz, heads, nq, d = q.shape
     nk = k.shape[2]
     groups, dv_dim = v.shape[1], v.shape[3]
     dev = q.device
-    f32 = dict(device=dev, dtype=torch.float32)
-
-    def empty():  # outputs of a custom op must not alias each other: one fresh empty tensor each
-        return torch.empty(0, **f32)
+    f32 = {"device": dev, "dtype": torch.float32}
+    scalar = qs is not None
+    store_dkb = kb is not None and need_dkb
 
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = bwd_delta(out, dout) if (normalize or qnorm) else torch.zeros(bsz, heads, nq, **f32)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    dv = torch.empty(0, device=dev, dtype=v.dtype) if kv_same else torch.empty_like(v)
-    dkb = torch.empty(bsz, heads, nk, **f32) if kb is not None else empty()
-    ckn = torch.empty(bsz, heads, nk, **f32) if knorm else empty()
-    qr = torch.empty(bsz, heads, nq, **f32)
-    rsq = torch.empty(bsz, heads, nq, **f32) if qnorm else empty()
-    scalar = qs is not None
-    dqs = torch.empty(bsz, heads, nq, **f32) if scalar else empty()
-    dks = torch.empty(bsz, heads, nk, **f32) if scalar else empty()
-    dbeta = torch.empty(bsz, heads, nq, **f32) if scalar and need_dbeta else empty()
-    if nq == 0 or nk == 0:
-        return (
-            dq.zero_(),
-            dk.zero_(),
-            dv.zero_(),
-            dkb.zero_(),
-            qr.zero_(),
-            rsq.zero_(),
-            ckn.zero_(),
-            dqs.zero_(),
-            dks.zero_(),
-            dbeta.zero_(),
-        )
+    dv = None if kv_same else torch.empty_like(v)
+    work = torch.empty(3, bsz, heads, nq + nk, **f32)
+    dkb = torch.empty(bsz, heads, nk, **f32) if store_dkb else None
+    dqs = torch.empty(bsz, heads, nq, **f32) if scalar else None
+    dks = torch.empty(bsz, heads, nk, **f32) if scalar else None
+    dbeta = torch.empty(bsz, heads, nq, **f32) if scalar and need_dbeta else None
+    if nq == 0 or nk == 0:  # no scores: every gradient is 0 (not the hot path)
+        dab = torch.zeros(2, heads, **f32) if need_ab else None
+        outs = (dq, dk, dv, dkb, dab, dqs, dks, dbeta)
+        return tuple(None if t is None else t.zero_() for t in outs)
     dummy = a
     if scalar:
-        sqs, sks, sbeta = _strides3(qs, bsz, heads, nq), _strides3(ks, bsz, heads, nk), _strides3(beta, bsz, heads, nq)
+        sqs = bcast_strides(qs, (bsz, heads, nq))
+        sks = bcast_strides(ks, (bsz, heads, nk))
+        sbeta = bcast_strides(beta, (bsz, heads, nq))
     else:
         sqs = sks = sbeta = (0, 0, 0)
     ins = (
@@ -1012,7 +991,7 @@ def distance_backward(
         b,
         dout,
         lse,
-        delta,
+        work,
     )
     strides = (
         (
@@ -1033,34 +1012,37 @@ def distance_backward(
         + sks
         + sbeta
     )
-    common = dict(
-        D_PAD=padded_dim(d),
-        DV_PAD=padded_dim(dv_dim),
-        CAUSAL=causal,
-        HAS_WINDOW=window is not None,
-        HAS_KB=kb is not None,
-        KNORM_INLINE=knorm and kb is None,
-        SCALAR=scalar,
-        NORMALIZE=normalize,
-        KV_SAME=kv_same,
-        DOT_PREC=dot_precision(q.dtype),
-    )
+    common = {
+        "D_PAD": padded_dim(d),
+        "DV_PAD": padded_dim(dv_dim),
+        "CAUSAL": causal,
+        "HAS_WINDOW": window is not None,
+        "HAS_KB": kb is not None,
+        "KNORM_INLINE": knorm and kb is None,
+        "SCALAR": scalar,
+        "NORMALIZE": normalize,
+        "KV_SAME": kv_same,
+        "DOT_PREC": dot_precision(q.dtype),
+    }
     hpg = heads // groups
     nb = n_bucket(max(nq, nk))
+    need_dbeta = dbeta is not None
     grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
     launch_tuned(
         _distance_bwd_dq,
         grid_q,
         *ins,
+        out,
         dq,
-        qr,
-        rsq if qnorm else dummy,
         dqs if scalar else dummy,
-        dbeta if dbeta.numel() else dummy,
+        dbeta if need_dbeta else dummy,
         *strides,
         dq.stride(0),
         dq.stride(1),
         dq.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         heads,
         hpg,
         nq,
@@ -1073,7 +1055,7 @@ def distance_backward(
         DV=dv_dim,
         QNORM=qnorm,
         HAS_EPS=normalize and eps > 0,
-        NEED_DBETA=bool(dbeta.numel()),
+        NEED_DBETA=need_dbeta,
         **common,
     )
     grid_kv = lambda meta: (  # noqa: E731
@@ -1087,8 +1069,7 @@ def distance_backward(
         *ins,
         dk,
         dvt,
-        dkb if kb is not None else dummy,
-        ckn if knorm else dummy,
+        dkb if store_dkb else dummy,
         dks if scalar else dummy,
         *strides,
         dk.stride(0),
@@ -1108,6 +1089,8 @@ def distance_backward(
         DV_=dv_dim,
         KNORM=knorm,
         KEY_BIAS=kb is not None or knorm,
+        STORE_DKB=store_dkb,
         **common,
     )
-    return dq, dk, dv, dkb, qr, rsq, ckn, dqs, dks, dbeta
+    dab = work[:2].sum(dim=(1, 3)) if need_ab else None
+    return dq, dk, dv, dkb, dab, dqs, dks, dbeta

@@ -33,6 +33,7 @@ from .kernels_common import (
     HAS_TRITON,
     autotune,
     autotune_subset,
+    bcast_strides,
     ceil_div,
     dot_precision,
     launch_tuned,
@@ -524,21 +525,15 @@ if HAS_TRITON:
     )
 
 
-def _strides3(t, b, h, n):
-    """Strides of a ``[B|1, H|1, N|1]`` tensor viewed as ``[B, H, N]`` (0 on broadcast dims)."""
-    e = t.expand(b, h, n)
-    return e.stride(0), e.stride(1), e.stride(2)
-
-
 def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps):
     bsz, heads, nq, d = q.shape
     nk = k.shape[2]
     groups, dv = v.shape[1], v.shape[3]
     dummy = a
     if qs is not None:
-        sqs = _strides3(qs, bsz, heads, nq)
-        sks = _strides3(ks, bsz, heads, nk)
-        sbeta = _strides3(beta, bsz, heads, nq)
+        sqs = bcast_strides(qs, (bsz, heads, nq))
+        sks = bcast_strides(ks, (bsz, heads, nk))
+        sbeta = bcast_strides(beta, (bsz, heads, nq))
     else:
         sqs = sks = sbeta = (0, 0, 0)
     tensors = (

@@ -164,10 +164,10 @@ def _check(t, am, dtype, **flags):
 
 
 MASKS = {
-    "causal": dict(causal=True, window=None, prefix=0),
-    "causal-window-prefix": dict(causal=True, window=5, prefix=2),
-    "full-window": dict(causal=False, window=4, prefix=0),
-    "full-prefix": dict(causal=False, window=None, prefix=3),
+    "causal": {"causal": True, "window": None, "prefix": 0},
+    "causal-window-prefix": {"causal": True, "window": 5, "prefix": 2},
+    "full-window": {"causal": False, "window": 4, "prefix": 0},
+    "full-prefix": {"causal": False, "window": None, "prefix": 3},
 }
 
 
@@ -230,21 +230,32 @@ def test_scalar_term_with_norms():
     )
 
 
-def _launches(t, am, **flags):
+def _host_work(t, am, **flags):
+    """(triton launches, aten ops) by name of one forward+backward of the op, after a warm-up call (autotuning)."""
     count_host_ops._patch_triton_run()
-    _run(t, am, fn=distance_attention, **flags)  # warm-up (autotune)
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in t.items()}
+    mask = MaskArgs(flags.pop("causal"), flags.pop("window"), flags.pop("prefix"), leaves.get("klw"), am, 8, 8)
+    args = [leaves[n] for n in ("q", "k", "v")] + [None, None, None, leaves["a"], leaves["b"], mask]
+    out = distance_attention(*args, **flags)
+    dout = torch.ones_like(out)
+    out.backward(dout)
+    for x in leaves.values():
+        x.grad = None
     with count_host_ops.counting() as c:
-        _run(t, am, fn=distance_attention, **flags)
-    return dict(c.launches)
+        distance_attention(*args, **flags).backward(dout)
+    return dict(c.launches), dict(c.ops)
 
 
-def test_launches_per_forward_backward():
-    """knorm alone: forward, dQ and dK/dV only (no key-bias pass, no delta pre-pass); the key-bias pass comes back
-    only for key weights or padding."""
-    flags = dict(**MASKS["causal"], normalize=True, qnorm=False, knorm=True, kv_same=False, eps=0.0)
+def test_host_work_per_forward_backward():
+    """knorm alone: three launches (forward, dQ with delta inside, dK/dV), no zero fills, and buffers only for the
+    outputs (out, lse; dq, dk, dv and one fp32 work buffer, reduced by one sum); the key-bias pass comes back only
+    for key weights or padding."""
+    flags = {**MASKS["causal"], "normalize": True, "qnorm": False, "knorm": True, "kv_same": False, "eps": 0.0}
     t, am = _make(dtype=torch.float32, b=1, h=2, nq=8, nk=8, d=16, dv=16)
-    launches = _launches(t, am, **flags)
-    assert "_key_bias_kernel" not in launches, launches
+    launches, ops = _host_work(t, am, **flags)
+    assert launches == {"_distance_fwd_kernel": 1, "_distance_bwd_dq_kernel": 1, "_distance_bwd_dkdv_kernel": 1}
+    assert not {"zeros", "zeros_like", "fill_", "zero_", "expand", "contiguous", "clone"} & set(ops), ops
+    assert ops.get("empty", 0) == 3 and ops.get("empty_like", 0) == 3 and ops.get("sum", 0) == 1, ops
     t, am = _make(dtype=torch.float32, b=1, h=2, nq=8, nk=8, d=16, dv=16, klw=True)
-    launches = _launches(t, am, **flags)
-    assert launches.get("_key_bias_kernel") == 1, launches
+    launches, _ = _host_work(t, am, **flags)
+    assert launches.get("_key_bias_kernel") == 1 and sum(launches.values()) == 4, launches
