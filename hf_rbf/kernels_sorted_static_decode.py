@@ -191,8 +191,8 @@ if HAS_TRITON:
             g = h // (H // G)
             oh = tl.load(ohead_ptr + o)
             bo = b * O + o
-            main_k = sk_ptr + bo * NB * T
-            main_s = ss_ptr + bo * NB * T
+            main_k = sk_ptr + bo.to(tl.int64) * NB * T  # int64 offsets: B * O * C may pass 2^31
+            main_s = ss_ptr + bo.to(tl.int64) * NB * T
             fill_k = fk_ptr + (bo * 2 + par) * T
             fill_s = fs_ptr + (bo * 2 + par) * T
 
@@ -312,8 +312,8 @@ if HAS_TRITON:
             acc = tl.sum(e_pre[:, None] * v_pre, axis=0) + e_tok * v_tok
 
             lane = tl.arange(0, KC)
-            key_row = (b * H + h) * C
-            val_row = (b * G + g) * C
+            key_row = (b * H + h).to(tl.int64) * C
+            val_row = (b * G + g).to(tl.int64) * C
             for k0 in range(0, n_tile, KC):
                 lanes = k0 + lane
                 l_ok = lanes < n_tile
@@ -362,8 +362,9 @@ if HAS_TRITON:
             here = (j == 0) | (prev <= new_key)
             run_k = tl.where(keep, old, tl.where(here, new_key, prev)).to(sk_ptr.dtype.element_ty)
             run_s = tl.where(keep, old_s, tl.where(here, pos, prev_s))
-            tl.store(sk_ptr + (bo * NB + fb) * T + j, run_k, mask=j_ok)
-            tl.store(ss_ptr + (bo * NB + fb) * T + j, run_s, mask=j_ok)
+            block_at = (bo.to(tl.int64) * NB + fb) * T
+            tl.store(sk_ptr + block_at + j, run_k, mask=j_ok)
+            tl.store(ss_ptr + block_at + j, run_s, mask=j_ok)
             tl.store(fk_ptr + (bo * 2 + 1 - par) * T + j, run_k, mask=j_ok)
             tl.store(fs_ptr + (bo * 2 + 1 - par) * T + j, run_s, mask=j_ok)
             if chunk == 0:
@@ -373,24 +374,29 @@ if HAS_TRITON:
                 hh = o * hpo + hl
                 h_ok = _and(hl < hpo, in_cap)
                 ks_new = tl.load(nks_ptr + b * s_nks_b + hh * s_nks_h, mask=h_ok, other=0.0)
-                tl.store(keys_ptr + (b * H + hh) * C + pos, ks_new, mask=h_ok)
+                tl.store(keys_ptr + (b * H + hh).to(tl.int64) * C + pos, ks_new, mask=h_ok)
                 if HAS_VK_BUF:
                     dl_w = tl.arange(0, BLOCK_D)
                     m_vk = h_ok[:, None] & (dl_w[None, :] < D)
                     vk_in = tl.load(nvk_ptr + b * s_nvk_b + hh[:, None] * s_nvk_h + dl_w[None, :], mask=m_vk, other=0.0)
-                    tl.store(vk_ptr + ((b * H + hh) * C + pos)[:, None] * D + dl_w[None, :], vk_in, mask=m_vk)
+                    tl.store(
+                        vk_ptr + ((b * H + hh).to(tl.int64) * C + pos)[:, None] * D + dl_w[None, :], vk_in, mask=m_vk
+                    )
                 opg = O // G
                 gw = o // opg
                 dvl_w = tl.arange(0, BLOCK_DV)
                 m_v = _and(_and(dvl_w < DV, in_cap), o % opg == 0)
                 v_in = tl.load(nval_ptr + b * s_nval_b + gw * s_nval_g + dvl_w, mask=m_v, other=0.0)
-                tl.store(val_ptr + ((b * G + gw) * C + pos) * DV + dvl_w, v_in, mask=m_v)
+                tl.store(val_ptr + ((b * G + gw).to(tl.int64) * C + pos) * DV + dvl_w, v_in, mask=m_v)
                 if (o == 0) & in_cap:
-                    tl.store(valid_ptr + b * C + pos, tok_ok.to(tl.uint8))
+                    tl.store(valid_ptr + b.to(tl.int64) * C + pos, tok_ok.to(tl.uint8))
                     if b == 0:
                         tl.store(tok_ptr + pos, pos)
 
-        # the last program to finish advances the length (every program read it before its atomic, acq_rel)
+        # The last program to finish advances the length.  The barrier makes every warp of this program pass its read
+        # of the length before the program counts itself done (the writer has no cross-warp reduction that would
+        # order them otherwise); the atomic (acq_rel) then orders those reads before the last program's store.
+        tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr, 1)
         if done == B * H + B * O * W_SPLIT - 1:
             tl.store(len_ptr, pos + 1)

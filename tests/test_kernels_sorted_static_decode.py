@@ -310,6 +310,22 @@ def test_model_decode_with_the_fused_step_equals_the_torch_path():
     assert (logits["torch"] - logits["triton"]).abs().max().item() < 3e-5
 
 
+def test_benchmark_smoke_run(tmp_path):
+    """The GPU benchmark's CPU check (``--smoke``): tiny shapes, both backends, JSON and markdown written."""
+    import json
+
+    from benchmarks.bench_sorted_static_decode import main  # the repository root is on the path (conftest)
+
+    assert main(["--smoke", "--kinds", "scalar", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "sorted_static_decode.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [60, 250]
+    for r in rows:
+        assert r["torch_us"] > 0 and r["dense_sdpa_us"] > 0
+        if DEVICE.type == "cpu":  # the interpreter serves "triton" on the CPU in this process
+            assert r["triton_us"] > 0, r
+    assert "| scalar | 2 | 4 | 250 |" in (tmp_path / "sorted_static_decode.md").read_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
