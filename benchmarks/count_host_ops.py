@@ -122,6 +122,7 @@ def make_calls(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: str) 
         return x.to(device).requires_grad_(True)
 
     q, k, v = rnd(b, h, n, d), rnd(b, h, n, d), rnd(b, h, n, d)
+    kr, vr = rnd(1, h, 1, d), rnd(1, h, 1, d)
     qs, ks = rnd(b, h, n), rnd(b, h, n)
     klw = par(0.1 * torch.randn(b, n, generator=g))
     tau = par(torch.full((h,), 0.3))
@@ -138,6 +139,23 @@ def make_calls(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: str) 
         "rbf_attention + 1 prefix key": (
             lambda: hf_rbf.rbf_attention(q, k, v, gamma=gamma, num_prefix_keys=1, **tri),
             [q, k, v, gamma],
+        ),
+        # a register shared by the batch, as the model's layer passes it: concatenated in front of k / v (what
+        # modeling_rbf does today) or through the kernels' prefix pointers
+        "rbf_attention + 1 register (torch.cat)": (
+            lambda: hf_rbf.rbf_attention(
+                q,
+                torch.cat([kr.expand(b, -1, -1, -1), k], dim=2),
+                torch.cat([vr.expand(b, -1, -1, -1), v], dim=2),
+                gamma=gamma,
+                num_prefix_keys=1,
+                **tri,
+            ),
+            [q, k, v, kr, vr, gamma],
+        ),
+        "rbf_attention + 1 register (prefix_keys)": (
+            lambda: hf_rbf.rbf_attention(q, k, v, gamma=gamma, prefix_keys=kr, prefix_values=vr, **tri),
+            [q, k, v, kr, vr, gamma],
         ),
         "rbf_attention + key_log_weights": (
             lambda: hf_rbf.rbf_attention(q, k, v, gamma=gamma, key_log_weights=klw, **tri),

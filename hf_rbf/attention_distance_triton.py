@@ -46,6 +46,12 @@ _NS = (
 DECODE_MAX_QUERIES = 16
 
 
+def _knorm_inline(knorm: bool, key_log_weights, attention_mask, prefix_k) -> bool:
+    """Whether the kernels add the key norms themselves: always when the prefix keys are separate tensors (the
+    key-bias pass reads one key tensor), else when the norms are the only key-bias term."""
+    return knorm and (prefix_k is not None or not _has_kb(key_log_weights, attention_mask))
+
+
 def _has_kb(key_log_weights, attention_mask) -> bool:
     """Whether the key-bias pass runs: only for key log-weights or padding.  The key norms alone are computed
     inside the forward, dQ and dK/dV kernels from the key tiles they load anyway (one launch and two ``[B, H, Nk]``
@@ -68,6 +74,8 @@ def _forward_impl(
     b,
     key_log_weights,
     attention_mask,
+    prefix_k,
+    prefix_v,
     causal,
     window,
     num_prefix_keys,
@@ -79,9 +87,13 @@ def _forward_impl(
 ):
     """Launch the key-bias pass (only for key weights or padding) and the flash forward: ``(out, lse, kb | None)``."""
     kb = None
+    inline = _knorm_inline(knorm, key_log_weights, attention_mask, prefix_k)
     if _has_kb(key_log_weights, attention_mask):
         bsz, heads, _, _ = q.shape
-        kb, _ = key_bias(k, b.float().contiguous(), key_log_weights, attention_mask, heads, k.shape[2], bsz, knorm)
+        nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
+        kb, _ = key_bias(
+            k, b.float().contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm and not inline
+        )
     out, lse = distance_forward(
         q,
         k,
@@ -99,7 +111,8 @@ def _forward_impl(
         qnorm=qnorm,
         kv_same=kv_same,
         eps=eps,
-        knorm_inline=knorm and kb is None,
+        knorm_inline=inline,
+        prefix=None if prefix_k is None else (prefix_k, prefix_v),
     )
     return out, lse, kb
 
@@ -116,6 +129,8 @@ def distance_fwd(
     b: Tensor,
     key_log_weights: Optional[Tensor],
     attention_mask: Optional[Tensor],
+    prefix_k: Optional[Tensor],
+    prefix_v: Optional[Tensor],
     causal: bool,
     window: Optional[int],
     num_prefix_keys: int,
@@ -136,6 +151,8 @@ def distance_fwd(
         b,
         key_log_weights,
         attention_mask,
+        prefix_k,
+        prefix_v,
         causal,
         window,
         num_prefix_keys,
@@ -162,6 +179,8 @@ def _(
     b,
     key_log_weights,
     attention_mask,
+    prefix_k,
+    prefix_v,
     causal,
     window,
     num_prefix_keys,
@@ -172,7 +191,7 @@ def _(
     eps,
 ):
     bsz, heads, nq, _ = q.shape
-    nk = k.shape[2]
+    nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
     out = q.new_empty(bsz, heads, nq, v.shape[3])
     lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
     kb_shape = (bsz, heads, nk) if _has_kb(key_log_weights, attention_mask) else (0,)
@@ -191,6 +210,8 @@ def _backward_impl(
     a,
     b,
     kb,
+    prefix_k,
+    prefix_v,
     out,
     lse,
     causal,
@@ -205,7 +226,7 @@ def _backward_impl(
     need_ab,
     need_dkb,
 ):
-    """The backward kernels: ``(dq, dk, dv, dkb, dab, dqs, dks, dbeta)`` (see ``distance_backward``)."""
+    """The backward kernels: ``(dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv)`` (see ``distance_backward``)."""
     return distance_backward(
         dout,
         q,
@@ -230,6 +251,8 @@ def _backward_impl(
         need_dbeta=need_dbeta,
         need_ab=need_ab,
         need_dkb=need_dkb,
+        prefix=None if prefix_k is None else (prefix_k, prefix_v),
+        knorm_inline=_knorm_inline(knorm, kb, None, prefix_k),
     )
 
 
@@ -245,6 +268,8 @@ def distance_bwd(
     a: Tensor,
     b: Tensor,
     kb: Tensor,
+    prefix_k: Optional[Tensor],
+    prefix_v: Optional[Tensor],
     out: Tensor,
     lse: Tensor,
     causal: bool,
@@ -258,7 +283,7 @@ def distance_bwd(
     need_dbeta: bool,
     need_ab: bool,
     need_dkb: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = _backward_impl(
         dout,
         q,
@@ -270,6 +295,8 @@ def distance_bwd(
         a,
         b,
         kb if kb.dim() == 3 else None,
+        prefix_k,
+        prefix_v,
         out,
         lse,
         causal,
@@ -303,6 +330,8 @@ def _(
     a,
     b,
     kb,
+    prefix_k,
+    prefix_v,
     out,
     lse,
     causal,
@@ -318,8 +347,8 @@ def _(
     need_dkb,
 ):
     bsz, heads, nq, _ = q.shape
-    nk = k.shape[2]
-    f32 = dict(dtype=torch.float32)
+    nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
+    f32 = {"dtype": torch.float32}
     scalar = qs is not None
     return (
         torch.empty_like(q),
@@ -330,19 +359,19 @@ def _(
         q.new_empty((bsz, heads, nq) if scalar else (0,), **f32),
         q.new_empty((bsz, heads, nk) if scalar else (0,), **f32),
         q.new_empty((bsz, heads, nq) if scalar and need_dbeta else (0,), **f32),
+        q.new_empty((0,), **f32) if prefix_k is None else torch.empty_like(prefix_k),
+        q.new_empty((0,), **f32) if prefix_k is None or kv_same else torch.empty_like(prefix_v),
     )
 
 
-_FWD_ARGS = ("q", "k", "v", "qs", "ks", "beta", "a", "b", "key_log_weights", "attention_mask")
+_FWD_ARGS = ("q", "k", "v", "qs", "ks", "beta", "a", "b", "key_log_weights", "attention_mask", "prefix_k", "prefix_v")
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, qs, ks, beta, a, b, klw, am, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps) = (
-        inputs
-    )
+    q, k, v, qs, ks, beta, a, b, klw, _am, pk, pv = inputs[:12]
     out, lse, kb = output
-    ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb)
-    ctx.flags = (causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps)
+    ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, pk, pv)
+    ctx.flags = tuple(inputs[12:])  # causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
     ctx.klw_shape = None if klw is None else tuple(klw.shape)
     ctx.klw_dtype = None if klw is None else klw.dtype
     ctx.mark_non_differentiable(lse, kb)
@@ -358,11 +387,11 @@ def _gradients(ctx, dout, run_backward):
     """The input gradients from the backward kernels' outputs; shared by the custom op's autograd (traced under
     ``torch.compile``) and :class:`_DistanceFunction` (eager).  ``run_backward`` is ``distance_bwd`` (the op) or
     ``_backward_impl`` (the same kernels without the op's dispatch)."""
-    q, k, v, qs, ks, beta, a, b, out, lse, kb = ctx.saved_tensors
+    q, k, v, qs, ks, beta, a, b, out, lse, kb, pk, pv = ctx.saved_tensors
     causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps = ctx.flags
     need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
     need_ab = bool(need["a"] or need["b"])
-    dq, dk, dv, dkb, dab, dqs, dks, dbeta = run_backward(
+    dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv = run_backward(
         dout,
         q,
         k,
@@ -373,6 +402,8 @@ def _gradients(ctx, dout, run_backward):
         a,
         b,
         kb,
+        pk,
+        pv,
         out,
         lse,
         causal,
@@ -388,6 +419,9 @@ def _gradients(ctx, dout, run_backward):
         bool(need["key_log_weights"]),
     )
     grads = {"q": dq, "k": dk, "v": None if kv_same else dv}
+    if pk is not None:
+        grads["prefix_k"] = dpk
+        grads["prefix_v"] = None if kv_same else dpv
     if need_ab:
         # dab [2, H]: the per-head sums of the dot and norm terms, reduced by distance_backward
         da, db = dab.unbind(0)
@@ -424,11 +458,11 @@ class _DistanceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        """``args``: those of ``distance_fwd`` (tensors ``q .. attention_mask``, then the flags)."""
+        """``args``: those of ``distance_fwd`` (tensors ``q .. prefix_v``, then the flags)."""
         out, lse, kb = _forward_impl(*args)
-        q, k, v, qs, ks, beta, a, b, klw = args[:9]
-        ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb)
-        ctx.flags = tuple(args[10:])  # causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
+        q, k, v, qs, ks, beta, a, b, klw, _am, pk, pv = args[:12]
+        ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, pk, pv)
+        ctx.flags = tuple(args[12:])  # causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
         ctx.klw_shape = None if klw is None else tuple(klw.shape)
         ctx.klw_dtype = None if klw is None else klw.dtype
         return out
@@ -449,6 +483,8 @@ def _decode_impl(
     b,
     key_log_weights,
     attention_mask,
+    prefix_k,
+    prefix_v,
     causal,
     window,
     num_prefix_keys,
@@ -458,8 +494,8 @@ def _decode_impl(
     kv_same,
     eps,
 ):
-    bsz, heads, nq, _ = q.shape
-    nk = k.shape[2]
+    bsz, heads, _, _ = q.shape
+    nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
     # key norms inside the decode kernel (knorm): only the weights / padding go through the key-bias pass
     kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
     return distance_decode(
@@ -480,6 +516,7 @@ def _decode_impl(
         knorm=knorm,
         kv_same=kv_same,
         eps=eps,
+        prefix=None if prefix_k is None else (prefix_k, prefix_v),
     )
 
 
@@ -495,6 +532,8 @@ def distance_decode_op(
     b: Tensor,
     key_log_weights: Optional[Tensor],
     attention_mask: Optional[Tensor],
+    prefix_k: Optional[Tensor],
+    prefix_v: Optional[Tensor],
     causal: bool,
     window: Optional[int],
     num_prefix_keys: int,
@@ -515,6 +554,8 @@ def distance_decode_op(
         b,
         key_log_weights,
         attention_mask,
+        prefix_k,
+        prefix_v,
         causal,
         window,
         num_prefix_keys,
@@ -538,6 +579,8 @@ def _(
     b,
     key_log_weights,
     attention_mask,
+    prefix_k,
+    prefix_v,
     causal,
     window,
     num_prefix_keys,
@@ -556,6 +599,29 @@ def distance_reason(tensors, head_dims) -> str | None:
     return triton_unavailable_reason(first.device, first.dtype, head_dims)
 
 
+def _check_prefix(prefix, q, k, v, mask: MaskArgs, kv_same: bool):
+    """Validate separate prefix keys / values (see :func:`distance_attention`); returns them last-dim contiguous."""
+    pk, pv = prefix
+    pv = pk if kv_same else pv
+    bsz, heads = q.shape[:2]
+    n_prefix = mask.num_prefix_keys
+    for name, t, ref in (("prefix keys", pk, k), ("prefix values", pv, v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"distance attention: the {name} must be a 4-d tensor [B or 1, heads, P, dim]")
+        if t.dtype != ref.dtype or t.device != ref.device:
+            raise ValueError(
+                f"distance attention: the {name} are {t.dtype} on {t.device}; the sequence ones {ref.dtype} on "
+                f"{ref.device}"
+            )
+        expected = (ref.shape[1], n_prefix, ref.shape[3])
+        if t.shape[0] not in (1, bsz) or tuple(t.shape[1:]) != expected:
+            raise ValueError(
+                f"distance attention: the {name} must have shape [{bsz} or 1, {expected[0]}, {expected[1]} "
+                f"(num_prefix_keys), {expected[2]}]; got {tuple(t.shape)}"
+            )
+    return _contig(pk), _contig(pv)
+
+
 def distance_attention(
     q: Tensor,
     k: Tensor,
@@ -572,10 +638,21 @@ def distance_attention(
     knorm: bool,
     kv_same: bool,
     eps: float,
+    prefix: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """Run the fused op: the split-K decode kernel for a few query rows without gradients, else the flash op."""
+    """Run the fused op: the split-K decode kernel for a few query rows without gradients, else the flash op.
+
+    ``prefix``: None, or the ``mask.num_prefix_keys`` prefix keys and values as separate tensors ``(pk [B|1, H, P,
+    D], pv [B|1, G, P, Dv])`` (a batch of 1 is shared by every batch element; with ``kv_same`` ``pv`` is ignored):
+    the result is that of ``k = cat([pk.expand(B, ...), k], 2)`` (and ``v`` alike), without the copies.  ``k`` and
+    ``v`` then hold only the sequence keys, while ``mask`` (key log-weights, padding) and the scalar keys ``ks``
+    cover all ``P + N`` keys.
+    """
     q, k, a, b = _contig(q), _contig(k), _contig(a), _contig(b)
     v = k if kv_same else _contig(v)
+    pk = pv = None
+    if prefix is not None:
+        pk, pv = _check_prefix(prefix, q, k, v, mask, kv_same)
     args = (
         q,
         k,
@@ -587,6 +664,8 @@ def distance_attention(
         b,
         mask.key_log_weights,
         mask.attention_mask,
+        pk,
+        pv,
         mask.causal,
         mask.window,
         mask.num_prefix_keys,
@@ -596,7 +675,7 @@ def distance_attention(
         kv_same,
         float(eps),
     )
-    differentiable = (q, k, v, qs, ks, beta, a, b, mask.key_log_weights)
+    differentiable = (q, k, v, qs, ks, beta, a, b, mask.key_log_weights, pk, pv)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
     compiling = torch.compiler.is_compiling()
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:

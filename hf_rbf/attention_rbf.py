@@ -95,6 +95,8 @@ def rbf_attention(
     num_prefix_keys: int = 0,
     backend: str = "auto",
     return_weights: bool = False,
+    prefix_keys: torch.Tensor | None = None,
+    prefix_values: torch.Tensor | None = None,
 ):
     """Scaled RBF attention.
 
@@ -110,6 +112,12 @@ def rbf_attention(
         backend: "auto", "naive", "sdpa", "flex" or "triton".
         return_weights: also return the attention weights, computed by the materialised reference: ``backend`` must
             be "auto" (which then serves with "naive") or "naive".
+        prefix_keys, prefix_values: ``R`` keys ``[B or 1, H, R, D]`` and values ``[B or 1, H, R, Dv]`` in front of
+            ``k`` / ``v`` and visible to every query (register tokens; a batch of 1 is shared by the whole batch):
+            the result is that of ``k = torch.cat([prefix_keys.expand(B, -1, -1, -1), k], 2)`` (``v`` alike) with
+            ``num_prefix_keys=R``, which must then be 0 or R.  The mask arguments cover all ``R + Nk`` keys.  The
+            "triton" backend reads them through their own pointers (no copy of ``k`` / ``v`` per call, and their
+            gradients come summed over the batch); the other backends concatenate.
 
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; with ``return_weights`` ``(out, weights)``, ``weights``
@@ -120,7 +128,7 @@ def rbf_attention(
     check_tensor(OP, "q", q, 4, "[B, H, Nq, D]")
     check_tensor(OP, "k", k, 4, "[B, H, Nk, D]")
     check_tensor(OP, "v", v, 4, "[B, H, Nk, Dv]")
-    q, k, v = autocast_inputs(q, k, v)
+    q, k, v, prefix_keys, prefix_values = autocast_inputs(q, k, v, prefix_keys, prefix_values)
     check_same(OP, {"q": q, "k": k, "v": v})
     b, h, nq, d = q.shape
     nk = k.shape[2]
@@ -130,6 +138,9 @@ def rbf_attention(
     check_dim(OP, "v", v, 1, h, "head count")
     check_dim(OP, "k", k, 3, d, "head dim")
     check_dim(OP, "v", v, 2, nk, "key length")
+    if prefix_keys is not None or prefix_values is not None:
+        num_prefix_keys = _check_prefix(q, k, v, prefix_keys, prefix_values, num_prefix_keys)
+        nk += num_prefix_keys
     if not isinstance(normalize, bool):
         raise TypeError(f"{OP}: `normalize` must be True or False; got {normalize!r}")
     gamma = per_head_param(OP, "gamma", 1.0 / math.sqrt(d) if gamma is None else gamma, h, q.device)
@@ -148,9 +159,46 @@ def rbf_attention(
     )
     if return_weights:
         choose_weights_backend(OP, backend, q.device)
+        if prefix_keys is not None:
+            k, v = _with_prefix(k, v, prefix_keys, prefix_values)
         return rbf_attention_naive(q, k, v, gamma, normalize, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, gamma, normalize, mask, backend))
+    if prefix_keys is not None:
+        if fn is rbf_attention_triton:
+            return rbf_attention_triton(q, k, v, gamma, normalize, mask, prefix=(prefix_keys, prefix_values))
+        k, v = _with_prefix(k, v, prefix_keys, prefix_values)
     return fn(q, k, v, gamma, normalize, mask)
+
+
+def _check_prefix(q, k, v, prefix_keys, prefix_values, num_prefix_keys) -> int:
+    """Validate ``prefix_keys`` / ``prefix_values`` against ``q``/``k``/``v``; returns their count ``R``."""
+    if prefix_keys is None or prefix_values is None:
+        raise ValueError(f"{OP}: `prefix_keys` and `prefix_values` go together; got only one of them")
+    check_tensor(OP, "prefix_keys", prefix_keys, 4, "[B or 1, H, R, D]")
+    check_tensor(OP, "prefix_values", prefix_values, 4, "[B or 1, H, R, Dv]")
+    check_same(OP, {"q": q, "prefix_keys": prefix_keys, "prefix_values": prefix_values})
+    b, h, _, d = q.shape
+    r = prefix_keys.shape[2]
+    for name, t, last in (("prefix_keys", prefix_keys, d), ("prefix_values", prefix_values, v.shape[3])):
+        if t.shape[0] not in (1, b) or t.shape[1] != h or t.shape[2] != r or t.shape[3] != last:
+            raise ValueError(
+                f"{OP}: `{name}` must have shape [{b} or 1, {h}, R, {last}] with the same R as `prefix_keys`; "
+                f"got {tuple(t.shape)}"
+            )
+    if num_prefix_keys not in (0, r):
+        raise ValueError(
+            f"{OP}: with `prefix_keys` the prefix is its R = {r} keys; `num_prefix_keys` must be 0 or {r}, got "
+            f"{num_prefix_keys!r}"
+        )
+    return r
+
+
+def _with_prefix(k, v, prefix_keys, prefix_values):
+    """The prefix concatenated in front of the keys / values (every backend but "triton")."""
+    b = k.shape[0]
+    k = torch.cat([prefix_keys.expand(b, -1, -1, -1), k], dim=2)
+    v = torch.cat([prefix_values.expand(b, -1, -1, -1), v], dim=2)
+    return k, v
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -256,8 +304,9 @@ def _per_head(value, heads: int, device) -> torch.Tensor:
     return torch.full((heads,), float(value), device=device, dtype=torch.float32)
 
 
-def rbf_attention_triton(q, k, v, gamma, normalize: bool, mask: MaskArgs) -> torch.Tensor:
-    """Fused RBF attention; same arguments and result as ``rbf_attention_naive``."""
+def rbf_attention_triton(q, k, v, gamma, normalize: bool, mask: MaskArgs, prefix=None) -> torch.Tensor:
+    """Fused RBF attention; same arguments and result as ``rbf_attention_naive``; ``prefix``: None or the prefix
+    keys and values as separate tensors (see :func:`rbf_attention`)."""
     g = _per_head(gamma, q.shape[1], q.device)
     return distance_attention(
         q,
@@ -274,6 +323,7 @@ def rbf_attention_triton(q, k, v, gamma, normalize: bool, mask: MaskArgs) -> tor
         knorm=True,
         kv_same=False,
         eps=0.0,
+        prefix=prefix,
     )
 
 

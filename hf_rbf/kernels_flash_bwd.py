@@ -42,6 +42,7 @@ from .kernels_common import (
     padded_dim,
     shared_memory_fits,
 )
+from .kernels_flash_fwd import prefix_args
 
 if HAS_TRITON:
     import triton
@@ -189,6 +190,8 @@ if HAS_TRITON:
         BETA,
         A,
         BC,
+        PK,
+        PV,
         DO,
         LSE,
         WORK,
@@ -196,6 +199,8 @@ if HAS_TRITON:
         DV,
         DKB,
         DKS,
+        DPK,
+        DPV,
         sqb,
         sqh,
         sqn,
@@ -217,6 +222,12 @@ if HAS_TRITON:
         sbb,
         sbh,
         sbn,
+        spkb,
+        spkh,
+        spkn,
+        spvb,
+        spvh,
+        spvn,
         sdkb,
         sdkh,
         sdkn,
@@ -244,6 +255,7 @@ if HAS_TRITON:
         SCALAR: tl.constexpr,
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
+        SEP_PREFIX: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -282,15 +294,42 @@ if HAS_TRITON:
         q_full_hi = ip * p_full_hi + (1 - ip) * q_full_hi
         q_end = ip * p_end + (1 - ip) * q_end
 
+        if SEP_PREFIX:
+            # Separate prefix tensors (see the forward kernel): a block is all prefix or all sequence keys, so one
+            # of each pair of masked loads / stores below touches nothing.  (Two masked accesses rather than a select
+            # between two pointers: the same code for every block, no branch on the block kind.)
+            pre_ok = key_ok & (j < P)
+            seq_ok = key_ok & (j >= P)
         if not KV_SAME:
-            v = _load_tile(
-                V + b * svb + g * svh + j[:, None] * svn + offs_dv[None, :], key_ok, offs_dv, DV_, DV_PAD, True
-            )
+            if SEP_PREFIX:
+                v = _load_tile(
+                    PV + b * spvb + g * spvh + j[:, None] * spvn + offs_dv[None, :], pre_ok, offs_dv, DV_, DV_PAD, True
+                ) + _load_tile(
+                    V + b * svb + g * svh + (j - P)[:, None] * svn + offs_dv[None, :],
+                    seq_ok,
+                    offs_dv,
+                    DV_,
+                    DV_PAD,
+                    True,
+                )
+            else:
+                v = _load_tile(
+                    V + b * svb + g * svh + j[:, None] * svn + offs_dv[None, :], key_ok, offs_dv, DV_, DV_PAD, True
+                )
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
         for hh in range(0, HPG):
             h = g * HPG + hh
             bh = b * H + h
-            k = _load_tile(K + b * skb + h * skh + j[:, None] * skn + offs_d[None, :], key_ok, offs_d, D, D_PAD, True)
+            if SEP_PREFIX:
+                k = _load_tile(
+                    PK + b * spkb + h * spkh + j[:, None] * spkn + offs_d[None, :], pre_ok, offs_d, D, D_PAD, True
+                ) + _load_tile(
+                    K + b * skb + h * skh + (j - P)[:, None] * skn + offs_d[None, :], seq_ok, offs_d, D, D_PAD, True
+                )
+            else:
+                k = _load_tile(
+                    K + b * skb + h * skh + j[:, None] * skn + offs_d[None, :], key_ok, offs_d, D, D_PAD, True
+                )
             if KV_SAME:
                 vt = k  # x is key and value: the tile is read once
             else:
@@ -303,10 +342,10 @@ if HAS_TRITON:
                 kn = tl.sum(kf * kf, 1)  # ||k_j||^2 from the stationary tile: free here
             if HAS_KB:
                 kb = tl.load(KB + bh * NK + j, mask=key_ok, other=float("-inf"))
-            elif KNORM_INLINE:
-                kb = kn * (b_nat * 1.4426950408889634)
             else:
                 kb = tl.zeros([BLOCK_N], dtype=tl.float32)
+            if KNORM_INLINE:
+                kb += kn * (b_nat * 1.4426950408889634)
             if SCALAR:
                 ks = tl.load(KS + b * sksb + h * sksh + j * sksn, mask=key_ok, other=0.0).to(tl.float32)
             else:
@@ -445,27 +484,56 @@ if HAS_TRITON:
             W_keys = WORK + bh * (NQ + NK) + NQ + j
             tl.store(W_keys, tl.zeros([BLOCK_N], dtype=tl.float32), mask=key_ok)
             if KNORM:
-                dk += (2.0 * b_nat) * c_acc[:, None] * kf
+                # k converted again rather than an fp32 copy kept live (registers) through the query loop
+                dk += (2.0 * b_nat) * c_acc[:, None] * k.to(tl.float32)
                 tl.store(W_keys + plane, c_acc * kn, mask=key_ok)
             else:
                 tl.store(W_keys + plane, tl.zeros([BLOCK_N], dtype=tl.float32), mask=key_ok)
             if KV_SAME:
                 dk += dv  # x is key and value: one gradient
                 dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
-            dk_mask = key_ok[:, None] & (offs_d[None, :] < D)
-            tl.store(
-                DK + b * sdkb + h * sdkh + j[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=dk_mask
-            )
+            d_ok = offs_d[None, :] < D
+            if SEP_PREFIX:
+                # the prefix gradient per batch element into DPK [B, H, P, D] (contiguous), summed by the caller
+                tl.store(
+                    DPK + ((b * H + h) * P + j[:, None]) * D + offs_d[None, :],
+                    dk.to(DPK.dtype.element_ty),
+                    mask=pre_ok[:, None] & d_ok,
+                )
+                tl.store(
+                    DK + b * sdkb + h * sdkh + (j - P)[:, None] * sdkn + offs_d[None, :],
+                    dk.to(DK.dtype.element_ty),
+                    mask=seq_ok[:, None] & d_ok,
+                )
+            else:
+                tl.store(
+                    DK + b * sdkb + h * sdkh + j[:, None] * sdkn + offs_d[None, :],
+                    dk.to(DK.dtype.element_ty),
+                    mask=key_ok[:, None] & d_ok,
+                )
             if STORE_DKB:
                 tl.store(DKB + bh * NK + j, c_acc, mask=key_ok)
             if SCALAR:
                 tl.store(DKS + bh * NK + j, 2.0 * dks_acc, mask=key_ok)
         if not KV_SAME:
-            tl.store(
-                DV + b * sdvb + g * sdvh + j[:, None] * sdvn + offs_dv[None, :],
-                dv.to(DV.dtype.element_ty),
-                mask=key_ok[:, None] & (offs_dv[None, :] < DV_),
-            )
+            dv_ok = offs_dv[None, :] < DV_
+            if SEP_PREFIX:
+                tl.store(
+                    DPV + ((b * G + g) * P + j[:, None]) * DV_ + offs_dv[None, :],
+                    dv.to(DPV.dtype.element_ty),
+                    mask=pre_ok[:, None] & dv_ok,
+                )
+                tl.store(
+                    DV + b * sdvb + g * sdvh + (j - P)[:, None] * sdvn + offs_dv[None, :],
+                    dv.to(DV.dtype.element_ty),
+                    mask=seq_ok[:, None] & dv_ok,
+                )
+            else:
+                tl.store(
+                    DV + b * sdvb + g * sdvh + j[:, None] * sdvn + offs_dv[None, :],
+                    dv.to(DV.dtype.element_ty),
+                    mask=key_ok[:, None] & dv_ok,
+                )
 
     @triton.jit
     def _dq_tiles(
@@ -571,6 +639,8 @@ if HAS_TRITON:
         BETA,
         A,
         BC,
+        PK,
+        PV,
         DO,
         LSE,
         WORK,
@@ -599,6 +669,12 @@ if HAS_TRITON:
         sbb,
         sbh,
         sbn,
+        spkb,
+        spkh,
+        spkn,
+        spvb,
+        spvh,
+        spvn,
         sdqb,
         sdqh,
         sdqn,
@@ -627,6 +703,7 @@ if HAS_TRITON:
         HAS_EPS: tl.constexpr,
         KV_SAME: tl.constexpr,
         NEED_DBETA: tl.constexpr,
+        SEP_PREFIX: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -676,6 +753,20 @@ if HAS_TRITON:
         t_r = t0 + offs_m
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + g * svh
+        if SEP_PREFIX:  # separate prefix tensors: see the forward kernel
+            PK_ptr = PK + b * spkb + h * spkh
+            PV_ptr = PV + b * spvb + g * spvh
+            pkn = spkn
+            pvn = spvn
+            K_seq = K_ptr - P * skn
+            V_seq = V_ptr - P * svn
+        else:
+            PK_ptr = K_ptr
+            PV_ptr = V_ptr
+            pkn = skn
+            pvn = svn
+            K_seq = K_ptr
+            V_seq = V_ptr
         KB_ptr = KB + bh * NK
         KS_ptr = KS + b * sksb + h * sksh
 
@@ -693,12 +784,12 @@ if HAS_TRITON:
             qs_r,
             beta_r,
             t_r,
-            K_ptr,
-            V_ptr,
+            PK_ptr,
+            PV_ptr,
             KB_ptr,
             KS_ptr,
-            skn,
-            svn,
+            pkn,
+            pvn,
             sksn,
             0,
             P,
@@ -740,8 +831,8 @@ if HAS_TRITON:
             qs_r,
             beta_r,
             t_r,
-            K_ptr,
-            V_ptr,
+            K_seq,
+            V_seq,
             KB_ptr,
             KS_ptr,
             skn,
@@ -784,8 +875,8 @@ if HAS_TRITON:
             qs_r,
             beta_r,
             t_r,
-            K_ptr,
-            V_ptr,
+            K_seq,
+            V_seq,
             KB_ptr,
             KS_ptr,
             skn,
@@ -828,8 +919,8 @@ if HAS_TRITON:
             qs_r,
             beta_r,
             t_r,
-            K_ptr,
-            V_ptr,
+            K_seq,
+            V_seq,
             KB_ptr,
             KS_ptr,
             skn,
@@ -925,17 +1016,22 @@ def distance_backward(
     need_dbeta,
     need_ab=True,
     need_dkb=True,
+    prefix=None,
+    knorm_inline=None,
 ):
     """Gradients of :func:`kernels_flash_fwd.distance_forward`: two launches (dQ, then dK/dV) and one sum.
 
     ``kb``: the key-bias vector of the forward (key log-weights, padding, and with ``knorm`` the key norms), or
     None: then the key norms (``knorm``) are computed from the key tiles inside the kernels, as in the forward.
+    ``prefix``: None or the separate prefix keys / values ``(pk, pv)`` of the forward (see ``distance_forward``);
+    ``knorm_inline``: the forward's choice (default: ``knorm`` without ``kb``).
 
     Returns ``dq, dk, dv, dkb, dab, dqs, dks, dbeta``: ``dq``/``dk``/``dv`` in the inputs' dtypes (with ``kv_same``
     ``dk`` holds key plus value gradient and ``dv`` is empty); fp32 ``dkb [B,H,Nk]`` (``sum_i dS_ij``, the key
     log-weights' gradient: with ``kb`` and ``need_dkb`` only), ``dab [2, H]`` (the per-head gradients of the dot
     coefficient ``a`` and the norm coefficient ``b``, ``need_ab`` only), ``dqs [B,H,Nq]``, ``dks [B,H,Nk]``,
-    ``dbeta [B,H,Nq]`` (scalar term; natural-log-score gradients).  Unused outputs are None (no allocation: the
+    ``dbeta [B,H,Nq]`` (scalar term; natural-log-score gradients), ``dpk``, ``dpv`` (the separate prefix's
+    gradients in its shapes and dtype: summed over the batch when it is shared).  Unused outputs are None (no allocation: the
     custom op ``distance_bwd`` turns them into the empty tensors its schema needs).
 
     The per-head gradients are sums over the batch and the rows or keys of per-row and per-key terms written by the
@@ -952,7 +1048,7 @@ def distance_backward(
     one deterministic ``sum`` is the same number of launches.
     """
     bsz, heads, nq, d = q.shape
-    nk = k.shape[2]
+    nk = k.shape[2] + (num_prefix_keys if prefix is not None else 0)  # every key, the prefix included
     groups, dv_dim = v.shape[1], v.shape[3]
     dev = q.device
     f32 = {"device": dev, "dtype": torch.float32}
@@ -968,10 +1064,22 @@ def distance_backward(
     dqs = torch.empty(bsz, heads, nq, **f32) if scalar else None
     dks = torch.empty(bsz, heads, nk, **f32) if scalar else None
     dbeta = torch.empty(bsz, heads, nq, **f32) if scalar and need_dbeta else None
+    dpk = dpv = None
+    if prefix is not None:
+        # per batch element (each dK/dV program writes its own); fp32 when a sum over a shared prefix follows
+        pk, pv = prefix
+        shared = pk.shape[0] == 1 and bsz > 1
+        dpk = torch.empty(bsz, heads, num_prefix_keys, d, device=dev, dtype=torch.float32 if shared else pk.dtype)
+        if not kv_same:
+            dpv = torch.empty(bsz, groups, num_prefix_keys, dv_dim, device=dev, dtype=dpk.dtype)
     if nq == 0 or nk == 0:  # no scores: every gradient is 0 (not the hot path)
         dab = torch.zeros(2, heads, **f32) if need_ab else None
-        outs = (dq, dk, dv, dkb, dab, dqs, dks, dbeta)
+        if prefix is not None:
+            dpk = torch.zeros_like(prefix[0])
+            dpv = None if kv_same else torch.zeros_like(prefix[1])
+        outs = (dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv)
         return tuple(None if t is None else t.zero_() for t in outs)
+    pk, pv, sprefix = prefix_args(prefix, k, v, bsz)
     dummy = a
     if scalar:
         sqs = bcast_strides(qs, (bsz, heads, nq))
@@ -989,6 +1097,8 @@ def distance_backward(
         beta if scalar else dummy,
         a,
         b,
+        pk,
+        pv,
         dout,
         lse,
         work,
@@ -1011,6 +1121,7 @@ def distance_backward(
         + sqs
         + sks
         + sbeta
+        + sprefix
     )
     common = {
         "D_PAD": padded_dim(d),
@@ -1018,10 +1129,11 @@ def distance_backward(
         "CAUSAL": causal,
         "HAS_WINDOW": window is not None,
         "HAS_KB": kb is not None,
-        "KNORM_INLINE": knorm and kb is None,
+        "KNORM_INLINE": (knorm and kb is None) if knorm_inline is None else knorm_inline,
         "SCALAR": scalar,
         "NORMALIZE": normalize,
         "KV_SAME": kv_same,
+        "SEP_PREFIX": prefix is not None,
         "DOT_PREC": dot_precision(q.dtype),
     }
     hpg = heads // groups
@@ -1071,6 +1183,8 @@ def distance_backward(
         dvt,
         dkb if store_dkb else dummy,
         dks if scalar else dummy,
+        dpk if dpk is not None else dummy,
+        dpv if dpv is not None else dummy,
         *strides,
         dk.stride(0),
         dk.stride(1),
@@ -1088,9 +1202,12 @@ def distance_backward(
         D=d,
         DV_=dv_dim,
         KNORM=knorm,
-        KEY_BIAS=kb is not None or knorm,
+        KEY_BIAS=kb is not None or knorm,  # a key-bias term in the scores (loaded, inline, or both)
         STORE_DKB=store_dkb,
         **common,
     )
     dab = work[:2].sum(dim=(1, 3)) if need_ab else None
-    return dq, dk, dv, dkb, dab, dqs, dks, dbeta
+    if prefix is not None and shared:
+        dpk = dpk.sum(0, keepdim=True).to(prefix[0].dtype)
+        dpv = None if dpv is None else dpv.sum(0, keepdim=True).to(prefix[1].dtype)
+    return dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv

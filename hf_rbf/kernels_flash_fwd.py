@@ -189,6 +189,8 @@ if HAS_TRITON:
         BETA,
         A,
         BC,
+        PK,
+        PV,
         OUT,
         LSE,
         LPART,
@@ -214,6 +216,12 @@ if HAS_TRITON:
         sbb,
         sbh,
         sbn,
+        spkb,
+        spkh,
+        spkn,
+        spvb,
+        spvh,
+        spvn,
         H,
         HPG,
         NQ,
@@ -236,6 +244,7 @@ if HAS_TRITON:
         KV_SAME: tl.constexpr,
         SPLIT: tl.constexpr,
         KNORM_INLINE: tl.constexpr,
+        SEP_PREFIX: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -278,6 +287,23 @@ if HAS_TRITON:
 
         K_ptr = K + b * skb + h * skh
         V_ptr = V + b * svb + g * svh
+        if SEP_PREFIX:
+            # The P prefix keys / values (registers) in their own tensors (batch stride 0 when every batch element
+            # shares them), so no concatenation in front of the sequence keys: the sequence tensors hold key P + s at
+            # row s, and the tiles address key j at K_seq + j * skn.
+            PK_ptr = PK + b * spkb + h * spkh
+            PV_ptr = PV + b * spvb + g * spvh
+            pkn = spkn
+            pvn = spvn
+            K_seq = K_ptr - P * skn
+            V_seq = V_ptr - P * svn
+        else:
+            PK_ptr = K_ptr
+            PV_ptr = V_ptr
+            pkn = skn
+            pvn = svn
+            K_seq = K_ptr
+            V_seq = V_ptr
         KB_ptr = KB + bh * NK
         KS_ptr = KS + b * sksb + h * sksh
 
@@ -293,12 +319,12 @@ if HAS_TRITON:
             qs_r,
             beta_r,
             t_r,
-            K_ptr,
-            V_ptr,
+            PK_ptr,
+            PV_ptr,
             KB_ptr,
             KS_ptr,
-            skn,
-            svn,
+            pkn,
+            pvn,
             sksn,
             0,
             prefix_hi,
@@ -342,8 +368,8 @@ if HAS_TRITON:
             qs_r,
             beta_r,
             t_r,
-            K_ptr,
-            V_ptr,
+            K_seq,
+            V_seq,
             KB_ptr,
             KS_ptr,
             skn,
@@ -379,8 +405,8 @@ if HAS_TRITON:
             qs_r,
             beta_r,
             t_r,
-            K_ptr,
-            V_ptr,
+            K_seq,
+            V_seq,
             KB_ptr,
             KS_ptr,
             skn,
@@ -416,8 +442,8 @@ if HAS_TRITON:
             qs_r,
             beta_r,
             t_r,
-            K_ptr,
-            V_ptr,
+            K_seq,
+            V_seq,
             KB_ptr,
             KS_ptr,
             skn,
@@ -525,11 +551,25 @@ if HAS_TRITON:
     )
 
 
-def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps):
+def prefix_args(prefix, k, v, bsz: int):
+    """``(pk, pv, strides)`` of separate prefix keys / values (``(pk, pv)`` or None) for the kernels' ``PK, PV`` and
+    ``spkb .. spvn`` arguments: their ``[B, H|G, P]`` strides, 0 on a broadcast batch dim; without a prefix, the
+    sequence tensors as (unread) placeholders."""
+    if prefix is None:
+        return k, v, (0, 0, 0, 0, 0, 0)
+    pk, pv = prefix
+    spk = bcast_strides(pk, (bsz, pk.shape[1], pk.shape[2], pk.shape[3]))[:3]
+    spv = bcast_strides(pv, (bsz, pv.shape[1], pv.shape[2], pv.shape[3]))[:3]
+    return pk, pv, spk + spv
+
+
+def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix=None):
     bsz, heads, nq, d = q.shape
-    nk = k.shape[2]
+    # with separate prefix tensors, k / v hold the sequence keys only
+    nk = k.shape[2] + (num_prefix_keys if prefix is not None else 0)
     groups, dv = v.shape[1], v.shape[3]
     dummy = a
+    pk, pv, sprefix = prefix_args(prefix, k, v, bsz)
     if qs is not None:
         sqs = bcast_strides(qs, (bsz, heads, nq))
         sks = bcast_strides(ks, (bsz, heads, nk))
@@ -546,6 +586,8 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps):
         beta if beta is not None else dummy,
         a,
         b,
+        pk,
+        pv,
     )
     strides = (
         q.stride(0),
@@ -568,10 +610,10 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps):
         math.log2(eps) if eps > 0 else 0.0,
         n_bucket(max(nq, nk)),
     )
-    return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta, scalars
+    return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta + sprefix, scalars
 
 
-def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False):
+def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False, prefix=None):
     return dict(
         D=d,
         DV=dv,
@@ -586,6 +628,7 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
         HAS_EPS=normalize and eps > 0,
         KV_SAME=kv_same,
         KNORM_INLINE=knorm_inline,
+        SEP_PREFIX=prefix is not None,
         DOT_PREC=dot_precision(q.dtype),
     )
 
@@ -609,6 +652,7 @@ def distance_forward(
     kv_same,
     eps,
     knorm_inline=False,
+    prefix=None,
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
 
@@ -617,10 +661,12 @@ def distance_forward(
     scalar term, ``1/tau``) or None; ``a``/``b``: ``[H]`` (contiguous, any float dtype) dot and norm coefficients
     in natural-log units (the kernel multiplies them by ``log2(e)``); ``knorm_inline``: add ``b_h ||k_j||^2``
     computed from the key tiles (the key norms without a key-bias pass; ``kb`` then holds at most the key
-    log-weights and padding).
+    log-weights and padding); ``prefix``: None, or the ``num_prefix_keys`` prefix keys and values ``(pk [B|1, H, P,
+    D], pv [B|1, G, P, Dv])`` as separate tensors (then ``k`` / ``v`` hold only the sequence keys; ``kb``, ``ks``
+    and the masks still cover all ``P + N`` keys).
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
-        q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps
+        q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix
     )
     out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(bsz, heads, nq, device=q.device, dtype=torch.float32)
@@ -642,7 +688,7 @@ def distance_forward(
         *sstrides,
         *scalars,
         SPLIT=False,
-        **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=knorm_inline),
+        **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix),
     )
     return out, lse
 
@@ -663,7 +709,25 @@ def decode_splits(bsz: int, heads: int, nq: int, span: int, device) -> int:
 
 
 def distance_decode(
-    q, k, v, kb, qs, ks, beta, a, b, *, causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
+    q,
+    k,
+    v,
+    kb,
+    qs,
+    ks,
+    beta,
+    a,
+    b,
+    *,
+    causal,
+    window,
+    num_prefix_keys,
+    normalize,
+    qnorm,
+    knorm,
+    kv_same,
+    eps,
+    prefix=None,
 ):
     """Forward for a few query rows (a decode step) with the key range split over programs; output only.
 
@@ -671,7 +735,7 @@ def distance_decode(
     the key tiles inside the kernel.
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
-        q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps
+        q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix
     )
     out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
     if nq == 0:
@@ -683,7 +747,7 @@ def distance_decode(
     lp = torch.empty_like(mp)
     erow = torch.empty(bsz * heads, nq, device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, n_split)  # noqa: E731
-    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=knorm)
+    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm, prefix)
     launch_tuned(
         _distance_decode,
         grid,

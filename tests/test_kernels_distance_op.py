@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import count_host_ops  # noqa: E402
 
+import hf_rbf  # noqa: E402
 from hf_rbf import kernels_common  # noqa: E402
 from hf_rbf.attention_distance_triton import distance_attention  # noqa: E402
 from hf_rbf.attention_utils import MaskArgs, allowed_mask, masked_kernel_average  # noqa: E402
@@ -259,3 +260,180 @@ def test_host_work_per_forward_backward():
     t, am = _make(dtype=torch.float32, b=1, h=2, nq=8, nk=8, d=16, dv=16, klw=True)
     launches, _ = _host_work(t, am, **flags)
     assert launches.get("_key_bias_kernel") == 1 and sum(launches.values()) == 4, launches
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# separate prefix keys / values (registers): kernel pointers instead of a concatenation in front of k / v
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _prefix_call(leaves, am, n_prefix, *, causal, window, scalar, fused, kv_same, flags):
+    """The op with separate prefix tensors (``fused``) or the float64 reference on the concatenated keys."""
+    q, k, v, pk, pv = (leaves[n] for n in ("q", "k", "v", "pk", "pv"))
+    if kv_same:
+        v, pv = k, pk
+    bsz = q.shape[0]
+    nk = n_prefix + k.shape[2]
+    mask = MaskArgs(causal, window, n_prefix, leaves.get("klw"), am, q.shape[2], nk)
+    qs, ks, beta = (leaves.get(n) for n in ("qs", "ks", "beta")) if scalar else (None, None, None)
+    if fused:
+        return distance_attention(q, k, v, qs, ks, beta, leaves["a"], leaves["b"], mask, prefix=(pk, pv), **flags)
+    k_all = torch.cat([pk.expand(bsz, -1, -1, -1), k], dim=2)
+    v_all = torch.cat([pv.expand(bsz, -1, -1, -1), v], dim=2)
+    if v.shape[1] != q.shape[1]:  # grouped values: the reference expands them per head
+        v_all = v_all.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    flags = {n: x for n, x in flags.items() if n != "kv_same"}
+    return reference(q, k_all, v_all, qs, ks, beta, leaves["a"], leaves["b"], mask, **flags)
+
+
+PREFIX_CASES = {
+    # name: (dtype, prefix batch, n_prefix, mask, extra)
+    "shared-causal-fp32": (torch.float32, 1, 2, MASKS["causal"], {}),
+    "shared-window-bf16": (torch.bfloat16, 1, 3, {"causal": True, "window": 5}, {}),
+    "per-batch-full-fp32": (torch.float32, 2, 1, {"causal": False, "window": None}, {}),
+    "shared-weights-padding": (torch.float32, 1, 2, {"causal": True, "window": 6}, {"klw": True, "pad": 3}),
+    "shared-kv-same-eps": (torch.float32, 1, 2, MASKS["causal"], {"kv_same": True}),
+    "shared-softmax-free": (torch.float32, 1, 2, {"causal": True, "window": 4}, {"normalize": False}),
+    "shared-scalar-groups": (torch.float32, 1, 2, MASKS["causal"], {"scalar": True, "groups": 1}),
+    "shared-decode": (torch.float32, 1, 3, MASKS["causal"], {"decode": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFIX_CASES))
+def test_separate_prefix_matches_concatenated_keys(name):
+    dtype, prefix_batch, n_prefix, mask_kw, extra = PREFIX_CASES[name]
+    kv_same, scalar, normalize = extra.get("kv_same", False), extra.get("scalar", False), extra.get("normalize", True)
+    decode = extra.get("decode", False)
+    b, h, d, dv = 2, 3, 16, 12
+    groups = extra.get("groups", h)
+    nq, nk = (3, 23) if decode else (17, 21)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
+
+    t = {"q": rnd(b, h, nq, d), "k": rnd(b, h, nk, d), "v": rnd(b, groups, nk, dv)}
+    t["pk"], t["pv"] = rnd(prefix_batch, h, n_prefix, d), rnd(prefix_batch, groups, n_prefix, dv)
+    if kv_same:
+        del t["v"], t["pv"]
+    t["a"] = ((0.5 + torch.rand(h, generator=gen)) / d**0.5).to(DEVICE)
+    t["b"] = (-(0.2 + 0.3 * torch.rand(h, generator=gen)) / d**0.5).to(DEVICE)
+    if scalar:
+        t["qs"], t["ks"] = rnd(b, h, nq), rnd(b, h, n_prefix + nk)
+        t["beta"] = (0.5 + torch.rand(1, h, 1, generator=gen)).to(DEVICE)
+    if extra.get("klw"):
+        t["klw"] = (0.5 * torch.randn(b, 1, n_prefix + nk, generator=gen)).to(DEVICE)
+    am = None
+    if extra.get("pad"):
+        am = torch.ones(b, n_prefix + nk, dtype=torch.bool)
+        am[-1, n_prefix : n_prefix + extra["pad"]] = False
+        am = am.to(DEVICE)
+    flags = {
+        "normalize": normalize,
+        "qnorm": kv_same or not normalize,
+        "knorm": not scalar,
+        "kv_same": kv_same,
+        "eps": 0.05 if kv_same else 0.0,
+    }
+    call = {"causal": mask_kw["causal"], "window": mask_kw["window"], "scalar": scalar, "kv_same": kv_same}
+
+    def run(tensors, fused):
+        leaves = {n: x.detach().clone().requires_grad_(not decode) for n, x in tensors.items()}
+        leaves.setdefault("v", leaves["k"])
+        leaves.setdefault("pv", leaves["pk"])
+        if decode:
+            with torch.no_grad():
+                return _prefix_call(leaves, am, n_prefix, fused=fused, flags=flags, **call), {}
+        out = _prefix_call(leaves, am, n_prefix, fused=fused, flags=flags, **call)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device, out.dtype))
+        return out.detach(), {n: leaves[n].grad for n in tensors}
+
+    out_ref, g_ref = run({n: x.double() for n, x in t.items()}, fused=False)
+    out, g = run(t, fused=True)
+    tol_out, tol_grad = TOL[dtype]
+    errors = {"out": (rel_err(out, out_ref), tol_out)}
+    for n, ref in g_ref.items():
+        if ref is None:  # an input the score does not use (b without norm terms): a zero gradient or none
+            assert g[n] is None or not g[n].any(), n
+            continue
+        assert g[n] is not None and g[n].shape == t[n].shape and g[n].dtype == t[n].dtype, n
+        tol = 8e-2 if (n == "b" and dtype == torch.bfloat16 and normalize) else tol_grad  # see _check
+        errors[f"d{n}"] = (rel_err(g[n], ref), tol)
+    bad = {n: e for n, e in errors.items() if not e[0] <= e[1]}
+    assert not bad, f"errors over tolerance: {bad} (all: {errors})"
+
+
+def test_separate_prefix_arguments_are_checked():
+    t, am = _make(dtype=torch.float32, b=2, h=3, nq=5, nk=5, d=16, dv=16)
+    mask = MaskArgs(True, None, 2, None, None, 5, 7)
+    pk = torch.randn(1, 3, 2, 16, device=DEVICE)
+    flags = {"normalize": True, "qnorm": False, "knorm": True, "kv_same": False, "eps": 0.0}
+    args = (t["q"], t["k"], t["v"], None, None, None, t["a"], t["b"], mask)
+    with pytest.raises(ValueError, match="prefix values must have shape"):
+        distance_attention(*args, prefix=(pk, torch.randn(1, 3, 3, 16, device=DEVICE)), **flags)
+    with pytest.raises(ValueError, match="prefix keys are torch.bfloat16"):
+        distance_attention(*args, prefix=(pk.bfloat16(), pk), **flags)
+
+
+def test_separate_prefix_launches_no_copy():
+    """The prefix costs no extra launch and no copy: the same three launches as without it, one sum over the batch
+    per prefix gradient."""
+    count_host_ops._patch_triton_run()
+    t, _ = _make(dtype=torch.float32, b=2, h=2, nq=8, nk=8, d=16, dv=16)
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in t.items()}
+    pk = torch.randn(1, 2, 1, 16, device=DEVICE, requires_grad=True)
+    pv = torch.randn(1, 2, 1, 16, device=DEVICE, requires_grad=True)
+    mask = MaskArgs(True, None, 1, None, None, 8, 9)
+    flags = {"normalize": True, "qnorm": False, "knorm": True, "kv_same": False, "eps": 0.0}
+    args = [leaves[n] for n in ("q", "k", "v")] + [None, None, None, leaves["a"], leaves["b"], mask]
+    out = distance_attention(*args, prefix=(pk, pv), **flags)
+    dout = torch.ones_like(out)
+    out.backward(dout)
+    for x in [*leaves.values(), pk, pv]:
+        x.grad = None
+    with count_host_ops.counting() as c:
+        distance_attention(*args, prefix=(pk, pv), **flags).backward(dout)
+    assert sum(c.launches.values()) == 3, c.launches
+    assert not {"cat", "copy_", "expand", "zeros", "zeros_like"} & set(c.ops), c.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rbf_attention_prefix_arguments(dtype):
+    """``rbf_attention(prefix_keys=, prefix_values=)``: the triton backend (separate pointers) against the float64
+    naive reference of the same call (which concatenates), with a window, odd lengths and a per-head gamma."""
+    gen = torch.Generator().manual_seed(7)
+    b, h, n, r, d = 2, 3, 19, 2, 16
+    t = {
+        "q": torch.randn(b, h, n, d, generator=gen),
+        "k": torch.randn(b, h, n, d, generator=gen),
+        "v": torch.randn(b, h, n, 8, generator=gen),
+        "prefix_keys": torch.randn(1, h, r, d, generator=gen),
+        "prefix_values": torch.randn(1, h, r, 8, generator=gen),
+        "gamma": 0.1 + 0.1 * torch.rand(h, generator=gen),
+    }
+    dout = torch.randn(b, h, n, 8, generator=gen)
+
+    def run(backend, cast):
+        leaves = {name: cast(x).detach().clone().to(DEVICE).requires_grad_(True) for name, x in t.items()}
+        kw = {name: leaves[name] for name in ("prefix_keys", "prefix_values", "gamma")}
+        out = hf_rbf.rbf_attention(leaves["q"], leaves["k"], leaves["v"], window=7, backend=backend, **kw)
+        assert hf_rbf.last_backend("rbf_attention") == backend
+        out.backward(dout.to(DEVICE, out.dtype))
+        return out.detach(), {name: x.grad for name, x in leaves.items()}
+
+    def cast(x):
+        return x.to(dtype) if x.dim() == 4 else x  # gamma stays float32
+
+    out, grads = run("triton", cast)
+    out_ref, grads_ref = run("naive", lambda x: cast(x).double())
+    tol_out, tol_grad = TOL[dtype]
+    assert rel_err(out, out_ref) <= tol_out
+    for name, ref in grads_ref.items():
+        assert grads[name].shape == t[name].shape, name
+        assert rel_err(grads[name], ref) <= tol_grad, (name, rel_err(grads[name], ref))
+    with pytest.raises(ValueError, match="go together"):
+        hf_rbf.rbf_attention(t["q"], t["k"], t["v"], prefix_keys=t["prefix_keys"])
+    with pytest.raises(ValueError, match="num_prefix_keys"):
+        hf_rbf.rbf_attention(
+            t["q"], t["k"], t["v"], prefix_keys=t["prefix_keys"], prefix_values=t["prefix_values"], num_prefix_keys=1
+        )
