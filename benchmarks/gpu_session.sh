@@ -62,7 +62,8 @@ job_env() {
     fi
     python3 -c "import datasets, evaluate, pyarrow; print('datasets', datasets.__version__, 'evaluate', evaluate.__version__, 'pyarrow', pyarrow.__version__)"
 }
-job_gputests() { python3 -m pytest -m gpu -q -p no:cacheprovider tests; }
+# autotune off: a correctness run needs one config per kernel variant, not every config compiled and timed
+job_gputests() { HF_RBF_TRITON_AUTOTUNE=0 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 tests; }
 job_kernelcheck() { python3 benchmarks/check_kernels_gpu.py --workers 14; }
 job_bench() { python3 benchmarks/bench_attention.py --output "$1" ${BENCH_ARGS:-}; }
 job_sorted() { python3 recipes/bench_sorted_decode.py --device cuda --output "$1" ${SORTED_ARGS:-}; }
