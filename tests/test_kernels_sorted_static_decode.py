@@ -58,10 +58,14 @@ def run_both(
     dead_row=False,
     seed=0,
     ref_window="same",
+    discrete=False,
+    keys=None,
+    query=None,
 ):
     """Feed the same prompt and single-token steps to a torch-path and a triton-path layer; per step
     ``(out_torch, out_triton, out_reference_float64)`` and, after each step, the two layers (checked equal).
-    ``ref_window``: the window of the float64 definition (default: the layers' window; None: dense attention)."""
+    ``ref_window``: the window of the float64 definition (default: the layers' window; None: dense attention);
+    ``keys`` ``[B, H, n]`` / ``query`` (a float): the scalar keys / every scalar query instead of random ones."""
     gen = torch.Generator().manual_seed(seed)
     n = prompt + steps
     capacity = capacity or n + 3
@@ -73,6 +77,10 @@ def run_both(
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
 
     ks, v = r(b, h, n), r(b, g, n, dv)
+    if keys is not None:
+        ks = keys.to(dtype)
+    if discrete:  # keys in {-2, ..., 2}: ties everywhere, at the window's edges, across blocks and with the new token
+        ks = torch.randint(-2, 3, (b, h, n), generator=gen).to(dtype)
     vk = r(b, h, n, d) if hybrid else None
     valid = torch.ones(b, n, dtype=torch.bool)
     valid[1, :3] = False  # left padding: row 1 is shorter
@@ -97,6 +105,10 @@ def run_both(
     results = []
     for t in range(prompt, n):
         qs, q = r(b, h, 1), (r(b, h, 1, d) if hybrid else None)
+        if discrete:  # on a key value, or between two
+            qs = torch.randint(-4, 5, (b, h, 1), generator=gen).to(dtype) / 2
+        if query is not None:
+            qs = torch.full((b, h, 1), query, dtype=dtype)
         outs = []
         for layer in (ref_layer, fused):
             layer.append(part(ks, t, t + 1), part(v, t, t + 1), part(vk, t, t + 1), valid=dev(valid[:, t : t + 1]))
@@ -159,6 +171,8 @@ CASES = {
     "scalar-sort_head-no-prefix-G1": dict(scheme="sort_head", prefix=False, groups=1, window=4),
     "bf16-hybrid": dict(hybrid=True, dtype=torch.bfloat16, window=4, block_size=8),
     "float64-hybrid": dict(hybrid=True, dtype=torch.float64, window=3, block_size=4, steps=3),
+    "ties-scalar-T4-k3": dict(discrete=True, prompt=9, steps=5),
+    "ties-hybrid-sort_head-T2-k2": dict(discrete=True, hybrid=True, scheme="sort_head", window=2, block_size=2),
 }
 
 
@@ -167,6 +181,16 @@ def test_fused_step_equals_the_torch_path_and_the_definition(case):
     kwargs = CASES[case]
     results, _, _ = run_both(**kwargs)
     check(results, kwargs.get("dtype", torch.float32))
+
+
+def test_window_at_the_top_of_a_block_with_padding():
+    """A query above every key takes the ``k`` largest, here all from one block whose run ends in padding (``+inf``):
+    the block's candidates must reach ``k`` entries below the insertion point even though the run is not full."""
+    n = 24
+    keys = torch.linspace(-1.0, 0.0, n, dtype=torch.float64).expand(2, 4, n).clone()
+    keys[:, :, 5:16] += 10.0  # slots 5..15 (block 0 of 16, after 4 padding slots of row 1) hold the largest keys
+    results, _, _ = run_both(keys=keys, query=100.0, window=2, block_size=16, prompt=20, steps=4, capacity=32)
+    check(results, torch.float32)
 
 
 def test_window_covering_the_tokens_equals_dense_decode():
