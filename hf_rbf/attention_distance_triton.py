@@ -6,9 +6,11 @@ All three families are one score (natural-log units)
 
 with ``a``/``b`` per-head tensors: RBF ``a = 2 gamma, b = -gamma`` (the softmax drops ``||q||^2``), GKA
 ``a = 1/sigma^2, b = -1/(2 sigma^2)`` with ``x`` as query, key and value, hybrid ``a = scale, b = 0`` plus the scalar
-term with ``beta = 1/tau``.  The family wrappers (``attention_<family>_triton.py``) build ``a``, ``b`` and ``beta``
-from their parameters with ordinary differentiable torch ops, so autograd chains the op's gradients for ``a``, ``b``
-and ``beta`` into ``gamma``, ``log_sigma``, ``scale`` and ``tau``.
+term with ``beta = 1/tau``.  ``b = None`` is the distance form ``a = 2 c, b = -c`` (RBF ``c = gamma``, GKA
+``c = 1/(2 sigma^2)``): ``a`` then holds ``c``, the kernels derive both coefficients and reduce the gradient of ``c``
+themselves, so no torch op per call builds them or sums their gradients.  The family adapters (the "triton" sections
+of ``attention_<family>.py``) build ``a``, ``b`` and ``beta`` from their parameters with ordinary differentiable torch
+ops, so autograd chains the op's gradients into ``gamma``, ``log_sigma``, ``scale`` and ``tau``.
 
 Ops (registered under a namespace unique to this module's import name, so that a checkpoint's remote-code copy can
 be imported next to the installed package):
@@ -92,7 +94,14 @@ def _forward_impl(
         bsz, heads, _, _ = q.shape
         nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
         kb, _ = key_bias(
-            k, b.float().contiguous(), key_log_weights, attention_mask, heads, nk, bsz, knorm and not inline
+            k,
+            (-a if b is None else b).float().contiguous(),
+            key_log_weights,
+            attention_mask,
+            heads,
+            nk,
+            bsz,
+            knorm and not inline,
         )
     out, lse = distance_forward(
         q,
@@ -126,7 +135,7 @@ def distance_fwd(
     ks: Optional[Tensor],
     beta: Optional[Tensor],
     a: Tensor,
-    b: Tensor,
+    b: Optional[Tensor],
     key_log_weights: Optional[Tensor],
     attention_mask: Optional[Tensor],
     prefix_k: Optional[Tensor],
@@ -266,7 +275,7 @@ def distance_bwd(
     ks: Optional[Tensor],
     beta: Optional[Tensor],
     a: Tensor,
-    b: Tensor,
+    b: Optional[Tensor],
     kb: Tensor,
     prefix_k: Optional[Tensor],
     prefix_v: Optional[Tensor],
@@ -423,10 +432,11 @@ def _gradients(ctx, dout, run_backward):
         grads["prefix_k"] = dpk
         grads["prefix_v"] = None if kv_same else dpv
     if need_ab:
-        # dab [2, H]: the per-head sums of the dot and norm terms, reduced by distance_backward
-        da, db = dab.unbind(0)
-        grads["a"] = da.to(a.dtype) if need["a"] else None
-        grads["b"] = db.to(b.dtype) if need["b"] else None
+        # dab [2, H]: the per-head sums of the dot and norm terms, reduced by distance_backward ([1, H]: the
+        # distance form's one coefficient)
+        da_db = dab.unbind(0)
+        grads["a"] = da_db[0].to(a.dtype) if need["a"] else None
+        grads["b"] = da_db[1].to(b.dtype) if need["b"] else None
     if need["key_log_weights"]:
         grads["key_log_weights"] = _reduce_to(dkb, ctx.klw_shape).to(ctx.klw_dtype)
     if qs is not None:
@@ -529,7 +539,7 @@ def distance_decode_op(
     ks: Optional[Tensor],
     beta: Optional[Tensor],
     a: Tensor,
-    b: Tensor,
+    b: Optional[Tensor],
     key_log_weights: Optional[Tensor],
     attention_mask: Optional[Tensor],
     prefix_k: Optional[Tensor],
@@ -630,7 +640,7 @@ def distance_attention(
     ks: Optional[Tensor],
     beta: Optional[Tensor],
     a: Tensor,
-    b: Tensor,
+    b: Optional[Tensor],
     mask: MaskArgs,
     *,
     normalize: bool,

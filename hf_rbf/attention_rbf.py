@@ -292,7 +292,9 @@ def rbf_flex_reason(q, k, v, gamma, mask: MaskArgs) -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 # RBF attention on the fused Triton kernels (``backend="triton"``).
 #
-# ``S_ij = -gamma_h ||q_i - k_j||^2 + log w_j``: the shared distance op with ``a = 2 gamma`` and ``b = -gamma``.
+# ``S_ij = -gamma_h ||q_i - k_j||^2 + log w_j``: the shared distance op with ``a = 2 gamma`` and ``b = -gamma``, in
+# its distance form (``gamma`` itself with ``b = None``: the kernels derive both coefficients and reduce the gradient of
+# gamma, so no torch op per call builds ``2 gamma`` / ``-gamma`` or adds their gradients).
 # With the softmax (``normalize=True``) ``-gamma ||q_i||^2`` is a row constant and is dropped (the blog's
 # ``2 gamma q.k - gamma ||k||^2`` form); the softmax-free variant keeps it (``qnorm``), folded into the row statistics.
 
@@ -315,8 +317,8 @@ def rbf_attention_triton(q, k, v, gamma, normalize: bool, mask: MaskArgs, prefix
         None,
         None,
         None,
-        2.0 * g,
-        -g,
+        g,
+        None,
         mask,
         normalize=normalize,
         qnorm=not normalize,

@@ -256,6 +256,7 @@ if HAS_TRITON:
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
+        TIED: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -335,8 +336,12 @@ if HAS_TRITON:
             else:
                 vt = v
             a_nat = tl.load(A + h).to(tl.float32)  # natural-log units; the scores use base 2
+            if TIED:  # the distance form (see the forward kernel)
+                b_nat = -a_nat
+                a_nat = 2.0 * a_nat
+            else:
+                b_nat = tl.load(BC + h).to(tl.float32)
             a = a_nat * 1.4426950408889634
-            b_nat = tl.load(BC + h).to(tl.float32)
             if KNORM:
                 kf = k.to(tl.float32)
                 kn = tl.sum(kf * kf, 1)  # ||k_j||^2 from the stationary tile: free here
@@ -482,13 +487,17 @@ if HAS_TRITON:
             # the key columns of the per-head reduction rows (see distance_backward): 0 for the dot coefficient, the
             # key-norm part of the norm coefficient's gradient C_j ||k_j||^2
             W_keys = WORK + bh * (NQ + NK) + NQ + j
-            tl.store(W_keys, tl.zeros([BLOCK_N], dtype=tl.float32), mask=key_ok)
             if KNORM:
                 # k converted again rather than an fp32 copy kept live (registers) through the query loop
                 dk += (2.0 * b_nat) * c_acc[:, None] * k.to(tl.float32)
-                tl.store(W_keys + plane, c_acc * kn, mask=key_ok)
+                ckn = c_acc * kn
             else:
-                tl.store(W_keys + plane, tl.zeros([BLOCK_N], dtype=tl.float32), mask=key_ok)
+                ckn = tl.zeros([BLOCK_N], dtype=tl.float32)
+            if TIED:  # one row: d/dc = 2 d/da - d/db
+                tl.store(W_keys, -ckn, mask=key_ok)
+            else:
+                tl.store(W_keys, tl.zeros([BLOCK_N], dtype=tl.float32), mask=key_ok)
+                tl.store(W_keys + plane, ckn, mask=key_ok)
             if KV_SAME:
                 dk += dv  # x is key and value: one gradient
                 dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
@@ -704,6 +713,7 @@ if HAS_TRITON:
         KV_SAME: tl.constexpr,
         NEED_DBETA: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
+        TIED: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -735,8 +745,12 @@ if HAS_TRITON:
         plane = tl.num_programs(1).to(tl.int64) * (NQ + NK)
         W_rows = WORK + bh * (NQ + NK) + offs_m
         a_nat = tl.load(A + h).to(tl.float32)  # natural-log units; the scores use base 2
+        if TIED:  # the distance form (see the forward kernel)
+            b_nat = -a_nat
+            a_nat = 2.0 * a_nat
+        else:
+            b_nat = tl.load(BC + h).to(tl.float32)
         a = a_nat * 1.4426950408889634
-        b_nat = tl.load(BC + h).to(tl.float32)
         b_log2 = b_nat * 1.4426950408889634
         if SCALAR:
             qs_r = tl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
@@ -952,7 +966,7 @@ if HAS_TRITON:
 
         qf = q.to(tl.float32)
         # sum_ij dS_ij q_i.k_j per row: the gradient of the dot coefficient
-        tl.store(W_rows, tl.sum(qf * dq, 1), mask=row_ok)
+        qr = tl.sum(qf * dq, 1)
         dq = dq * a_nat
         if QNORM:
             qn = tl.sum(qf * qf, 1)
@@ -965,9 +979,14 @@ if HAS_TRITON:
             else:
                 rs = delta
             dq += (2.0 * b_nat) * rs[:, None] * qf
-            tl.store(W_rows + plane, rs * qn, mask=row_ok)
+            rsq = rs * qn
         else:
-            tl.store(W_rows + plane, tl.zeros([BLOCK_M], dtype=tl.float32), mask=row_ok)
+            rsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if TIED:  # one row: d/dc = 2 d/da - d/db
+            tl.store(W_rows, 2.0 * qr - rsq, mask=row_ok)
+        else:
+            tl.store(W_rows, qr, mask=row_ok)
+            tl.store(W_rows + plane, rsq, mask=row_ok)
         tl.store(
             DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :],
             dq.to(DQ.dtype.element_ty),
@@ -1029,7 +1048,8 @@ def distance_backward(
     Returns ``dq, dk, dv, dkb, dab, dqs, dks, dbeta``: ``dq``/``dk``/``dv`` in the inputs' dtypes (with ``kv_same``
     ``dk`` holds key plus value gradient and ``dv`` is empty); fp32 ``dkb [B,H,Nk]`` (``sum_i dS_ij``, the key
     log-weights' gradient: with ``kb`` and ``need_dkb`` only), ``dab [2, H]`` (the per-head gradients of the dot
-    coefficient ``a`` and the norm coefficient ``b``, ``need_ab`` only), ``dqs [B,H,Nq]``, ``dks [B,H,Nk]``,
+    coefficient ``a`` and the norm coefficient ``b``, ``need_ab`` only; ``[1, H]``, the gradient of ``a``, for the
+    distance form ``b = None``: see ``distance_forward``), ``dqs [B,H,Nq]``, ``dks [B,H,Nk]``,
     ``dbeta [B,H,Nq]`` (scalar term; natural-log-score gradients), ``dpk``, ``dpv`` (the separate prefix's
     gradients in its shapes and dtype: summed over the batch when it is shared).  Unused outputs are None (no allocation: the
     custom op ``distance_bwd`` turns them into the empty tensors its schema needs).
@@ -1042,7 +1062,9 @@ def distance_backward(
       0 where the term is absent: ``db``;
     * row 2: ``delta_i = dO_i . O_i`` per query, computed by the dQ kernel and read by the dK/dV kernel.
 
-    So ``dab`` is one ``sum`` over ``(B, Nq + Nk)`` of rows 0-1.  Why not fp32 atomics into an ``[H]`` buffer: that
+    In the distance form (``b`` None, ``a_h = 2 c_h``, ``b_h = -c_h``) row 0 holds ``2 (row 0) - (row 1)`` of the
+    above, the gradient of ``c_h``, and row 1 is unused.  So ``dab`` is one ``sum`` over ``(B, Nq + Nk)`` of rows
+    0-1 (row 0).  Why not fp32 atomics into an ``[H]`` buffer: that
     buffer would need zeroing (a fill launch, or a kernel that runs before the dQ kernel, which now also computes
     delta) and the order of the additions, so the per-head gradients, would change from run to run; one buffer and
     one deterministic ``sum`` is the same number of launches.
@@ -1073,7 +1095,7 @@ def distance_backward(
         if not kv_same:
             dpv = torch.empty(bsz, groups, num_prefix_keys, dv_dim, device=dev, dtype=dpk.dtype)
     if nq == 0 or nk == 0:  # no scores: every gradient is 0 (not the hot path)
-        dab = torch.zeros(2, heads, **f32) if need_ab else None
+        dab = torch.zeros(1 if b is None else 2, heads, **f32) if need_ab else None
         if prefix is not None:
             dpk = torch.zeros_like(prefix[0])
             dpv = None if kv_same else torch.zeros_like(prefix[1])
@@ -1096,7 +1118,7 @@ def distance_backward(
         ks if scalar else dummy,
         beta if scalar else dummy,
         a,
-        b,
+        a if b is None else b,
         pk,
         pv,
         dout,
@@ -1134,6 +1156,7 @@ def distance_backward(
         "NORMALIZE": normalize,
         "KV_SAME": kv_same,
         "SEP_PREFIX": prefix is not None,
+        "TIED": b is None,
         "DOT_PREC": dot_precision(q.dtype),
     }
     hpg = heads // groups
@@ -1206,7 +1229,8 @@ def distance_backward(
         STORE_DKB=store_dkb,
         **common,
     )
-    dab = work[:2].sum(dim=(1, 3)) if need_ab else None
+    # the tied form (b None) has its one coefficient's terms in row 0 alone
+    dab = work[: 1 if b is None else 2].sum(dim=(1, 3)) if need_ab else None
     if prefix is not None and shared:
         dpk = dpk.sum(0, keepdim=True).to(prefix[0].dtype)
         dpv = None if dpv is None else dpv.sum(0, keepdim=True).to(prefix[1].dtype)

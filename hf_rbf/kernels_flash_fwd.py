@@ -245,6 +245,7 @@ if HAS_TRITON:
         SPLIT: tl.constexpr,
         KNORM_INLINE: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
+        TIED: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -271,7 +272,12 @@ if HAS_TRITON:
             qs_r = tl.zeros([BLOCK_M], dtype=tl.float32)
             beta_r = tl.zeros([BLOCK_M], dtype=tl.float32)
         # b_h * log2(e): the norm coefficient (key norms with KNORM_INLINE, query norms with QNORM)
-        kn_coef = tl.load(BC + h).to(tl.float32) * 1.4426950408889634
+        if TIED:
+            # the distance form: A holds c_h, and a_h = 2 c_h, b_h = -c_h (RBF, GKA): no torch ops to derive them
+            kn_coef = -a
+            a = 2.0 * a
+        else:
+            kn_coef = tl.load(BC + h).to(tl.float32) * 1.4426950408889634
         if QNORM:
             qf = q.to(tl.float32)
             r = tl.sum(qf * qf, 1) * kn_coef
@@ -570,6 +576,7 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
     groups, dv = v.shape[1], v.shape[3]
     dummy = a
     pk, pv, sprefix = prefix_args(prefix, k, v, bsz)
+    b = a if b is None else b  # the tied form reads only A
     if qs is not None:
         sqs = bcast_strides(qs, (bsz, heads, nq))
         sks = bcast_strides(ks, (bsz, heads, nk))
@@ -613,7 +620,7 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
     return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta + sprefix, scalars
 
 
-def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline=False, prefix=None):
+def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied):
     return dict(
         D=d,
         DV=dv,
@@ -629,6 +636,7 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
         KV_SAME=kv_same,
         KNORM_INLINE=knorm_inline,
         SEP_PREFIX=prefix is not None,
+        TIED=tied,
         DOT_PREC=dot_precision(q.dtype),
     )
 
@@ -659,7 +667,8 @@ def distance_forward(
     ``q [B,H,Nq,D]``, ``k [B,H,Nk,D]``, ``v [B,G,Nk,Dv]`` (last dim contiguous; ``k is v`` with ``kv_same``);
     ``kb``: key bias from ``key_bias`` or None; ``qs [B,H,Nq]``, ``ks [B,H,Nk]``, ``beta [B|1,H|1,Nq|1]`` (the
     scalar term, ``1/tau``) or None; ``a``/``b``: ``[H]`` (contiguous, any float dtype) dot and norm coefficients
-    in natural-log units (the kernel multiplies them by ``log2(e)``); ``knorm_inline``: add ``b_h ||k_j||^2``
+    in natural-log units (the kernel multiplies them by ``log2(e)``), or ``b`` None for the distance form: ``a``
+    then holds ``c_h`` and the kernel uses ``a_h = 2 c_h``, ``b_h = -c_h``; ``knorm_inline``: add ``b_h ||k_j||^2``
     computed from the key tiles (the key norms without a key-bias pass; ``kb`` then holds at most the key
     log-weights and padding); ``prefix``: None, or the ``num_prefix_keys`` prefix keys and values ``(pk [B|1, H, P,
     D], pv [B|1, G, P, Dv])`` as separate tensors (then ``k`` / ``v`` hold only the sequence keys; ``kb``, ``ks``
@@ -688,7 +697,7 @@ def distance_forward(
         *sstrides,
         *scalars,
         SPLIT=False,
-        **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix),
+        **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None),
     )
     return out, lse
 
@@ -747,7 +756,7 @@ def distance_decode(
     lp = torch.empty_like(mp)
     erow = torch.empty(bsz * heads, nq, device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, n_split)  # noqa: E731
-    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm, prefix)
+    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm, prefix, b is None)
     launch_tuned(
         _distance_decode,
         grid,

@@ -119,7 +119,7 @@ def _run(t, am, *, causal, window, prefix, normalize, qnorm, knorm, kv_same, eps
         leaves.get("ks"),
         leaves.get("beta"),
         leaves["a"],
-        leaves["b"],
+        leaves.get("b"),  # absent: the distance form (b = None)
         mask,
         normalize=normalize,
         qnorm=qnorm,
@@ -136,6 +136,8 @@ def _run(t, am, *, causal, window, prefix, normalize, qnorm, knorm, kv_same, eps
 
 def _reference_fn(q, k, v, qs, ks, beta, a, b, mask, **kw):
     kw.pop("kv_same")
+    if b is None:  # the distance form: a holds c, the score uses 2c and -c
+        a, b = 2.0 * a, -a
     return reference(q, k, v, qs, ks, beta, a, b, mask, **kw)
 
 
@@ -153,7 +155,8 @@ def _check(t, am, dtype, **flags):
         if name in ("a", "b"):
             # returned in the coefficient's own dtype: its rounding bounds the error
             tol = max(tol, torch.finfo(t[name].dtype).eps)
-        if name == "b" and dtype == torch.bfloat16 and flags["normalize"]:
+        norm_coefficient = name == "b" or (name == "a" and "b" not in t)  # the distance form's c carries -b
+        if norm_coefficient and dtype == torch.bfloat16 and flags["normalize"]:
             # Under the softmax db = sum_ij dS_ij ||k_j||^2 is a sum of cancelling terms (every row of dS sums to
             # 0), and dS uses delta_i = dO_i . O_i with O rounded to bfloat16, as FlashAttention does: the relative
             # error of db is several per cent at these random shapes (3-5e-2 measured, the same before the key
@@ -229,6 +232,29 @@ def test_scalar_term_with_norms():
         kv_same=False,
         eps=0.01,
     )
+
+
+DISTANCE_FORM_CASES = {
+    "softmax": ({}, {"normalize": True, "qnorm": False, "knorm": True, "kv_same": False, "eps": 0.0}),
+    "softmax-free": ({}, {"normalize": False, "qnorm": True, "knorm": True, "kv_same": False, "eps": 0.0}),
+    "kv-same-eps": ({"kv_same": True}, {"normalize": True, "qnorm": True, "knorm": True, "kv_same": True, "eps": 0.05}),
+    "weights-padding": (
+        {"klw": True, "pad": 3},
+        {"normalize": True, "qnorm": False, "knorm": True, "kv_same": False, "eps": 0.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(DISTANCE_FORM_CASES))
+def test_distance_form_one_coefficient(dtype, case):
+    """``b = None``: ``a`` holds ``c``, the kernels use ``2c`` and ``-c`` and reduce the gradient of ``c`` themselves
+    (RBF's gamma, GKA's 1 / (2 sigma^2)); against the reference with ``a = 2c, b = -c`` built by autograd."""
+    make, flags = DISTANCE_FORM_CASES[case]
+    t, am = _make(dtype=dtype, nq=15, nk=19, seed=8, **make)
+    t["a"] = t["a"] / 2  # c = -b, of the size the RBF / GKA coefficients have
+    del t["b"]
+    _check(t, am, dtype, **MASKS["causal-window-prefix"], **flags)
 
 
 def _host_work(t, am, **flags):
@@ -437,3 +463,21 @@ def test_rbf_attention_prefix_arguments(dtype):
         hf_rbf.rbf_attention(
             t["q"], t["k"], t["v"], prefix_keys=t["prefix_keys"], prefix_values=t["prefix_values"], num_prefix_keys=1
         )
+
+
+def test_rbf_attention_host_path_has_no_elementwise_ops():
+    """One forward+backward of ``rbf_attention`` (triton, per-head gamma): three launches, and besides them only
+    allocations, views and the one sum of the per-head gradient: no torch op builds or reduces a coefficient."""
+    count_host_ops._patch_triton_run()
+    calls = count_host_ops.make_calls(1, 2, 12, 16, torch.float32, DEVICE)
+    fn, leaves = calls["rbf_attention"]
+    out = fn()
+    dout = torch.ones_like(out)
+    out.backward(dout)
+    for x in leaves:
+        x.grad = None
+    with count_host_ops.counting() as c:
+        fn().backward(dout)
+    assert sum(c.launches.values()) == 3, c.launches
+    assert set(c.ops) <= {"empty", "empty_like", "slice", "sum", "unbind", "detach"}, c.ops
+    assert c.ops["sum"] == 1, c.ops
