@@ -481,3 +481,45 @@ def test_rbf_attention_host_path_has_no_elementwise_ops():
     assert sum(c.launches.values()) == 3, c.launches
     assert set(c.ops) <= {"empty", "empty_like", "slice", "sum", "unbind", "detach"}, c.ops
     assert c.ops["sum"] == 1, c.ops
+
+
+def test_torch_compile_with_prefix_tensors():
+    """``torch.compile`` (fullgraph) traces ``rbf_attention(prefix_keys=, prefix_values=)`` into the custom ops (the
+    optional prefix inputs, their gradients and the distance form's ``b = None`` in the schemas): eager's loss and
+    gradients.  aot_eager on the CPU (the interpreter's kernels cannot go through Inductor), Inductor on the GPU."""
+    gen = torch.Generator().manual_seed(11)
+    t = {
+        "q": torch.randn(2, 2, 13, 16, generator=gen),
+        "k": torch.randn(2, 2, 13, 16, generator=gen),
+        "v": torch.randn(2, 2, 13, 16, generator=gen),
+        "prefix_keys": torch.randn(1, 2, 2, 16, generator=gen),
+        "prefix_values": torch.randn(1, 2, 2, 16, generator=gen),
+        "gamma": torch.tensor([0.08, 0.12]),
+    }
+
+    def loss_fn(x):
+        out = hf_rbf.rbf_attention(
+            x["q"],
+            x["k"],
+            x["v"],
+            gamma=x["gamma"],
+            window=5,
+            prefix_keys=x["prefix_keys"],
+            prefix_values=x["prefix_values"],
+            backend="triton",
+        )
+        return (out * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum()
+
+    def grads(fn):
+        leaves = {n: x.detach().clone().to(DEVICE).requires_grad_(True) for n, x in t.items()}
+        loss = fn(leaves)
+        loss.backward()
+        return loss.detach(), {n: x.grad for n, x in leaves.items()}
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
+    loss_c, grads_c = grads(compiled)
+    loss_e, grads_e = grads(loss_fn)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
