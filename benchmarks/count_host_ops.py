@@ -11,7 +11,8 @@ gka_attention, hybrid_attention) this counts, after warm-up (autotuning, compila
   ``kernels_common.launch_tuned`` all end there), by kernel name;
 - **aten ops**: every op that reaches the dispatcher below autograd (a ``TorchDispatchMode``), by name, outside the
   triton launches (the interpreter's own tensor work is not the host path being measured).  Views and allocations
-  count: each is a dispatcher round trip on the host.
+  count: each is a dispatcher round trip on the host.  "of which compute": the ops other than allocations and views
+  (``NO_KERNEL_OPS``), each of which launches a kernel on CUDA.
 
 The backward is ``out.backward(dout)`` with the leaves' ``.grad`` cleared first, so gradient accumulation is a
 fresh ``AccumulateGrad`` copy (as in the first micro-batch of a training step).
@@ -43,6 +44,31 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import hf_rbf
+
+# aten ops that only allocate or make views: no kernel on the device (the others each launch at least one on CUDA)
+NO_KERNEL_OPS = frozenset(
+    (
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "detach",
+        "alias",
+        "view",
+        "_unsafe_view",
+        "slice",
+        "select",
+        "unbind",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "t",
+        "transpose",
+        "permute",
+        "as_strided",
+    )
+)
 
 
 class _Counter:
@@ -200,6 +226,7 @@ def count_call(fn, leaves) -> dict:
         "fwd_aten_ops": sum(fwd[1].values()),
         "fwdbwd_launches": sum(both[0].values()),
         "fwdbwd_aten_ops": sum(both[1].values()),
+        "fwdbwd_aten_compute_ops": sum(n for op, n in both[1].items() if op not in NO_KERNEL_OPS),
         "fwdbwd_launches_by_kernel": both[0],
         "fwdbwd_aten_ops_by_name": both[1],
     }
@@ -256,7 +283,7 @@ def main(argv=None):
     rows = []
     env = f"torch {torch.__version__}, device {torch.cuda.get_device_name() if cuda else 'cpu (TRITON_INTERPRET=1)'}"
     print(f"# {env}; B{b} H{h} N{n} D{d} {args.dtype}")
-    header = "| call | fwd launches | fwd aten ops | fwd+bwd launches | fwd+bwd aten ops |"
+    header = "| call | fwd launches | fwd aten ops | fwd+bwd launches | fwd+bwd aten ops | of which compute |"
     if args.time:
         header += " host ms fwd | host ms fwd+bwd |"
     print(header)
@@ -271,7 +298,7 @@ def main(argv=None):
             continue
         line = (
             f"| {name} | {row['fwd_launches']} | {row['fwd_aten_ops']} | {row['fwdbwd_launches']} | "
-            f"{row['fwdbwd_aten_ops']} |"
+            f"{row['fwdbwd_aten_ops']} | {row['fwdbwd_aten_compute_ops']} |"
         )
         if args.time:
             _COUNTER.skip_kernels = args.stub_kernels
