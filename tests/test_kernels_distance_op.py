@@ -523,3 +523,47 @@ def test_torch_compile_with_prefix_tensors():
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     for name in grads_e:
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "d, n_prefix, prefix_batch, window", [(64, 1, 1, None), (128, 4, 1, 512), (64, 3, 2, 300), (256, 2, 1, None)]
+)
+def test_separate_prefix_full_shapes_on_gpu(d, n_prefix, prefix_batch, window):
+    """The prefix pointers at training shapes (the autotuner's tiles of 32-128 keys; the interpreter tests run 16):
+    ``rbf_attention(prefix_keys=, prefix_values=)`` in bfloat16 against the float64 naive reference of the same
+    call, output and every gradient."""
+    gen = torch.Generator().manual_seed(d + n_prefix)
+    b, h, n = 2, 4, 1023
+    t = {
+        "q": torch.randn(b, h, n, d, generator=gen),
+        "k": torch.randn(b, h, n, d, generator=gen),
+        "v": torch.randn(b, h, n, d, generator=gen),
+        "prefix_keys": torch.randn(prefix_batch, h, n_prefix, d, generator=gen),
+        "prefix_values": torch.randn(prefix_batch, h, n_prefix, d, generator=gen),
+        "gamma": (0.3 + 0.4 * torch.rand(h, generator=gen)) / d**0.5,
+    }
+    dout = torch.randn(b, h, n, d, generator=gen).bfloat16()  # the same rounded values for both calls
+
+    def run(backend, dtype):
+        leaves = {
+            name: x.to("cuda", dtype if x.dim() == 4 else torch.float32 if dtype != torch.float64 else dtype)
+            .detach()
+            .requires_grad_(True)
+            for name, x in t.items()
+        }
+        kw = {name: leaves[name] for name in ("prefix_keys", "prefix_values", "gamma")}
+        out = hf_rbf.rbf_attention(leaves["q"], leaves["k"], leaves["v"], window=window, backend=backend, **kw)
+        out.backward(dout.to("cuda", out.dtype))
+        return out.detach(), {name: x.grad for name, x in leaves.items()}
+
+    out, grads = run("triton", torch.bfloat16)
+    # the reference on the same bfloat16-rounded inputs
+    t = {name: (x.bfloat16().double() if x.dim() == 4 else x.double()) for name, x in t.items()}
+    out_ref, grads_ref = run("naive", torch.float64)
+    tol_out, tol_grad = TOL[torch.bfloat16]
+    assert rel_err(out, out_ref) <= tol_out
+    for name, ref in grads_ref.items():
+        tol = 8e-2 if name == "gamma" else tol_grad  # gamma's gradient carries -db (see _check)
+        assert rel_err(grads[name], ref) <= tol, (name, rel_err(grads[name], ref))
