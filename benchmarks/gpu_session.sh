@@ -19,7 +19,8 @@
 #   science      recipes/science_table.py on SCIENCE_CONFIG (default science/tinystories.yaml), SCIENCE_WORKERS
 #                processes at once (default 6), SCIENCE_ARGS appended (e.g. "--seeds 0 --max-minutes 5"); output in
 #                ./outputs/science_tinystories (kept between calls while the machine is warm); every results.json,
-#                worker log and failure.json packed                                                            [560]
+#                worker log and failure.json packed; runs stored under SCIENCE_STORED (default
+#                model_cards/results/science_tinystories) count as done                                                            [560]
 # Wheels: every *.whl of ./.whl or ./wheels that the image lacks (datasets, evaluate, dill, multiprocess) goes into
 # /tmp/hf_rbf_site (on PYTHONPATH) before the first job.
 # Data: DATA_ROOT (default ./gpu_data, a copy of shared/data carried with the call, else ../shared/data).
@@ -77,6 +78,9 @@ job_lm() { WORK="$WORK/lm" bash recipes/gpu_all.sh "$1" "$DATA_ROOT"; }
 job_deit() { python3 -m pytest -q -p no:cacheprovider -rs tests/test_seed_deit_recipe.py; }
 job_science() {
     local out=${SCIENCE_OUTPUT:-outputs/science_tinystories} rc
+    # the runs already stored in the repository are not redone on a fresh machine (a run with results.json is done)
+    local stored=${SCIENCE_STORED:-model_cards/results/science_tinystories}
+    [ -d "$stored/runs" ] && mkdir -p "$out" && cp -rn "$stored/runs" "$out/"
     OMP_NUM_THREADS=2 python3 recipes/science_table.py --config "${SCIENCE_CONFIG:-recipes/configs/science/tinystories.yaml}" \
         --output "$out" --workers "${SCIENCE_WORKERS:-6}" --no-report --store "$1/store" ${SCIENCE_ARGS:-}
     rc=$?

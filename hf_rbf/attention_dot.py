@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from .attention_utils import (
     MaskArgs,
     allowed_mask,
+    autocast_inputs,
     check_dim,
     check_same,
     check_return_weights,
@@ -124,6 +125,8 @@ def dot_attention(
     check_tensor(OP, "q", q, 4, "[B, H, Nq, D]")
     check_tensor(OP, "k", k, 4, "[B, H, Nk, D]")
     check_tensor(OP, "v", v, 4, "[B, H, Nk, Dv]")
+    # the "vlt" kind's values are the float32 residual stream (no W_V casts them): autocast's dtype, as SDPA casts
+    q, k, v = autocast_inputs(q, k, v)
     check_same(OP, {"q": q, "k": k, "v": v})
     b, h, nq, d = q.shape
     nk = k.shape[2]

@@ -440,16 +440,23 @@ def write_report(science: dict, output: str, card: str, figures_dir: str, log=pr
     return card
 
 
+def store_run(output: str, target: str | None, variant: str, seed: int) -> None:
+    """Copy one run's ``results.json`` (small: numbers and curves) to ``target`` in the same layout; nothing when the
+    run has none or ``target`` is None or ``output`` itself."""
+    src = os.path.join(run_dir(output, variant, seed), RESULT_FILE)
+    if target and os.path.exists(src) and os.path.abspath(output) != os.path.abspath(target):
+        dst = os.path.join(run_dir(target, variant, seed), RESULT_FILE)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy(src, dst)
+
+
 def store(science: dict, output: str, target: str) -> None:
-    """Copy every ``results.json`` (small: numbers and curves) to ``target`` in the same layout, so the card can be
-    refilled from the repository with ``--report-only --output target``."""
+    """Copy every ``results.json`` to ``target`` (:func:`store_run`), so the card can be refilled from the repository
+    with ``--report-only --output target``.  Runs are also stored one by one as they finish, so a session cut by its
+    time limit keeps what finished."""
     for variant in science["variants"]:
         for seed in science["seeds"]:
-            src = os.path.join(run_dir(output, variant, seed), RESULT_FILE)
-            if os.path.exists(src) and os.path.abspath(output) != os.path.abspath(target):
-                dst = os.path.join(run_dir(target, variant, seed), RESULT_FILE)
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                shutil.copy(src, dst)
+            store_run(output, target, variant, seed)
 
 
 def _past_deadline(args, output: str, variant: str, seed: int, t_start: float) -> bool:
@@ -526,6 +533,7 @@ def run_in_workers(args, jobs: list, output: str, t_start: float) -> int:
             log.close()
             ok = proc.returncode == 0
             failed += 0 if ok else 1
+            store_run(output, args.store, variant, seed)
             state = "finished" if ok else f"FAILED (exit {proc.returncode}; see {log.name})"
             print(f"[science] {variant} seed {seed}: {state} in {time.time() - t0:.0f}s", flush=True)
     return failed
@@ -659,6 +667,7 @@ def main(argv=None) -> int:
                     continue
                 if not _run_guarded(science, variant, seed, output, tokenizer, args):
                     failed += 1
+                store_run(output, args.store, variant, seed)
     if args.store:
         store(science, output, args.store)
     if not args.no_report:

@@ -19,6 +19,8 @@ CASES = [
     ("rbf", dict(position_embedding_type="rope", rbf_normalize=False, num_register_tokens=1)),
     ("gka", dict(num_hidden_layers=4, attention_layers=["gka", "dot"], window_pattern="SSL", sliding_window=3,
                  num_register_tokens=2)),
+    # the "vlt" kind's values are the float32 residual stream (no W_V): it failed on the GPU under bf16 autocast
+    ("gka", dict(attention_layers=["vlt", "gka"], num_register_tokens=1)),
     ("scalar_sort", dict(num_register_tokens=2, tau_mode="per_token")),
     ("hybrid_sort", dict(num_register_tokens=2)),
     ("hybrid_sort", dict(num_register_tokens=1, attention_layers=["hybrid", "scalar", "dot"], num_hidden_layers=3)),
@@ -41,7 +43,7 @@ def test_bf16_autocast_forward_backward(family, overrides):
     assert abs(out.loss.item() - ref.item()) < 0.05 * abs(ref.item())
 
 
-@pytest.mark.parametrize("op", ["rbf", "gka", "hybrid", "scalar"])
+@pytest.mark.parametrize("op", ["rbf", "gka", "hybrid", "scalar", "dot"])
 def test_attention_functions_take_autocast_dtype(op):
     """Under autocast the attention functions cast their float32 inputs to autocast's dtype, as PyTorch's SDPA does
     (GKA's features come straight from the float32 residual stream: uncast, the fused kernels ran float32 matmuls)."""
@@ -55,6 +57,7 @@ def test_attention_functions_take_autocast_dtype(op):
         "gka": lambda q, k, v, qs, ks: hf_rbf.gka_attention(q, 0.3),
         "hybrid": lambda q, k, v, qs, ks: hf_rbf.hybrid_attention(q, k, v, qs, ks, 0.5),
         "scalar": lambda q, k, v, qs, ks: hf_rbf.scalar_attention(qs, ks, v, 0.5),
+        "dot": lambda q, k, v, qs, ks: hf_rbf.dot_attention(q.bfloat16(), k.bfloat16(), v),  # v float32, as vlt's
     }
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = calls[op](q, k, v, qs, ks)

@@ -140,7 +140,14 @@ def test_workers_train_runs_in_their_own_processes(tmp_path, keep_threads):
 
     out, out_serial = str(tmp_path / "workers"), str(tmp_path / "serial")
     common = ["--config", CPU_CONFIG, "--card", str(tmp_path / "card.md"), "--figures", str(tmp_path / "figures")]
-    assert main(common + ["--output", out, "--only", "rbf,dot", "--seeds", "0", "--workers", "2"]) == 0
+    store = tmp_path / "store"
+    assert (
+        main(common + ["--output", out, "--only", "rbf,dot", "--seeds", "0", "--workers", "2", "--store", str(store)])
+        == 0
+    )
+    assert (store / "runs" / "dot" / "seed0" / "results.json").read_text() == Path(
+        out, "runs", "dot", "seed0", "results.json"
+    ).read_text()
     for v in ("rbf", "dot"):
         log = Path(out, "runs", v, "seed0", "worker.log").read_text()
         assert f"[science] {v} seed 0: finished" in log
