@@ -278,8 +278,8 @@ def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs) -> tor
         None,
         None,
         None,
-        2.0 * c,
-        -c,
+        c,
+        None,  # the distance form: the kernels use a = 2c, b = -c
         mask,
         normalize=True,
         qnorm=True,

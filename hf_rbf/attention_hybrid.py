@@ -230,7 +230,7 @@ def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torc
         ks,
         beta,
         a,
-        torch.zeros_like(a),
+        a.detach(),  # b: unread without norm terms (qnorm = knorm = False); no zero fill
         mask,
         normalize=True,
         qnorm=False,

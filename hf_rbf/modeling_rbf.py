@@ -116,7 +116,6 @@ class RbfAttention(DecoderAttention):
     ):
         """Positions, cache, the register rows' attention and the text call: ``(out [B, H, N, Dv], register out
         [1, H, R, Dv] or None, weights or None)``."""
-        b = q.shape[0]
         cos, sin = position_embeddings
         if self.position_embedding_type == "susie":
             pos = susie_embedding(cos, sin, self.susie_weight, q.dtype)
@@ -129,6 +128,7 @@ class RbfAttention(DecoderAttention):
         gamma = self._gamma()
 
         register_out = None
+        prefix = {}
         if self.num_registers > 0:
             qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
             if self.num_registers == 1 and self.normalize:
@@ -138,8 +138,8 @@ class RbfAttention(DecoderAttention):
                 register_out = rbf_attention(
                     qr, kr, vr, gamma=gamma, causal=True, normalize=self.normalize, backend=self.register_backend
                 )
-            k = torch.cat([kr.expand(b, -1, -1, -1), k], dim=2)
-            v = torch.cat([vr.expand(b, -1, -1, -1), v], dim=2)
+            # the registers reach the kernels as separate prefix tensors (no copy of k / v per layer)
+            prefix = {"prefix_keys": kr, "prefix_values": vr}
 
         out = rbf_attention(
             q,
@@ -152,6 +152,7 @@ class RbfAttention(DecoderAttention):
             key_log_weights=klw,
             attention_mask=am,
             num_prefix_keys=self.num_registers,
+            **prefix,
             **self._text_call_options(self.backend, output_attentions),
         )
         self._note_backend("rbf_attention")
