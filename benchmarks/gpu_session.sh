@@ -15,6 +15,12 @@
 #   throughput   recipes/throughput.py (tokens/s of every family against LlamaForCausalLM with SDPA)          [150]
 #   lm           recipes/gpu_all.sh (every family: train, val loss, bpb, CORE-20, throughput, cards)       [560]
 #   multi        recipes/gpu_multi.sh (1 GPU vs DDP vs FSDP on 2 GPUs, STEPS env)                          [400]
+#   hostops      benchmarks/count_host_ops.py --time (launches, aten ops and host ms per fused call; twice)      [120]
+#   profile      benchmarks/profile_training.py, the run-5 command (every family vs Llama, d256 and d768,
+#                best of 3 interleaved rounds; PROFILE_ARGS replaces the defaults)                              [500]
+#   staticdecode benchmarks/bench_sorted_static_decode.py (fused vs torch vs dense SDPA per layer step,
+#                8k-1M; STATIC_ARGS appended)                                                                [400]
+#   generate     benchmarks/bench_generate.py (ms per token of every family vs Llama, dynamic and static)      [500]
 #   deit         tests/test_seed_deit_recipe.py (the timm DeiT ingredients: the image has timm + torchvision)   [120]
 #   science      recipes/science_table.py on SCIENCE_CONFIG (default science/tinystories.yaml), SCIENCE_WORKERS
 #                processes at once (default 6), SCIENCE_ARGS appended (e.g. "--seeds 0 --max-minutes 5"); output in
@@ -49,7 +55,7 @@ if ! python3 -c "import datasets, evaluate" 2>/dev/null; then
     done
 fi
 
-declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
+declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=120 [profile]=500 [staticdecode]=400 [generate]=500 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
                   [lm]=560 [multi]=400 [throughput]=150)
 
 job_env() {
@@ -75,6 +81,16 @@ job_mass() {
 job_vit() { EPOCHS=${EPOCHS:-4} WORK="$WORK/vit" bash recipes/gpu_vit_mnist.sh "$1" "$DATA_ROOT/images/mnist"; }
 job_throughput() { python3 recipes/throughput.py --output "$1/throughput" ${THROUGHPUT_ARGS:-}; }
 job_lm() { WORK="$WORK/lm" bash recipes/gpu_all.sh "$1" "$DATA_ROOT"; }
+job_hostops() {
+    python3 benchmarks/count_host_ops.py --time --calls 300 --json "$1/host_ops_1.json"
+    python3 benchmarks/count_host_ops.py --time --calls 300 --json "$1/host_ops_2.json"
+}
+job_profile() {
+    python3 benchmarks/profile_training.py --out "$1" ${PROFILE_ARGS:---sizes d256,d768 --no-host --no-kernels \
+        --steps 10 --interleave 3 --variants "llama;rbf (1 register, SuSiE);rbf (no registers, RoPE);gka;hybrid_sort;scalar_sort"}
+}
+job_staticdecode() { python3 benchmarks/bench_sorted_static_decode.py --out "$1" ${STATIC_ARGS:-}; }
+job_generate() { python3 benchmarks/bench_generate.py --out "$1" ${GENERATE_ARGS:-}; }
 job_deit() { python3 -m pytest -q -p no:cacheprovider -rs tests/test_seed_deit_recipe.py; }
 job_science() {
     local out=${SCIENCE_OUTPUT:-outputs/science_tinystories} rc
