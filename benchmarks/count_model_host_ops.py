@@ -1,0 +1,131 @@
+"""Host-side work of one training forward+backward of a whole model: aten ops (all, and those that launch a kernel)
+and triton launches per step, for ``LlamaForCausalLM`` with SDPA and every family's default config on the fused
+backend, so the per-layer overhead of each family over Llama is visible without a GPU.
+
+    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/count_model_host_ops.py [--layers 2] [--verbose] [--json PATH]
+
+Counting is ``benchmarks/count_host_ops.py``'s (a ``TorchDispatchMode`` below autograd; triton's ``run`` wrapped).
+On the CPU the kernels run in triton's interpreter (a tiny shape: d=64, 2 heads, B2 T32), whose own tensor work is
+not counted.  On an H100 host each dispatcher round trip costs microseconds and each triton launch tens of
+microseconds (``benchmarks/results/h100-profile-2026-11-25``), so these counts say where a host-bound step's time
+goes; the per-layer difference to Llama is ``(ops - llama ops) / layers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from count_host_ops import NO_KERNEL_OPS, _patch_triton_run, counting
+
+import hf_rbf  # noqa: F401
+
+VARIANTS = {
+    "llama (SDPA)": ("llama", {}),
+    "rbf (1 register, SuSiE)": ("rbf", {}),
+    "rbf (no registers, RoPE)": ("rbf", {"num_register_tokens": 0, "position_embedding_type": "rope"}),
+    "gka": ("gka", {}),
+    "hybrid_sort": ("hybrid_sort", {}),
+    "scalar_sort": ("scalar_sort", {}),
+}
+
+
+def build(family: str, overrides: dict, layers: int, device: str):
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    size = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**size, attn_implementation="sdpa")).to(device)
+    backend = {} if family == "scalar_sort" else {"attention_backend": "triton"}  # scalar: its own auto choice
+    cfg = AutoConfig.for_model(family, **size, **backend, **overrides)
+    return AutoModelForCausalLM.from_config(cfg).to(device)
+
+
+def count_step(model, ids) -> dict:
+    """Aten ops and launches of one forward and of one forward+backward (after a warm-up step)."""
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    with counting() as c:
+        model(input_ids=ids, labels=ids)
+    fwd_ops, fwd_launches = collections.Counter(c.ops), sum(c.launches.values())
+    with counting() as c:
+        model(input_ids=ids, labels=ids).loss.backward()
+    ops = collections.Counter(c.ops)
+    model.zero_grad(set_to_none=True)
+    return {
+        "fwd_aten_ops": sum(fwd_ops.values()),
+        "fwd_launches": fwd_launches,
+        "fwdbwd_aten_ops": sum(ops.values()),
+        "fwdbwd_aten_compute_ops": sum(n for op, n in ops.items() if op not in NO_KERNEL_OPS),
+        "fwdbwd_launches": sum(c.launches.values()),
+        "fwd_aten_ops_by_name": dict(fwd_ops),
+        "fwdbwd_aten_ops_by_name": dict(ops),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--only", default=None, help="comma-separated substrings of the variant names")
+    p.add_argument("--verbose", action="store_true", help="print the forward's aten ops by name")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _patch_triton_run()
+    rows = {}
+    for name, (family, overrides) in VARIANTS.items():
+        if args.only and not any(s in name for s in args.only.split(",")):
+            continue
+        torch.manual_seed(0)
+        model = build(family, overrides, args.layers, device)
+        ids = torch.randint(0, 128, (2, 32), device=device)
+        rows[name] = count_step(model, ids)
+        del model
+    base = rows.get("llama (SDPA)")
+    print(f"# torch {torch.__version__}, {device}; d=64, 2 heads, {args.layers} layers, B2 T32, one training step")
+    print(
+        "| model | fwd aten ops | fwd launches | fwd+bwd aten ops | of which compute | fwd+bwd launches | "
+        "extra aten ops per layer vs Llama |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        extra = "" if base is None else f"{(r['fwdbwd_aten_ops'] - base['fwdbwd_aten_ops']) / args.layers:+.1f}"
+        print(
+            f"| {name} | {r['fwd_aten_ops']} | {r['fwd_launches']} | {r['fwdbwd_aten_ops']} | "
+            f"{r['fwdbwd_aten_compute_ops']} | {r['fwdbwd_launches']} | {extra} |"
+        )
+        if args.verbose:
+            print("    fwd:", sorted(r["fwd_aten_ops_by_name"].items(), key=lambda kv: -kv[1]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"layers": args.layers, "device": device, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
