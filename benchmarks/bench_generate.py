@@ -8,6 +8,11 @@ d768 L12 H12 (110M parameters with the 8192-token vocabulary), bf16 weights, gre
 The time per token is ``(t(new_tokens) - t(1)) / (new_tokens - 1)``: the prefill and the first token cancel.  Every
 (model, case, mode) runs once as a warm-up (compilation, autotuning), then ``--rounds`` interleaved rounds, the
 best kept.  Writes ``generate.json`` and ``generate.md``.
+
+The column "cache bytes/token" is computed, not measured: the bytes one more cached token takes in the cache of the
+mode, per batch row, summed over the layers (:func:`hf_rbf.cache_static.cache_bytes_per_token` for the hf_rbf
+families, incl. the sorted structure's index buffers and, for the static caches, the token index shared by the rows;
+``2 * layers * kv_heads * head_dim * dtype bytes`` for Llama, from its config, in both modes).
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ SIZE = dict(vocab_size=8192, hidden_size=768, num_hidden_layers=12, num_attentio
 
 
 def build(variant: str, max_positions: int):
-    import hf_rbf  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import hf_rbf  # noqa: F401
 
     if variant == "llama":
         model = LlamaForCausalLM(LlamaConfig(**SIZE, max_position_embeddings=max_positions, attn_implementation="sdpa"))
@@ -39,6 +45,19 @@ def build(variant: str, max_positions: int):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.to("cuda", torch.bfloat16).eval()
+
+
+def cache_bytes_per_token(variant: str, model, mode: str, batch: int) -> float:
+    """Bytes one more cached token takes per batch row, summed over the layers, in the cache ``generate`` builds in
+    ``mode`` (computed from the config; see the module docstring)."""
+    from hf_rbf.cache_static import cache_bytes_per_token as family_bytes
+
+    cfg = model.config
+    if variant == "llama":
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        item = torch.empty((), dtype=model.dtype).element_size()
+        return float(2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * item)
+    return family_bytes(cfg, mode, model.dtype).total(batch) / batch
 
 
 def timed_generate(model, ids, new_tokens: int, mode: str) -> float:
@@ -111,27 +130,38 @@ def main() -> int:
                     print(f"[round {rnd}] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
     for (variant, case, mode), ms in best.items():
         if ms != "error":
-            res["rows"].append(dict(variant=variant, batch=case[0], prompt=case[1], mode=mode, ms_per_token=ms))
+            per_token = cache_bytes_per_token(variant, models[variant], mode, case[0])
+            res["rows"].append(
+                dict(
+                    variant=variant,
+                    batch=case[0],
+                    prompt=case[1],
+                    mode=mode,
+                    ms_per_token=ms,
+                    cache_bytes_per_token=per_token,
+                )
+            )
     (out / "generate.json").write_text(json.dumps(res, indent=1))
     lines = [
         f"# ms per generated token ({res['gpu']}, torch {res['torch']}, triton {res['triton']}, transformers "
         f"{res['transformers']}; d768 L12 H12 bf16, greedy, {args.new_tokens} new tokens, best of {args.rounds} "
         "interleaved rounds)",
         "",
-        "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) |",
-        "|---|---|---|---|---|",
+        "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) | cache bytes/token |",
+        "|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         if "error" in r:
             lines.append(
                 f"| {r['variant']} | {r.get('batch', '')}x{r.get('prompt', '')} | {r.get('mode', '')} | "
-                f"error: {r['error'][:100]} | |"
+                f"error: {r['error'][:100]} | | |"
             )
             continue
         base = best.get(("llama", (r["batch"], r["prompt"]), r["mode"]))
         ratio = f"{base / r['ms_per_token']:.2f}x" if isinstance(base, float) else ""
         lines.append(
-            f"| {r['variant']} | {r['batch']}x{r['prompt']} | {r['mode']} | {r['ms_per_token']:.2f} | {ratio} |"
+            f"| {r['variant']} | {r['batch']}x{r['prompt']} | {r['mode']} | {r['ms_per_token']:.2f} | {ratio} | "
+            f"{r['cache_bytes_per_token']:.0f} |"
         )
     (out / "generate.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

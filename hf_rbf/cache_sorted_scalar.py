@@ -31,6 +31,15 @@ Costs (``n`` cached tokens, ``k`` window, ``R`` buffer size, per row and order; 
   ``2k + R`` candidates, ``k`` key and ``k`` value-row gathers: ``O(log n + (k + R) log(k + R) + k Dv)``.
 * crop / eviction / beam reordering: ``O(n)`` gathers and scatters (rare steps).
 
+Memory and budgets
+------------------
+Per token and row, the by-slot tensors and one sorted entry per order (see
+:func:`hf_rbf.cache_static.cache_bytes_per_token`, :meth:`SortedScalarCacheLayer.bytes_per_token`).  The slot
+buffers double when full; a bounded layer (``max_cache_tokens`` or ``max_cache_bytes``, which the layer turns into
+``max_cache_tokens = max_cache_bytes // bytes_per_token()`` when it first sees the dtype and widths of what it caches)
+never grows them past its bound and shrinks them back to it after a prompt longer than the bound was evicted, so its
+per-token buffers stay within ``max_cache_bytes`` (except while eviction is deferred for assisted decoding).
+
 The window semantics do not depend on the buffer (the candidates always contain the window), so results are the
 same for every ``cache_buffer_size``; ``decode_window=None`` runs the layer's exact attention function over the
 cached tokens instead.
@@ -42,9 +51,10 @@ import logging
 import math
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from .configuration_scalar_sort import check_sorted_cache_settings
+from .cache_static import sorted_layer_bytes_per_token
+from .configuration_scalar_sort import check_sorted_cache_settings, override_cache_settings
 from .kernels_sorted_decode import kernel_unavailable_reason, sorted_window_attention_triton
 from .sorted_decode import SortedCacheState, sorted_window_attention
 
@@ -78,9 +88,11 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         num_heads, num_value_groups: ``H`` and ``G`` of the layer.
         scalar_heads (`list[bool]`, *optional*): which heads have a scalar term (hybrid layers' "dot" heads do not;
             they are ignored by geometric eviction, the sink zone and density merging).  Default: all.
-        decode_window, sort_scheme, sort_head, cache_buffer_size, max_cache_tokens, cache_eviction, eviction_radius,
-            eviction_recent_queries, eviction_batch, sink_zone, decode_backend, density_merge_weighting,
-            density_merge_size: as in :class:`~hf_rbf.ScalarSortConfig`.
+        decode_window, sort_scheme, sort_head, cache_buffer_size, max_cache_tokens, max_cache_bytes, cache_eviction,
+            eviction_radius, eviction_recent_queries, eviction_batch, sink_zone, decode_backend,
+            density_merge_weighting, density_merge_size: as in :class:`~hf_rbf.ScalarSortConfig`.  With
+            ``max_cache_bytes`` the token bound ``max_cache_tokens`` (and the default ``eviction_batch``) is set at
+            the first insert, from :meth:`bytes_per_token`.
 
     The attention module calls :meth:`append` (before attending, so a token sees itself), then either
     :meth:`slot_view` (exact attention over every cached token) or :meth:`attend` (the window), then
@@ -112,6 +124,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         decode_backend: str = "torch",
         density_merge_weighting: str = "multiplicity",
         density_merge_size: int = 2,
+        max_cache_bytes: int | None = None,
     ):
         super().__init__()
         name = type(self).__name__
@@ -139,6 +152,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             decode_backend=decode_backend,
             density_merge_weighting=density_merge_weighting,
             density_merge_size=density_merge_size,
+            max_cache_bytes=max_cache_bytes,
         )
         if scalar_heads is not None and len(scalar_heads) != num_heads:
             raise ValueError(f"{name}: `scalar_heads` must have {num_heads} entries; got {len(scalar_heads)}")
@@ -150,9 +164,11 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.sort_head = sort_head
         self.cache_buffer_size = cache_buffer_size
         self.max_cache_tokens = max_cache_tokens
+        self.max_cache_bytes = max_cache_bytes
         self.cache_eviction = cache_eviction
         self.eviction_radius = float(eviction_radius)
         self.eviction_recent_queries = eviction_recent_queries
+        self._given_eviction_batch = eviction_batch  # None: derived from the token bound
         if max_cache_tokens is not None and eviction_batch is None:
             eviction_batch = max(1, max_cache_tokens // 16)
         self.eviction_batch = eviction_batch
@@ -217,8 +233,15 @@ class SortedScalarCacheLayer(CacheLayerMixin):
                 f"groups; got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
             )
         self.dtype, self.device = key_states.dtype, key_states.device
-        cap = 16
         g, dv = value_states.shape[1], value_states.shape[3]
+        if self.max_cache_bytes is not None:
+            self._apply_byte_budget(
+                self.layer_bytes_per_token(
+                    value_bytes_per_row=g * dv * value_states.element_size(), vector_dim=width - 1
+                )
+            )
+        # a bounded layer never holds more than its bound (the insert evicts first): no slot beyond it
+        cap = 16 if self.max_cache_tokens is None else min(16, self.max_cache_tokens)
         dev = self.device
         self.keys = torch.zeros(b, h, cap, dtype=self.dtype, device=dev)
         self.values = torch.zeros(b, g, cap, dv, dtype=value_states.dtype, device=dev)
@@ -235,6 +258,49 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self._order_head = torch.tensor(self.order_head_list, dtype=torch.long, device=dev)
         self._scalar_head_mask = torch.tensor(self.scalar_heads, dtype=torch.bool, device=dev)
         self.is_initialized = True
+
+    def layer_bytes_per_token(self, *, value_bytes_per_row: int, vector_dim: int) -> int:
+        """Bytes per held token and row for values of ``value_bytes_per_row`` bytes and vector keys of ``vector_dim``
+        elements (0: a scalar layer), in this layer's dtype
+        (:func:`~hf_rbf.cache_static.sorted_layer_bytes_per_token`)."""
+        return sorted_layer_bytes_per_token(
+            num_heads=self.num_heads,
+            value_bytes_per_row=value_bytes_per_row,
+            vector_dim=vector_dim,
+            num_orders=self.num_orders,
+            dtype=self.dtype,
+            cache="dynamic",
+            density=self.cache_eviction == "density",
+            log_weight=self.log_weight is not None,
+        )
+
+    def bytes_per_token(self) -> int:
+        """Bytes one held token takes per batch row in this (allocated) layer: by slot the scalar keys, values, vector
+        keys, validity and token index (and the log-weight and multiplicity of density merging or key weights), and
+        one key and one int64 slot per order in the sorted arrays."""
+        if not self.is_initialized:
+            raise ValueError(f"{type(self).__name__}.bytes_per_token: the layer holds nothing yet (no dtype)")
+        vector_dim = 0 if self.vector_keys is None else self.vector_keys.shape[-1]
+        value_bytes = self.values.shape[1] * self.values.shape[3] * self.values.element_size()
+        return self.layer_bytes_per_token(value_bytes_per_row=value_bytes, vector_dim=vector_dim)
+
+    def _apply_byte_budget(self, per_token: int) -> None:
+        """``max_cache_bytes`` -> ``max_cache_tokens`` (and the default ``eviction_batch``) for ``per_token`` bytes."""
+        name = type(self).__name__
+        tokens = self.max_cache_bytes // per_token
+        if tokens < 1:
+            raise ValueError(
+                f"{name}: `max_cache_bytes` ({self.max_cache_bytes}) is below one cached token of this layer "
+                f"({per_token} bytes per token and row in {self.dtype})"
+            )
+        batch = self._given_eviction_batch
+        if batch is not None and batch > tokens:
+            raise ValueError(
+                f"{name}: `eviction_batch` ({batch}) must be at most the token bound of `max_cache_bytes` "
+                f"({self.max_cache_bytes} bytes = {tokens} tokens of {per_token} bytes)"
+            )
+        self.max_cache_tokens = tokens
+        self.eviction_batch = batch if batch is not None else max(1, tokens // 16)
 
     def _per_row_tensors(self) -> list[str]:
         return [
@@ -254,15 +320,24 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         if needed <= cap:
             return
         new_cap = max(needed, 2 * cap)
+        limit = self.max_cache_tokens
+        if limit is not None and not self.record_past:
+            # a bounded layer evicts before it inserts: more slots than the bound only for a longer single step
+            new_cap = max(needed, min(new_cap, limit))
+        self._resize_slots(new_cap)
+
+    def _resize_slots(self, new_cap: int) -> None:
+        """Reallocate every by-slot tensor with ``new_cap`` slots, keeping the first ``min(capacity, new_cap)``."""
+        keep = min(self.capacity, new_cap)
         for name, dim in self._slot_tensors():
             t = getattr(self, name)
             if t is None:
                 continue
             shape = list(t.shape)
             shape[dim] = new_cap
-            grown = torch.zeros(shape, dtype=t.dtype, device=t.device)
-            grown.narrow(dim, 0, cap).copy_(t)
-            setattr(self, name, grown)
+            resized = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            resized.narrow(dim, 0, keep).copy_(t.narrow(dim, 0, keep))
+            setattr(self, name, resized)
 
     def _ensure_log_weight(self) -> None:
         if self.log_weight is None:
@@ -665,6 +740,10 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             keep = self._keep_mask(target, self.cache_eviction)
         self.valid[:, : self.num_slots] = keep
         self._compact(max(target, 0))
+        limit = self.max_cache_tokens
+        if limit is not None and self.capacity > max(limit, self.num_slots):
+            # a prompt longer than the bound grew the buffers past it: give the memory back
+            self._resize_slots(max(limit, self.num_slots))
 
     def _compact(self, new_slots: int) -> None:
         """Pack each row's valid slots (in slot order) into the first ``new_slots`` slots (every row must hold at most
@@ -816,9 +895,11 @@ class SortedScalarCache(Cache):
 
     Args:
         decode_window (`int` or None): the window ``k`` (None = exact).
-        sort_scheme, sort_head, cache_buffer_size, max_cache_tokens, cache_eviction, eviction_radius,
+        sort_scheme, sort_head, cache_buffer_size, max_cache_tokens, max_cache_bytes, cache_eviction, eviction_radius,
             eviction_recent_queries, eviction_batch, sink_zone, decode_backend, density_merge_weighting,
-            density_merge_size: see :class:`~hf_rbf.ScalarSortConfig`.
+            density_merge_size: see :class:`~hf_rbf.ScalarSortConfig`.  The eviction budget is given in tokens or
+            in bytes: passing one of ``max_cache_tokens`` / ``max_cache_bytes`` replaces the config's budget in the
+            other unit too (``max_cache_tokens=None`` alone turns eviction off); passing both non-None is an error.
         layers (`list`, *optional*): pre-built layers.
     """
 
@@ -830,6 +911,7 @@ class SortedScalarCache(Cache):
         sort_head=_FROM_CONFIG,
         cache_buffer_size=_FROM_CONFIG,
         max_cache_tokens=_FROM_CONFIG,
+        max_cache_bytes=_FROM_CONFIG,
         cache_eviction=_FROM_CONFIG,
         eviction_radius=_FROM_CONFIG,
         eviction_recent_queries=_FROM_CONFIG,
@@ -846,6 +928,7 @@ class SortedScalarCache(Cache):
             sort_head=sort_head,
             cache_buffer_size=cache_buffer_size,
             max_cache_tokens=max_cache_tokens,
+            max_cache_bytes=max_cache_bytes,
             cache_eviction=cache_eviction,
             eviction_radius=eviction_radius,
             eviction_recent_queries=eviction_recent_queries,
@@ -865,8 +948,9 @@ class SortedScalarCache(Cache):
         name = "SortedScalarCache"
         defaults = dict(
             decode_window=None, sort_scheme="per_head", sort_head=0, cache_buffer_size=64, max_cache_tokens=None,
-            cache_eviction="geometric", eviction_radius=0.5, eviction_recent_queries=16, eviction_batch=None,
-            sink_zone=None, decode_backend="torch", density_merge_weighting="multiplicity", density_merge_size=2,
+            max_cache_bytes=None, cache_eviction="geometric", eviction_radius=0.5, eviction_recent_queries=16,
+            eviction_batch=None, sink_zone=None, decode_backend="torch", density_merge_weighting="multiplicity",
+            density_merge_size=2,
         )  # fmt: skip
         merged = dict(defaults, **settings)
         sort_head = merged["sort_head"]
@@ -878,8 +962,7 @@ class SortedScalarCache(Cache):
 
     def resolved_settings(self, config) -> dict:
         """The settings for a model: the config's fields overridden by those given to this cache."""
-        settings = config.sorted_cache_settings()
-        settings.update(self.settings)
+        settings = override_cache_settings(config.sorted_cache_settings(), self.settings)
         check_sorted_cache_settings(
             "SortedScalarCache",
             num_heads=config.num_attention_heads,
@@ -897,4 +980,53 @@ class SortedScalarCache(Cache):
         return self.settings.get("decode_window")
 
 
-__all__ = ["SortedScalarCache", "SortedScalarCacheLayer"]
+class ByteBudgetSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding layer bounded by a byte budget (``max_cache_bytes`` on the "dot" and sliding layers of
+    a scalar-sort / hybrid-sort model): at the first update it converts ``max_cache_bytes`` into a token bound from
+    the bytes per token and row of the keys and values it is given, ``max_cache_tokens = max_cache_bytes //
+    bytes_per_token``, then keeps the last ``max_cache_tokens`` tokens (and at most ``window - 1`` for a sliding
+    attention layer), as ``DynamicSlidingWindowLayer(min(window, max_cache_tokens + 1))`` does under
+    ``max_cache_tokens``.
+
+    Args:
+        max_cache_bytes: the budget, bytes per batch row (int >= 1).
+        window: the attention layer's sliding window (None: full attention).
+    """
+
+    _UNBOUNDED = 2**62  # the window until the first update sets it (no mask is sized before a token is cached)
+
+    def __init__(self, max_cache_bytes: int, window: int | None = None):
+        name = type(self).__name__
+        if not isinstance(max_cache_bytes, int) or isinstance(max_cache_bytes, bool) or max_cache_bytes < 1:
+            raise ValueError(f"{name}: `max_cache_bytes` must be an int >= 1; got {max_cache_bytes!r}")
+        super().__init__(sliding_window=self._UNBOUNDED if window is None else window)
+        self.max_cache_bytes = max_cache_bytes
+        self.attention_window = window
+        self.max_cache_tokens = None
+        self.bytes_per_token = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        per_token = (
+            key_states.shape[1] * key_states.shape[-1] * key_states.element_size()
+            + value_states.shape[1] * value_states.shape[-1] * value_states.element_size()
+        )
+        tokens = self.max_cache_bytes // per_token
+        if tokens < 1:
+            raise ValueError(
+                f"{type(self).__name__}: `max_cache_bytes` ({self.max_cache_bytes}) is below one cached token of this "
+                f"layer ({per_token} bytes per token and row in {key_states.dtype})"
+            )
+        self.bytes_per_token, self.max_cache_tokens = per_token, tokens
+        window = tokens + 1 if self.attention_window is None else min(self.attention_window, tokens + 1)
+        self.sliding_window = window
+        self._sliding_window_tensor = torch.tensor(window, dtype=torch.long)
+        super().lazy_initialization(key_states, value_states)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(max_cache_bytes={self.max_cache_bytes}, window={self.attention_window}, "
+            f"max_cache_tokens={self.max_cache_tokens})"
+        )
+
+
+__all__ = ["ByteBudgetSlidingWindowLayer", "SortedScalarCache", "SortedScalarCacheLayer"]

@@ -27,6 +27,8 @@ keys and values), ``H * head_dim * bytes`` (gka: one feature), plus one byte of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -255,8 +257,193 @@ class StaticDecoderCache(Cache):
         )
 
 
+CACHE_TYPES = ("dynamic", "static")
+
+
+@dataclass(frozen=True)
+class CacheMemory:
+    """What a cache of one model holds, by layer (:func:`cache_bytes_per_token`).  Bytes of layer ``l`` holding
+    ``S`` token slots at batch ``B``: ``S * (B * per_row[l] + shared[l]) + B * fixed_per_row[l] + fixed_shared[l]``.
+
+    Attributes:
+        cache: "dynamic" or "static".
+        dtype: the dtype the cache holds its keys and values in.
+        kinds: the attention kind of every layer ("rbf", "dot", "vlt", "gka", "scalar", "hybrid").
+        windows: every layer's sliding window (None: full attention).  A sliding layer holds at most
+            ``min(window, max_cache_len)`` slots (static) or its last ``window - 1`` tokens (dynamic).
+        per_row: bytes each cached token takes in each layer, per batch row.
+        shared: bytes per cached token that every row shares (the static layers' token index ``[C]`` int64: 8).
+        fixed_per_row: bytes per batch row whatever the token count (the dynamic sorted layers' recent queries and
+            order counts, the static sorted layers' fill copies of the block being filled).
+        fixed_shared: bytes whatever the batch and the token count (device-side lengths, order-head indices).
+    """
+
+    cache: str
+    dtype: torch.dtype
+    kinds: tuple
+    windows: tuple
+    per_row: tuple
+    shared: tuple
+    fixed_per_row: tuple
+    fixed_shared: tuple
+
+    def per_layer(self, batch: int = 1) -> list[float]:
+        """Bytes one more cached token costs in each layer at batch ``batch`` (``batch * per_row + shared``)."""
+        return [batch * r + s for r, s in zip(self.per_row, self.shared)]
+
+    def total(self, batch: int = 1) -> float:
+        """Bytes one more cached token costs summed over the layers (sliding layers included, as long as the token
+        count is below their window)."""
+        return float(sum(self.per_layer(batch)))
+
+
+def _item(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def sorted_layer_bytes_per_token(
+    *,
+    num_heads: int,
+    value_bytes_per_row: int,
+    vector_dim: int,
+    num_orders: int,
+    dtype: torch.dtype,
+    cache: str,
+    density: bool = False,
+    log_weight: bool = False,
+) -> int:
+    """Bytes per cached token and batch row of a full scalar / hybrid layer's sorted cache.
+
+    By slot: the scalar keys ``H`` and, for hybrid layers, the vector keys ``H * vector_dim`` in ``dtype``, the values
+    (``value_bytes_per_row``: ``G * Dv`` elements of the value dtype), the validity (1 byte); the dynamic layer also
+    keeps the token index per row (int64; the static one shares it between rows) and, when ``density`` eviction
+    merges tokens or key weights were given (``log_weight``), a log-weight per head; density merging also keeps a
+    multiplicity per slot.  The search structure: per order one key (``dtype``) and one int64 slot."""
+    if cache not in CACHE_TYPES:
+        raise ValueError(f"sorted_layer_bytes_per_token: `cache` must be one of {CACHE_TYPES}; got {cache!r}")
+    item = _item(dtype)
+    by_slot = num_heads * item + value_bytes_per_row + num_heads * vector_dim * item + 1
+    if cache == "dynamic":
+        by_slot += 8  # token index [B, C] int64
+        if density or log_weight:
+            by_slot += num_heads * item  # log_weight [B, H, C]
+        if density:
+            by_slot += item  # multiplicity [B, C]
+    return by_slot + num_orders * (item + 8)
+
+
+def cache_bytes_per_token(
+    config, cache: str = "dynamic", dtype: torch.dtype = torch.bfloat16, *, block_size: int = 64
+) -> CacheMemory:
+    """Memory of a model's cache per cached token, by layer, computed from its config (any hf_rbf family).
+
+    Args:
+        config: an hf_rbf decoder config (rbf, gka, scalar_sort, hybrid_sort; any mix of their layer kinds).
+        cache: ``"dynamic"`` (what ``generate`` builds by default: ``DynamicCache`` layers for rbf / gka / "dot",
+            :class:`~hf_rbf.cache_sorted_scalar.SortedScalarCacheLayer` for full scalar / hybrid layers,
+            transformers' sliding layers for sliding ones) or ``"static"`` (``cache_implementation="static"``:
+            :class:`StaticKeyValueLayer`, :class:`~hf_rbf.cache_sorted_static.StaticSortedLayer`).
+        dtype: the dtype of the cached keys and values (the model's dtype, or autocast's).
+        block_size: the static sorted layers' block length ``T`` (their fill copies are ``O * 2 * T`` entries per
+            row; assumes ``max_cache_len >= T``).
+
+    Per token and row, ``item`` the bytes of ``dtype``, ``D = head_dim``, ``O`` orders (``H`` under
+    ``sort_scheme="per_head"``, ``G`` under ``"sort_head"``):
+
+    * rbf / dot / vlt: keys and values, ``2 H D item`` (+1 validity byte and a shared 8-byte token index, static);
+    * gka: one feature (keys = values), ``H D item`` (+1, +8 shared, static);
+    * full scalar / hybrid: :func:`sorted_layer_bytes_per_token` (``(H + G Dv (+ H D) + O) item + 8 O + 1``, dynamic
+      ``+ 8`` for the token index and, under ``cache_eviction="density"``, ``+ (H + 1) item``; static +8 shared);
+    * sliding scalar / hybrid: the scalar key packed before the vector key and the values, ``(H (1 (+ D)) + G Dv)
+      item`` (+1, +8 shared, static).
+
+    What it leaves out: the dynamic sorted layers' slot buffers grow by doubling (up to twice the tokens held, or
+    ``max_cache_tokens`` / ``max_cache_bytes`` when set) and their sorted arrays may lag ``cache_buffer_size``
+    tokens behind the slots; key weights passed to the dynamic sorted cache add ``H item`` per token; transformers'
+    sliding layer keeps its last ``window - 1`` tokens as a view of the step's concatenation (``window`` held); a
+    static layer's slot mask of the last decode step (``[B, C]`` bool, rebuilt every step); the cache's row counters
+    (``StaticDecoderCache.row_tokens``, ``[B]`` int64) and transient buffers of a step.  Tested against the bytes the
+    layers hold in ``tests/test_cache_budget_bytes.py``.
+    """
+    if cache not in CACHE_TYPES:
+        raise ValueError(f"cache_bytes_per_token: `cache` must be one of {CACHE_TYPES}; got {cache!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"cache_bytes_per_token: `block_size` must be an int >= 1; got {block_size!r}")
+    item = _item(dtype)
+    static = cache == "static"
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    kinds, windows, per_row, shared, fixed_row, fixed_shared = [], [], [], [], [], []
+    for idx in range(config.num_hidden_layers):
+        kind = config.layer_kind(idx)
+        window = config.layer_window(idx)
+        row, row_fixed, common = 0, 0, 0
+        if kind in ("rbf", "dot", "vlt", "gka"):
+            row = (1 if kind == "gka" else 2) * heads * head_dim * item
+        elif kind in ("scalar", "hybrid"):
+            groups, value_dim = config.num_value_groups, config.value_head_dim
+            vector_dim = head_dim if kind == "hybrid" else 0
+            if window is not None:
+                row = (heads * (1 + vector_dim) + groups * value_dim) * item
+            else:
+                orders = heads if config.sort_scheme == "per_head" else groups
+                row = sorted_layer_bytes_per_token(
+                    num_heads=heads,
+                    value_bytes_per_row=groups * value_dim * item,
+                    vector_dim=vector_dim,
+                    num_orders=orders,
+                    dtype=dtype,
+                    cache=cache,
+                    density=config.cache_eviction == "density",
+                )
+                if static:
+                    # fill copies [B, O, 2, T] of keys and int64 slots; finish counter (int32), order heads (int64)
+                    row_fixed = orders * 2 * block_size * (item + 8)
+                    common = 4 + 8 * orders
+                else:
+                    # recent queries [B, H, Q] (dtype), their temperatures (at least float32), vector queries
+                    # (hybrid), validity and token index [B, Q]; sorted counts [B, O]; order heads, scalar-head mask.
+                    # The recent buffers are the last Q entries of the step's concatenation: Q + 1 held after a
+                    # decode step (Q + N after an N-token step, until the next one)
+                    recent = config.eviction_recent_queries + 1
+                    tau_item = _item(torch.promote_types(dtype, torch.float32))
+                    row_fixed = heads * recent * (item + tau_item + vector_dim * item) + recent * 9 + 8 * orders
+                    common = 8 * orders + heads
+                    dot_heads = getattr(config, "dot_heads", None)
+                    if kind == "hybrid" and any(dot_heads) and not all(dot_heads):
+                        common += 4 * heads  # the recent queries' per-head dot-product scale (float32)
+        else:
+            raise ValueError(f"cache_bytes_per_token: unknown layer kind {kind!r} of layer {idx}")
+        full_sorted = kind in ("scalar", "hybrid") and window is None
+        if static:
+            row += 0 if full_sorted else 1  # the slot's validity (counted by sorted_layer_bytes_per_token)
+            shared_bytes = 8  # the token index [C] (int64), one per slot for every row
+            common += 8  # the device-side length
+        else:
+            shared_bytes = 0
+            if window is not None:
+                common += 8  # transformers' sliding layer keeps its window as a tensor
+        kinds.append(kind)
+        windows.append(window)
+        per_row.append(float(row))
+        shared.append(float(shared_bytes))
+        fixed_row.append(float(row_fixed))
+        fixed_shared.append(float(common))
+    return CacheMemory(
+        cache=cache,
+        dtype=dtype,
+        kinds=tuple(kinds),
+        windows=tuple(windows),
+        per_row=tuple(per_row),
+        shared=tuple(shared),
+        fixed_per_row=tuple(fixed_row),
+        fixed_shared=tuple(fixed_shared),
+    )
+
+
 def static_cache_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> list[float]:
-    """Bytes one cached token takes in each layer of the static cache, per batch row, computed from the config.
+    """Bytes one cached token takes in each layer of the static cache, per batch row (the per-row part of
+    ``cache_bytes_per_token(config, "static", dtype)``; every row also shares an 8-byte token index per slot).
 
     rbf / dot / vlt layers: keys and values, ``2 * H * head_dim`` elements; gka: one feature, ``H * head_dim``; a full
     scalar / hybrid layer (:class:`~hf_rbf.cache_sorted_static.StaticSortedLayer`): scalar keys ``H``, values
@@ -265,28 +452,48 @@ def static_cache_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) ->
     ``H * (1 + head_dim)`` (hybrid) or ``H`` (scalar) and values ``G * Dv``.  Every layer adds one byte (the slot's
     validity).  Sliding layers hold ``min(window, max_cache_len)`` slots, full layers ``max_cache_len``.
     """
-    item = torch.empty((), dtype=dtype).element_size()
-    heads = config.num_attention_heads
-    head_dim = config.hidden_size // heads
-    result = []
-    for idx in range(config.num_hidden_layers):
-        kind = config.layer_kind(idx)
-        if kind in ("rbf", "dot", "vlt"):
-            elements, extra = 2 * heads * head_dim, 0
-        elif kind == "gka":
-            elements, extra = heads * head_dim, 0
-        elif kind in ("scalar", "hybrid"):
-            groups, value_dim = config.num_value_groups, config.value_head_dim
-            vector = heads * head_dim if kind == "hybrid" else 0
-            elements, extra = heads + groups * value_dim + vector, 0
-            if config.layer_window(idx) is None:
-                orders = heads if config.sort_scheme == "per_head" else groups
-                elements += orders
-                extra = 8 * orders  # int64 slot of each sorted entry
-        else:
-            raise ValueError(f"static_cache_bytes_per_token: unknown layer kind {kind!r} of layer {idx}")
-        result.append(float(elements * item + extra + 1))
-    return result
+    return list(cache_bytes_per_token(config, "static", dtype).per_row)
 
 
-__all__ = ["StaticDecoderCache", "StaticKeyValueLayer", "static_cache_bytes_per_token"]
+def static_cache_len_for_bytes(
+    config, max_cache_bytes: int, dtype: torch.dtype = torch.bfloat16, *, block_size: int = 64
+) -> int:
+    """The largest ``max_cache_len`` whose static cache keeps every layer's per-token buffers within
+    ``max_cache_bytes`` bytes per batch row (a token costing ``per_row + shared`` bytes of
+    :func:`cache_bytes_per_token`, i.e. at batch 1; the fixed overheads are not counted).  Sliding layers hold at
+    most their window and bound it only when their window does not fit; full sorted layers round their capacity up to
+    a multiple of ``block_size``, so their bound is rounded down to one (when it is at least one block)."""
+    name = "static_cache_len_for_bytes"
+    if not isinstance(max_cache_bytes, int) or isinstance(max_cache_bytes, bool) or max_cache_bytes < 1:
+        raise ValueError(f"{name}: `max_cache_bytes` must be an int >= 1; got {max_cache_bytes!r}")
+    memory = cache_bytes_per_token(config, "static", dtype, block_size=block_size)
+    bound = None
+    for idx, (kind, window, cost) in enumerate(zip(memory.kinds, memory.windows, memory.per_layer(1))):
+        if window is not None and window * cost <= max_cache_bytes:
+            continue
+        tokens = int(max_cache_bytes // cost)
+        if tokens < 1:
+            raise ValueError(
+                f"{name}: `max_cache_bytes` ({max_cache_bytes}) is below one token of layer {idx} ({kind!r}, "
+                f"{cost:g} bytes per token in {dtype})"
+            )
+        if kind in ("scalar", "hybrid") and window is None and tokens >= block_size:
+            tokens -= tokens % block_size
+        bound = tokens if bound is None else min(bound, tokens)
+    if bound is None:  # only sliding layers, every window fits: the budget does not bound the length
+        raise ValueError(
+            f"{name}: every layer is a sliding layer whose window fits in `max_cache_bytes` ({max_cache_bytes}); "
+            "the budget does not bound the cache length: pass `max_cache_len`"
+        )
+    return bound
+
+
+__all__ = [
+    "CacheMemory",
+    "StaticDecoderCache",
+    "StaticKeyValueLayer",
+    "cache_bytes_per_token",
+    "sorted_layer_bytes_per_token",
+    "static_cache_bytes_per_token",
+    "static_cache_len_for_bytes",
+]

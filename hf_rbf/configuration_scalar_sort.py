@@ -63,6 +63,7 @@ def check_sorted_cache_settings(
     decode_backend="torch",
     density_merge_weighting="multiplicity",
     density_merge_size=2,
+    max_cache_bytes=None,
 ) -> list[float] | None:
     """Validate the sorted-cache settings; every error names the argument and the allowed values.
 
@@ -79,6 +80,13 @@ def check_sorted_cache_settings(
     check_int(name, "cache_buffer_size", cache_buffer_size, minimum=1)
     if max_cache_tokens is not None:
         check_int(name, "max_cache_tokens", max_cache_tokens, minimum=1)
+    if max_cache_bytes is not None:
+        check_int(name, "max_cache_bytes", max_cache_bytes, minimum=1)
+        if max_cache_tokens is not None:
+            raise ValueError(
+                f"{name}: set at most one of `max_cache_tokens` ({max_cache_tokens}) and `max_cache_bytes` "
+                f"({max_cache_bytes}): the eviction budget is given in tokens or in bytes, not both"
+            )
     check_choice(name, "cache_eviction", cache_eviction, EVICTION_POLICIES)
     check_float(name, "eviction_radius", eviction_radius, minimum=0.0)
     check_int(name, "eviction_recent_queries", eviction_recent_queries, minimum=1)
@@ -94,6 +102,23 @@ def check_sorted_cache_settings(
     check_choice(name, "density_merge_weighting", density_merge_weighting, DENSITY_MERGE_WEIGHTINGS)
     check_int(name, "density_merge_size", density_merge_size, minimum=2)
     return sink_zone
+
+
+CACHE_BUDGETS = ("max_cache_tokens", "max_cache_bytes")
+
+
+def override_cache_settings(settings: dict, overrides: dict) -> dict:
+    """``settings`` (e.g. a config's :meth:`ScalarSortConfig.sorted_cache_settings`) updated by ``overrides``.  The
+    eviction budget is one setting given in one of two units: an override of ``max_cache_tokens`` or
+    ``max_cache_bytes`` replaces the budget of ``settings`` in the other unit too (``SortedScalarCache(max_cache_tokens=
+    4096)`` on a model saved with ``max_cache_bytes``; ``max_cache_tokens=None`` turns eviction off), unless both are
+    overridden (then both are checked as given)."""
+    merged = dict(settings)
+    merged.update(overrides)
+    for given, other in (CACHE_BUDGETS, CACHE_BUDGETS[::-1]):
+        if given in overrides and other not in overrides:
+            merged[other] = None
+    return merged
 
 
 def regularizer_schedule_factor(step: int, start: int, warmup: int) -> float:
@@ -171,6 +196,13 @@ class ScalarSortConfig(DecoderConfig):
         max_cache_tokens (`int`, *optional*): bound on the tokens each sorted layer keeps (per batch row); past it,
             ``cache_eviction`` chooses which go.  "dot" layers and sliding layers then keep the last
             ``max_cache_tokens`` tokens at most.
+        max_cache_bytes (`int`, *optional*): the same bound in bytes (set at most one of the two): the bytes each
+            layer's per-token buffers may take per batch row.  Every layer converts it into its own token bound
+            ``max_cache_bytes // b``, ``b`` its bytes per cached token in the dtype the cache is filled with (by slot:
+            scalar keys, values, vector keys, validity, token index, and the log-weight and multiplicity that
+            ``"density"`` eviction keeps; one key and one int64 slot per order in the sorted arrays; see
+            :func:`hf_rbf.cache_static.cache_bytes_per_token`), so a hybrid layer keeps fewer tokens than a scalar
+            one, and a "dot" layer ``max_cache_bytes // (2 H head_dim item)``.
         cache_eviction (`str`, defaults to "geometric"): ``"geometric"`` (first the keys farthest outside
             ``[min recent qs - r, max recent qs + r]`` of every head, then the oldest), ``"density"`` (merge the
             closest adjacent keys into a centroid with the weighted-average value and summed weight) or ``"oldest"``.
@@ -224,6 +256,7 @@ class ScalarSortConfig(DecoderConfig):
         sort_head: int = 0,
         cache_buffer_size: int = 64,
         max_cache_tokens: int | None = None,
+        max_cache_bytes: int | None = None,
         cache_eviction: str = "geometric",
         eviction_radius: float = 0.5,
         eviction_recent_queries: int = 16,
@@ -311,6 +344,7 @@ class ScalarSortConfig(DecoderConfig):
             decode_backend=decode_backend,
             density_merge_weighting=density_merge_weighting,
             density_merge_size=density_merge_size,
+            max_cache_bytes=max_cache_bytes,
         )
 
         self.num_value_groups = num_value_groups
@@ -331,6 +365,7 @@ class ScalarSortConfig(DecoderConfig):
         self.sort_head = sort_head
         self.cache_buffer_size = cache_buffer_size
         self.max_cache_tokens = max_cache_tokens
+        self.max_cache_bytes = max_cache_bytes
         self.cache_eviction = cache_eviction
         self.eviction_radius = float(eviction_radius)
         self.eviction_recent_queries = eviction_recent_queries
@@ -383,6 +418,7 @@ class ScalarSortConfig(DecoderConfig):
             sort_head=self.sort_head,
             cache_buffer_size=self.cache_buffer_size,
             max_cache_tokens=self.max_cache_tokens,
+            max_cache_bytes=self.max_cache_bytes,
             cache_eviction=self.cache_eviction,
             eviction_radius=self.eviction_radius,
             eviction_recent_queries=self.eviction_recent_queries,
@@ -394,4 +430,4 @@ class ScalarSortConfig(DecoderConfig):
         )
 
 
-__all__ = ["ScalarSortConfig", "regularizer_schedule_factor"]
+__all__ = ["ScalarSortConfig", "override_cache_settings", "regularizer_schedule_factor"]

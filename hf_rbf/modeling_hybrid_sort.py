@@ -18,6 +18,7 @@ from transformers import GenerationMixin
 
 from .attention_hybrid import hybrid_attention
 from .cache_sorted_scalar import SortedScalarCache
+from .cache_static import StaticDecoderCache
 from .configuration_hybrid_sort import HybridSortConfig
 from .modeling_decoder import DecoderForCausalLM, DecoderModel, DecoderPreTrainedModel, DotAttention, apply_rotary
 from .modeling_scalar_sort import (
@@ -143,6 +144,12 @@ class HybridSortForCausalLM(RegularizedCausalLMMixin, HybridSortPreTrainedModel,
     def make_cache(self, **settings) -> SortedScalarCache:
         """An empty ``SortedScalarCache`` for this model (``settings`` override the config's cache fields)."""
         return self.model.make_cache(**settings)
+
+    def make_static_cache(self, max_cache_len: int | None = None, **settings) -> StaticDecoderCache:
+        """An empty fixed-capacity cache (what ``generate(..., cache_implementation="static")`` builds): of
+        ``max_cache_len`` tokens, or sized in bytes with ``max_cache_bytes``; see
+        :meth:`~hf_rbf.modeling_scalar_sort.SortedCacheModelMixin.make_static_cache`."""
+        return self.model.make_static_cache(max_cache_len, **settings)
 
 
 # Remote code: save_pretrained writes these classes into config.json's auto_map and copies this file and its

@@ -24,10 +24,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention_scalar import scalar_attention
 from .cache_names import cache_field, output_cache, resolve_cache_argument
-from .cache_sorted_scalar import SortedScalarCache, SortedScalarCacheLayer
+from .cache_sorted_scalar import ByteBudgetSlidingWindowLayer, SortedScalarCache, SortedScalarCacheLayer
 from .cache_sorted_static import StaticSortedLayer
-from .cache_static import StaticDecoderCache, StaticKeyValueLayer
-from .configuration_scalar_sort import ScalarSortConfig
+from .cache_static import StaticDecoderCache, StaticKeyValueLayer, static_cache_len_for_bytes
+from .configuration_scalar_sort import ScalarSortConfig, override_cache_settings
 from .modeling_decoder import (
     DecoderAttention,
     DecoderForCausalLM,
@@ -469,8 +469,10 @@ class ScalarSortAttention(DecoderAttention):
     def make_cache_layer(self, settings: dict | None = None):
         """A sorted cache layer (full layers) or transformers' sliding layer (sliding layers, keys packed)."""
         settings = dict(self.cache_settings if settings is None else settings)
-        limit = settings["max_cache_tokens"]
+        limit, budget = settings.get("max_cache_tokens"), settings.get("max_cache_bytes")
         if self.window is not None:
+            if budget is not None:
+                return ByteBudgetSlidingWindowLayer(budget, window=self.window)
             return DynamicSlidingWindowLayer(
                 sliding_window=self.window if limit is None else min(self.window, limit + 1)
             )
@@ -490,13 +492,17 @@ class ScalarSortAttention(DecoderAttention):
 
     def make_static_cache_layer(self, max_cache_len: int, settings: dict | None = None, block_size: int = 64):
         """A fixed-capacity layer: sorted blocks for full layers (:class:`StaticSortedLayer`), a ring of packed keys
-        for sliding layers.  Eviction (``max_cache_tokens``) is a dynamic-cache feature: refused here."""
+        for sliding layers.  Eviction (``max_cache_tokens`` / ``max_cache_bytes`` of the config) is a dynamic-cache
+        feature: refused here.  ``settings["static_decode_backend"]``, when given, picks the single-token step of the
+        sorted layers (:class:`StaticSortedLayer`'s own default otherwise)."""
         settings = dict(self.cache_settings if settings is None else settings)
-        if settings.get("max_cache_tokens") is not None:
-            raise ValueError(
-                "cache_implementation='static' keeps every token (capacity = max_cache_len) and cannot evict: set "
-                f"`max_cache_tokens=None` or use the dynamic SortedScalarCache (got {settings['max_cache_tokens']})"
-            )
+        for budget in ("max_cache_tokens", "max_cache_bytes"):
+            if settings.get(budget) is not None:
+                raise ValueError(
+                    "cache_implementation='static' keeps every token (capacity = max_cache_len) and cannot evict: set "
+                    f"`{budget}=None` or use the dynamic SortedScalarCache (got {budget}={settings[budget]}); to size "
+                    "the static cache in bytes pass `max_cache_bytes` to `make_static_cache` (or in `cache_config`)"
+                )
         if self.window is not None:
             return StaticKeyValueLayer(max_cache_len, sliding_window=self.window)
         heads_per_group = self.num_heads // self.num_value_groups
@@ -504,6 +510,10 @@ class ScalarSortAttention(DecoderAttention):
             order_heads = list(range(self.num_heads))
         else:
             order_heads = [grp * heads_per_group + settings["sort_head"] for grp in range(self.num_value_groups)]
+        # `generate(..., cache_config={"static_decode_backend": ...})` reaches the layers; absent: the layer's default
+        backend = (
+            {"static_decode_backend": settings["static_decode_backend"]} if "static_decode_backend" in settings else {}
+        )
         return StaticSortedLayer(
             max_cache_len=max_cache_len,
             num_heads=self.num_heads,
@@ -511,6 +521,7 @@ class ScalarSortAttention(DecoderAttention):
             order_heads=order_heads,
             decode_window=settings["decode_window"] if any(self.scalar_head_list) else None,
             block_size=block_size,
+            **backend,
         )
 
     @torch.no_grad()
@@ -651,7 +662,9 @@ def cache_layer_for(attn: DecoderAttention, settings: dict):
     ``max_cache_tokens`` (keeping the most recent tokens) when it is set."""
     if isinstance(attn, ScalarSortAttention):
         return attn.make_cache_layer(settings)
-    limit, window = settings["max_cache_tokens"], attn.window
+    limit, budget, window = settings.get("max_cache_tokens"), settings.get("max_cache_bytes"), attn.window
+    if budget is not None:
+        return ByteBudgetSlidingWindowLayer(budget, window=window)
     if limit is None:
         return attn.make_cache_layer()
     return DynamicSlidingWindowLayer(sliding_window=limit + 1 if window is None else min(window, limit + 1))
@@ -667,11 +680,36 @@ class SortedCacheModelMixin:
         self._prepare_cache_layers(cache)
         return cache
 
-    def make_static_cache(self, max_cache_len: int, block_size: int = 64, **settings) -> StaticDecoderCache:
+    def make_static_cache(
+        self,
+        max_cache_len: int | None = None,
+        block_size: int = 64,
+        *,
+        max_cache_bytes: int | None = None,
+        **settings,
+    ) -> StaticDecoderCache:
         """An empty fixed-capacity cache (:mod:`hf_rbf.cache_sorted_static`); ``settings`` override the config's
-        sorted-cache fields (e.g. ``decode_window``), ``block_size`` is the length of the sorted blocks."""
-        resolved = self.config.sorted_cache_settings()
-        resolved.update(settings)
+        sorted-cache fields (e.g. ``decode_window``) and may pick ``static_decode_backend``; ``block_size`` is the
+        length of the sorted blocks.
+
+        ``max_cache_bytes`` sizes the cache in bytes instead: its capacity is the largest ``max_cache_len`` whose
+        layers keep their per-token buffers within ``max_cache_bytes`` bytes per batch row each, for the model's
+        dtype (:func:`~hf_rbf.cache_static.static_cache_len_for_bytes`); ``max_cache_len``, when given too (as
+        ``generate`` does: prompt + new tokens), must fit in it.  A static cache never evicts, so this replaces the
+        config's eviction budget (``max_cache_tokens`` / ``max_cache_bytes``)."""
+        if max_cache_bytes is not None:
+            capacity = static_cache_len_for_bytes(self.config, max_cache_bytes, self.dtype, block_size=block_size)
+            if max_cache_len is not None and max_cache_len > capacity:
+                raise ValueError(
+                    f"make_static_cache: `max_cache_len` ({max_cache_len} tokens, e.g. prompt + max_new_tokens) does "
+                    f"not fit in `max_cache_bytes` ({max_cache_bytes} bytes per layer and row = {capacity} tokens in "
+                    f"{self.dtype}); raise `max_cache_bytes` or generate fewer tokens"
+                )
+            max_cache_len = capacity
+            settings = dict(settings, max_cache_tokens=None, max_cache_bytes=None)
+        elif max_cache_len is None:
+            raise ValueError("make_static_cache: pass `max_cache_len` (tokens) or `max_cache_bytes` (bytes per layer)")
+        resolved = override_cache_settings(self.config.sorted_cache_settings(), settings)
         layers = []
         for layer in self.layers:
             attn = layer.self_attn
@@ -897,6 +935,12 @@ class ScalarSortForCausalLM(RegularizedCausalLMMixin, ScalarSortPreTrainedModel,
     def make_cache(self, **settings) -> SortedScalarCache:
         """An empty ``SortedScalarCache`` for this model (``settings`` override the config's cache fields)."""
         return self.model.make_cache(**settings)
+
+    def make_static_cache(self, max_cache_len: int | None = None, **settings) -> StaticDecoderCache:
+        """An empty fixed-capacity cache (what ``generate(..., cache_implementation="static")`` builds): of
+        ``max_cache_len`` tokens, or sized in bytes with ``max_cache_bytes``; see
+        :meth:`~hf_rbf.modeling_scalar_sort.SortedCacheModelMixin.make_static_cache`."""
+        return self.model.make_static_cache(max_cache_len, **settings)
 
 
 # Remote code: save_pretrained writes these classes into config.json's auto_map and copies this file and its
