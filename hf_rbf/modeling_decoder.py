@@ -32,7 +32,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .attention_dot import dot_attention
 from .attention_utils import last_backend
 from .cache_names import CACHE_NAME, cache_field, generation_cache, output_cache, resolve_cache_argument
-from .cache_static import StaticDecoderCache, StaticKeyValueLayer
+from .cache_static import StaticDecoderCache, StaticKeyValueLayer, static_cache_len_for_bytes
 from .configuration_decoder import DecoderConfig
 
 
@@ -675,8 +675,26 @@ class DecoderModel(DecoderPreTrainedModel):
         cache.layers = [layer.self_attn.make_cache_layer() for layer in self.layers]
         return cache
 
-    def make_static_cache(self, max_cache_len: int) -> StaticDecoderCache:
-        """An empty fixed-capacity cache for sequences of at most ``max_cache_len`` tokens (prompt + generated)."""
+    def make_static_cache(
+        self, max_cache_len: int | None = None, *, max_cache_bytes: int | None = None
+    ) -> StaticDecoderCache:
+        """An empty fixed-capacity cache for sequences of at most ``max_cache_len`` tokens (prompt + generated).
+
+        ``max_cache_bytes`` sizes it in bytes instead: the capacity is the largest length whose layers keep their
+        per-token buffers within ``max_cache_bytes`` bytes per batch row each, in the model's dtype
+        (:func:`~hf_rbf.cache_static.static_cache_len_for_bytes`); ``max_cache_len``, when given too (as ``generate``
+        does: prompt + new tokens), must fit in it."""
+        if max_cache_bytes is not None:
+            capacity = static_cache_len_for_bytes(self.config, max_cache_bytes, self.dtype)
+            if max_cache_len is not None and max_cache_len > capacity:
+                raise ValueError(
+                    f"make_static_cache: `max_cache_len` ({max_cache_len} tokens, e.g. prompt + max_new_tokens) does "
+                    f"not fit in `max_cache_bytes` ({max_cache_bytes} bytes per layer and row = {capacity} tokens in "
+                    f"{self.dtype}); raise `max_cache_bytes` or generate fewer tokens"
+                )
+            max_cache_len = capacity
+        elif max_cache_len is None:
+            raise ValueError("make_static_cache: pass `max_cache_len` (tokens) or `max_cache_bytes` (bytes per layer)")
         layers = [layer.self_attn.make_static_cache_layer(max_cache_len) for layer in self.layers]
         return StaticDecoderCache(layers, max_cache_len)
 
@@ -927,9 +945,10 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         """An empty cache with the layers this model needs (what ``generate`` uses)."""
         return self.model.make_cache()
 
-    def make_static_cache(self, max_cache_len: int, **settings):
-        """An empty fixed-capacity cache (what ``generate(..., cache_implementation="static")`` uses; ``settings``: the
-        sorted families' overrides, e.g. ``decode_window``, ``block_size``)."""
+    def make_static_cache(self, max_cache_len: int | None = None, **settings):
+        """An empty fixed-capacity cache (what ``generate(..., cache_implementation="static")`` uses; ``settings``:
+        ``max_cache_bytes`` (size it in bytes instead of tokens) and the sorted families' overrides, e.g.
+        ``decode_window``, ``block_size``)."""
         return self.model.make_static_cache(max_cache_len, **settings)
 
     def create_masks_for_generate(self, *args, attention_mask=None, inputs_embeds=None, **kwargs):

@@ -407,6 +407,35 @@ def test_static_cache_sized_in_bytes(family):
         model.make_static_cache()
 
 
+@pytest.mark.parametrize("family", ["rbf", "gka"])
+def test_dense_static_cache_sized_in_bytes(family):
+    """rbf / gka (``DecoderModel.make_static_cache``): the capacity from the byte budget, every layer within it, the
+    same tokens as the dynamic cache, and the errors naming the arguments."""
+    model = build_model(family, {"num_register_tokens": 1})
+    budget = 4000
+    capacity = static_cache_len_for_bytes(model.config, budget, torch.float32)
+    cache = model.make_static_cache(max_cache_bytes=budget)
+    assert cache.max_cache_len == capacity
+    costs = cache_bytes_per_token(model.config, "static", torch.float32).per_layer(1)
+    assert all(capacity * c <= budget < (capacity + 1) * c for c in costs)  # every layer full: the same cost
+    ids, mask = left_padded(model.config.vocab_size, [7, 5])
+    params = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        dynamic = model.generate(ids, attention_mask=mask, **params)
+        static = model.generate(
+            ids, attention_mask=mask, cache_implementation="static", cache_config={"max_cache_bytes": budget}, **params
+        )
+        assert torch.equal(dynamic, static)
+        with pytest.raises(ValueError, match="max_cache_bytes"):
+            model.generate(
+                ids, attention_mask=mask, cache_implementation="static", cache_config={"max_cache_bytes": 200}, **params
+            )
+    with pytest.raises(ValueError, match="max_cache_len.*max_cache_bytes"):
+        model.make_static_cache(capacity + 1, max_cache_bytes=budget)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        model.make_static_cache()
+
+
 def test_static_cache_refuses_the_configs_byte_budget():
     model = build_model("scalar_sort", dict(max_cache_bytes=4000))
     with pytest.raises(ValueError, match="max_cache_bytes"):
