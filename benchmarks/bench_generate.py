@@ -13,6 +13,17 @@ The column "cache bytes/token" is computed, not measured: the bytes one more cac
 mode, per batch row, summed over the layers (:func:`hf_rbf.cache_static.cache_bytes_per_token` for the hf_rbf
 families, incl. the sorted structure's index buffers and, for the static caches, the token index shared by the rows;
 ``2 * layers * kv_heads * head_dim * dtype bytes`` for Llama, from its config, in both modes).
+
+Long prompts: ``--prefill-chunk N`` passes transformers' ``prefill_chunk_size`` to ``generate`` (the prompt goes
+through the cache N tokens at a time, so 32k-512k prompts fit), e.g.
+``--cases 1x8192,1x32768,1x131072 --prefill-chunk 8192``.  Each row also reports the peak GPU memory of its timed
+``generate`` (``torch.cuda.max_memory_allocated`` after a reset: weights, cache and activations).
+
+``--agreement``: for the sorted families (scalar_sort, hybrid_sort), the share of generated tokens that the
+windowed decode (the config's ``decode_window``) has in common with exact decode over every cached token
+(``decode_window=None``) from the same prompt, per case and mode: the models are untrained, so this measures the
+mechanism (ties and near-ties of random weights), not a trained model's captured mass
+(``recipes/measure_captured_mass.py`` does that).
 """
 
 from __future__ import annotations
@@ -60,17 +71,48 @@ def cache_bytes_per_token(variant: str, model, mode: str, batch: int) -> float:
     return family_bytes(cfg, mode, model.dtype).total(batch) / batch
 
 
-def timed_generate(model, ids, new_tokens: int, mode: str) -> float:
+SORTED = ("scalar_sort", "hybrid_sort")
+
+
+def generate_kwargs(model, new_tokens: int, mode: str, prefill_chunk: int | None, exact: bool = False) -> dict:
+    """``generate`` arguments of one mode; ``exact``: the sorted families decode over every cached token."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if prefill_chunk:
+        kwargs["prefill_chunk_size"] = prefill_chunk
     if mode == "static":
         kwargs["cache_implementation"] = "static"
+        if exact:
+            kwargs["cache_config"] = {"decode_window": None}
+    elif exact:
+        from hf_rbf.cache_names import CACHE_NAME
+
+        kwargs[CACHE_NAME] = model.make_cache(decode_window=None)
+    return kwargs
+
+
+def timed_generate(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None = None) -> tuple[float, int]:
+    """Seconds of one greedy ``generate`` and its peak allocated GPU bytes."""
+    kwargs = generate_kwargs(model, new_tokens, mode, prefill_chunk)
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     torch.cuda.synchronize()
     assert out.shape[1] == ids.shape[1] + new_tokens
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated()
+
+
+def agreement(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None) -> float:
+    """Share of the generated tokens (all rows) equal between the windowed and the exact decode."""
+    with torch.no_grad():
+        outs = [
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, new_tokens, mode, prefill_chunk, ex)
+            )[:, ids.shape[1] :]
+            for ex in (False, True)
+        ]
+    return (outs[0] == outs[1]).float().mean().item()
 
 
 def main() -> int:
@@ -81,6 +123,8 @@ def main() -> int:
     ap.add_argument("--variants", default="llama;rbf;gka;scalar_sort;hybrid_sort")
     ap.add_argument("--modes", default="dynamic,static")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="generate's prefill_chunk_size (long prompts)")
+    ap.add_argument("--agreement", action="store_true", help="sorted families: windowed vs exact decode tokens")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,6 +149,7 @@ def main() -> int:
         except Exception as err:
             res["rows"].append(dict(variant=variant, error=f"{type(err).__name__}: {err}"))
     best: dict = {}
+    peak: dict = {}
     for rnd in range(args.rounds + 1):  # round 0 is the warm-up
         for case in cases:
             for mode in args.modes.split(","):
@@ -113,9 +158,10 @@ def main() -> int:
                     if best.get(key) == "error":
                         continue
                     try:
-                        t1 = timed_generate(model, prompts[case], 1, mode)
-                        tn = timed_generate(model, prompts[case], args.new_tokens, mode)
+                        t1, _ = timed_generate(model, prompts[case], 1, mode, args.prefill_chunk)
+                        tn, mem = timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
                         ms = 1e3 * (tn - t1) / (args.new_tokens - 1)
+                        peak[key] = max(peak.get(key, 0), mem)
                     except Exception as err:  # a failing family or mode must not hide the others
                         best[key] = "error"
                         res["rows"].append(
@@ -131,6 +177,12 @@ def main() -> int:
     for (variant, case, mode), ms in best.items():
         if ms != "error":
             per_token = cache_bytes_per_token(variant, models[variant], mode, case[0])
+            agree = None
+            if args.agreement and variant in SORTED:
+                try:
+                    agree = agreement(models[variant], prompts[case], args.new_tokens, mode, args.prefill_chunk)
+                except Exception as err:  # noqa: BLE001  (reported in the row, the table goes on)
+                    agree = f"error: {err}"[:200]
             res["rows"].append(
                 dict(
                     variant=variant,
@@ -139,6 +191,8 @@ def main() -> int:
                     mode=mode,
                     ms_per_token=ms,
                     cache_bytes_per_token=per_token,
+                    peak_gib=peak.get((variant, case, mode), 0) / 2**30,
+                    agreement_with_exact=agree,
                 )
             )
     (out / "generate.json").write_text(json.dumps(res, indent=1))
@@ -147,21 +201,24 @@ def main() -> int:
         f"{res['transformers']}; d768 L12 H12 bf16, greedy, {args.new_tokens} new tokens, best of {args.rounds} "
         "interleaved rounds)",
         "",
-        "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) | cache bytes/token |",
-        "|---|---|---|---|---|---|",
+        "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) | cache bytes/token | peak GiB | "
+        "tokens as exact decode |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         if "error" in r:
             lines.append(
                 f"| {r['variant']} | {r.get('batch', '')}x{r.get('prompt', '')} | {r.get('mode', '')} | "
-                f"error: {r['error'][:100]} | | |"
+                f"error: {r['error'][:100]} | | | | |"
             )
             continue
         base = best.get(("llama", (r["batch"], r["prompt"]), r["mode"]))
         ratio = f"{base / r['ms_per_token']:.2f}x" if isinstance(base, float) else ""
+        agree = r.get("agreement_with_exact")
+        agree = "" if agree is None else (f"{agree:.3f}" if isinstance(agree, float) else agree)
         lines.append(
             f"| {r['variant']} | {r['batch']}x{r['prompt']} | {r['mode']} | {r['ms_per_token']:.2f} | {ratio} | "
-            f"{r['cache_bytes_per_token']:.0f} |"
+            f"{r['cache_bytes_per_token']:.0f} | {r['peak_gib']:.2f} | {agree} |"
         )
     (out / "generate.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
