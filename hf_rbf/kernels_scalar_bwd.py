@@ -33,7 +33,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
-    from .kernels_scalar_fwd import SCALAR_KEY, _stacked
+    from .kernels_scalar_fwd import SCALAR_KEY, _program_rows, _scores, _segment
 
 
 # dV: BLOCK_N stationary keys x ROWS streamed query rows (HP heads x BLOCK_M queries, HP tuned as in the forward).
@@ -113,11 +113,12 @@ if HAS_TRITON:
         sdoh,
         sdon,
         NQ,
-        lo,
-        hi,
+        q_start,
+        q_full_lo,
+        q_full_hi,
+        q_end,
         t0,
         WINDOW,
-        MODE: tl.constexpr,
         DV: tl.constexpr,
         DV_PAD: tl.constexpr,
         HP: tl.constexpr,
@@ -128,41 +129,47 @@ if HAS_TRITON:
         HAS_KB: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
+        """The query tiles of segments 1-3 (``_segment``) against a program's stationary key tile: transposed scores
+        ``[BLOCK_N, HP * BLOCK_M]``, one head chunk of ``HP`` heads.  Edge tiles mask rows out of range and, for
+        sequence key blocks, positions (a prefix key block, ``is_prefix``, is visible to every row); the middle
+        range carries no mask (SEG is a constant in each unrolled copy of the loop)."""
         ROWS: tl.constexpr = HP * BLOCK_M
         offs_r = tl.arange(0, ROWS)
         hh = offs_r // BLOCK_M
         offs_dv = tl.arange(0, DV_PAD)
-        for start_m in range(lo, hi, BLOCK_M):
-            i = start_m + offs_r % BLOCK_M
-            row_ok = i < NQ
-            qs = tl.load(QS_ptr + hh * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-            beta = tl.load(BETA_ptr + hh * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
-            lse = tl.load(LSE_ptr + hh * NQ + i, mask=row_ok, other=float("inf"))
-            delta = tl.load(DELTA_ptr + hh * NQ + i, mask=row_ok, other=0.0)
-            do = _load_tile(
-                DO_ptr + hh[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :],
-                row_ok,
-                offs_dv,
-                DV,
-                DV_PAD,
-                MODE != 0,
-            )
-            dd = qs[None, :] - ksT
-            sT = -(dd * dd) * (beta * 1.4426950408889634)[None, :]
-            if HAS_KB:
-                sT += kbT
-            if MODE == 1:
-                ok = row_ok[None, :] & (
-                    _allowed((t0 + i)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW) | is_prefix
+        for SEG in tl.static_range(1, 4):  # the edge, fully allowed and edge query tiles (see `_segment`)
+            lo, hi = _segment(SEG, q_start, q_full_lo, q_full_hi, q_end)
+            for start_m in range(lo, hi, BLOCK_M):
+                i = start_m + offs_r % BLOCK_M
+                row_ok = i < NQ
+                qs = tl.load(QS_ptr + hh * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
+                beta = tl.load(BETA_ptr + hh * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
+                lse = tl.load(LSE_ptr + hh * NQ + i, mask=row_ok, other=float("inf"))
+                delta = tl.load(DELTA_ptr + hh * NQ + i, mask=row_ok, other=0.0)
+                do = _load_tile(
+                    DO_ptr + hh[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :],
+                    row_ok,
+                    offs_dv,
+                    DV,
+                    DV_PAD,
+                    SEG != 2,
                 )
-                sT = tl.where(ok, sT, float("-inf"))
-            pT = tl.math.exp2(sT - lse[None, :])
-            dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
-            dpT = _dot(v, tl.trans(do), None, DOT_PREC)
-            dsT = pT * (dpT - delta[None, :])
-            dks += _per_head_colsum(dsT * dd * beta[None, :], HP, BLOCK_M, BLOCK_N)
-            if HAS_KB:
-                dkb += _per_head_colsum(dsT, HP, BLOCK_M, BLOCK_N)
+                dd = qs[None, :] - ksT
+                sT = -(dd * dd) * (beta * 1.4426950408889634)[None, :]
+                if HAS_KB:
+                    sT += kbT
+                if SEG != 2:  # edge tiles: rows out of range or position (prefix key blocks: range only)
+                    ok = row_ok[None, :] & (
+                        _allowed((t0 + i)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW) | is_prefix
+                    )
+                    sT = tl.where(ok, sT, float("-inf"))
+                pT = tl.math.exp2(sT - lse[None, :])
+                dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
+                dpT = _dot(v, tl.trans(do), None, DOT_PREC)
+                dsT = pT * (dpT - delta[None, :])
+                dks += _per_head_colsum(dsT * dd * beta[None, :], HP, BLOCK_M, BLOCK_N)
+                if HAS_KB:
+                    dkb += _per_head_colsum(dsT, HP, BLOCK_M, BLOCK_N)
         return dv, dks, dkb
 
     @triton.jit
@@ -289,81 +296,10 @@ if HAS_TRITON:
                 NQ,
                 q_start,
                 q_full_lo,
-                t0,
-                WINDOW,
-                1,
-                DV_,
-                DV_PAD,
-                HP,
-                BLOCK_M,
-                BLOCK_N,
-                CAUSAL,
-                HAS_WINDOW,
-                HAS_KB,
-                DOT_PREC,
-            )
-            dv, dks, dkb = _scalar_dkv_tiles(
-                dv,
-                dks,
-                dkb,
-                v,
-                ksT,
-                kbT,
-                s_k,
-                is_prefix,
-                QS_ptr,
-                BETA_ptr,
-                DO_ptr,
-                LSE_ptr,
-                DELTA_ptr,
-                sqsh,
-                sqsn,
-                sbh,
-                sbn,
-                sdoh,
-                sdon,
-                NQ,
-                q_full_lo,
-                q_full_hi,
-                t0,
-                WINDOW,
-                0,
-                DV_,
-                DV_PAD,
-                HP,
-                BLOCK_M,
-                BLOCK_N,
-                CAUSAL,
-                HAS_WINDOW,
-                HAS_KB,
-                DOT_PREC,
-            )
-            dv, dks, dkb = _scalar_dkv_tiles(
-                dv,
-                dks,
-                dkb,
-                v,
-                ksT,
-                kbT,
-                s_k,
-                is_prefix,
-                QS_ptr,
-                BETA_ptr,
-                DO_ptr,
-                LSE_ptr,
-                DELTA_ptr,
-                sqsh,
-                sqsn,
-                sbh,
-                sbn,
-                sdoh,
-                sdon,
-                NQ,
                 q_full_hi,
                 q_end,
                 t0,
                 WINDOW,
-                1,
                 DV_,
                 DV_PAD,
                 HP,
@@ -383,72 +319,6 @@ if HAS_TRITON:
             dv.to(DV.dtype.element_ty),
             mask=key_ok[:, None] & (offs_dv[None, :] < DV_),
         )
-
-    @triton.jit
-    def _scalar_dq_tiles(
-        dacc,
-        a1,
-        b1,
-        a2,
-        b2,
-        qs_r,
-        beta_r,
-        lse,
-        do,
-        t_r,
-        KS_ptr,
-        V_ptr,
-        KB_ptr,
-        sksh,
-        sksn,
-        svn,
-        NK,
-        lo,
-        hi,
-        key_base,
-        bound,
-        WINDOW,
-        MODE: tl.constexpr,
-        DV: tl.constexpr,
-        DV_PAD: tl.constexpr,
-        HP: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        HAS_KB: tl.constexpr,
-        NEED_DBETA: tl.constexpr,
-        DOT_PREC: tl.constexpr,
-    ):
-        offs_h = tl.arange(0, HP)
-        offs_dv = tl.arange(0, DV_PAD)
-        for start_n in range(lo, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            j = key_base + offs_n
-            col_ok = offs_n < bound
-            ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn, mask=col_ok[None, :], other=0.0)
-            dd = qs_r[:, None] - _stacked(ks.to(tl.float32), HP, BLOCK_M, BLOCK_N)
-            s = -(dd * dd) * (beta_r * 1.4426950408889634)[:, None]
-            if HAS_KB:
-                kb = tl.load(KB_ptr + offs_h[:, None] * NK + j[None, :], mask=col_ok[None, :], other=float("-inf"))
-                s += _stacked(kb, HP, BLOCK_M, BLOCK_N)
-            if MODE == 1:
-                ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW) & col_ok[None, :]
-                s = tl.where(ok, s, float("-inf"))
-            elif MODE == 2:
-                s = tl.where(col_ok[None, :], s, float("-inf"))
-            p = tl.math.exp2(s - lse[:, None])
-            v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
-            dp = _dot(do, tl.trans(v), None, DOT_PREC)
-            pd = p * dp
-            dacc += tl.sum(pd, 1)
-            a1 += tl.sum(pd * dd, 1)
-            b1 += tl.sum(p * dd, 1)
-            if NEED_DBETA:
-                dd2 = dd * dd
-                a2 += tl.sum(pd * dd2, 1)
-                b2 += tl.sum(p * dd2, 1)
-        return dacc, a1, b1, a2, b2
 
     @triton.jit
     def _scalar_bwd_dq_kernel(
@@ -497,18 +367,7 @@ if HAS_TRITON:
         HP: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
-        pid_m = tl.program_id(0)
-        pid_c = tl.program_id(1).to(tl.int64)
-        n_chunks = H // HP
-        b = pid_c // n_chunks
-        h0 = (pid_c % n_chunks) * HP
-        g = h0 // HPG
-        S = NK - P
-        t0 = S - NQ
-        offs_r = tl.arange(0, ROWS)
-        i = pid_m * BLOCK_M + offs_r % BLOCK_M
-        h_r = h0 + offs_r // BLOCK_M
-        row_ok = i < NQ
+        b, h0, g, S, t0, i, h_r, row_ok = _program_rows(H, HPG, NQ, NK, P, HP, BLOCK_M, ROWS)
         offs_dv = tl.arange(0, DV_PAD)
         qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
         beta_r = tl.load(BETA + b * sbb + h_r * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
@@ -522,6 +381,7 @@ if HAS_TRITON:
             True,
         )
         t_r = t0 + i
+        # the row sums of W dP (delta) and of W dP f, W f for f = dd and (with NEED_DBETA) dd^2
         dacc = tl.zeros([ROWS], dtype=tl.float32)
         a1 = tl.zeros([ROWS], dtype=tl.float32)
         b1 = tl.zeros([ROWS], dtype=tl.float32)
@@ -530,149 +390,58 @@ if HAS_TRITON:
         KS_ptr = KS + b * sksb + h0 * sksh
         V_ptr = V + b * svb + g * svh
         KB_ptr = KB + (b * H + h0) * NK
-        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
-            dacc,
-            a1,
-            b1,
-            a2,
-            b2,
-            qs_r,
-            beta_r,
-            lse,
-            do,
-            t_r,
-            KS_ptr,
-            V_ptr,
-            KB_ptr,
-            sksh,
-            sksn,
-            svn,
-            NK,
-            0,
-            P,
-            0,
-            P,
-            WINDOW,
-            2,
-            DV,
-            DV_PAD,
-            HP,
-            BLOCK_M,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            NEED_DBETA,
-            DOT_PREC,
-        )
-        t_first = t0 + pid_m * BLOCK_M
-        t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
-        start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
-        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
-            dacc,
-            a1,
-            b1,
-            a2,
-            b2,
-            qs_r,
-            beta_r,
-            lse,
-            do,
-            t_r,
-            KS_ptr,
-            V_ptr,
-            KB_ptr,
-            sksh,
-            sksn,
-            svn,
-            NK,
-            start,
-            full_lo,
-            P,
-            S,
-            WINDOW,
-            1,
-            DV,
-            DV_PAD,
-            HP,
-            BLOCK_M,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            NEED_DBETA,
-            DOT_PREC,
-        )
-        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
-            dacc,
-            a1,
-            b1,
-            a2,
-            b2,
-            qs_r,
-            beta_r,
-            lse,
-            do,
-            t_r,
-            KS_ptr,
-            V_ptr,
-            KB_ptr,
-            sksh,
-            sksn,
-            svn,
-            NK,
-            full_lo,
-            full_hi,
-            P,
-            S,
-            WINDOW,
-            0,
-            DV,
-            DV_PAD,
-            HP,
-            BLOCK_M,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            NEED_DBETA,
-            DOT_PREC,
-        )
-        dacc, a1, b1, a2, b2 = _scalar_dq_tiles(
-            dacc,
-            a1,
-            b1,
-            a2,
-            b2,
-            qs_r,
-            beta_r,
-            lse,
-            do,
-            t_r,
-            KS_ptr,
-            V_ptr,
-            KB_ptr,
-            sksh,
-            sksn,
-            svn,
-            NK,
-            full_hi,
-            end,
-            P,
-            S,
-            WINDOW,
-            1,
-            DV,
-            DV_PAD,
-            HP,
-            BLOCK_M,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            NEED_DBETA,
-            DOT_PREC,
-        )
+        offs_h = tl.arange(0, HP)
+        beta2_r = beta_r * 1.4426950408889634  # log2 units for the scores; dqs below takes beta itself
+        # the forward's key segments and scores (see kernels_scalar_fwd._scalar_fwd_kernel)
+        for SEG in tl.static_range(4):
+            if SEG == 0:  # the prefix: keys 0 .. P
+                lo = 0
+                hi = P
+                key_base = 0
+                bound = P
+            else:  # the sequence: keys P + 0 .. P + S, the tiles this block of rows may see
+                if SEG == 1:  # (computed after the prefix loop, as the variants did: the same instruction stream)
+                    pid_m = tl.program_id(0)
+                    t_first = t0 + pid_m * BLOCK_M
+                    t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
+                    start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
+                lo, hi = _segment(SEG, start, full_lo, full_hi, end)
+                key_base = P
+                bound = S
+            for start_n in range(lo, hi, BLOCK_N):
+                s, dd, j, col_ok = _scores(
+                    start_n,
+                    key_base,
+                    bound,
+                    qs_r,
+                    beta2_r,
+                    t_r,
+                    offs_h,
+                    KS_ptr,
+                    KB_ptr,
+                    sksh,
+                    sksn,
+                    NK,
+                    WINDOW,
+                    SEG,
+                    HP,
+                    BLOCK_M,
+                    BLOCK_N,
+                    CAUSAL,
+                    HAS_WINDOW,
+                    HAS_KB,
+                )
+                p = tl.math.exp2(s - lse[:, None])
+                v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, SEG != 2)
+                dp = _dot(do, tl.trans(v), None, DOT_PREC)
+                pd = p * dp
+                dacc += tl.sum(pd, 1)
+                a1 += tl.sum(pd * dd, 1)
+                b1 += tl.sum(p * dd, 1)
+                if NEED_DBETA:  # only when tau requires grad: two more row sums per tile
+                    dd2 = dd * dd
+                    a2 += tl.sum(pd * dd2, 1)
+                    b2 += tl.sum(p * dd2, 1)
         # sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j with the exact delta_i = sum_j W_ij dP_ij
         tl.store(DQS + (b * H + h_r) * NQ + i, -2.0 * beta_r * (a1 - dacc * b1), mask=row_ok)
         if NEED_DBETA:

@@ -106,63 +106,88 @@ if HAS_TRITON:
         return out
 
     @triton.jit
-    def _scalar_fwd_tiles(
-        acc,
-        l_i,
-        m_i,
+    def _segment(SEG: tl.constexpr, start, full_lo, full_hi, end):
+        """Tile range ``[lo, hi)`` of segment ``SEG`` of a program's loop over the sequence tiles of the other side.
+
+        Every pass visits its tiles in segments: SEG 0 the ``P`` prefix keys (visible to every query: only the bound
+        is masked; the forward and dQ passes visit them first), then the ranges of ``kernels_common._tile_range``:
+        SEG 1 and 3 the partly masked edges (the diagonal and the window's far edge: position mask), SEG 2 the fully
+        allowed middle (no mask at all).  The passes loop over SEG with ``tl.static_range``, so each segment is
+        compiled on its own with SEG a constant: the same code as separately written loops, and the middle range
+        carries no mask arithmetic.
+        """
+        if SEG == 1:
+            lo = start
+            hi = full_lo
+        elif SEG == 2:
+            lo = full_lo
+            hi = full_hi
+        else:
+            lo = full_hi
+            hi = end
+        return lo, hi
+
+    @triton.jit
+    def _program_rows(H, HPG, NQ, NK, P, HP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+        """The stacked query rows of a forward / dQ program (grid ``(query blocks, B * H / HP)``): batch ``b``, first
+        head ``h0``, value group ``g``, the sequence length ``S`` and query row 0's position ``t0``, and per row
+        (ordered head-major) its query index ``i``, head ``h_r`` and whether it exists."""
+        pid_m = tl.program_id(0)
+        pid_c = tl.program_id(1).to(tl.int64)  # 64-bit offsets from here on
+        n_chunks = H // HP
+        b = pid_c // n_chunks
+        h0 = (pid_c % n_chunks) * HP
+        g = h0 // HPG
+        S = NK - P  # sequence keys (after the P prefix keys)
+        t0 = S - NQ  # position of query row 0 (bottom-right alignment)
+        offs_r = tl.arange(0, ROWS)
+        i = pid_m * BLOCK_M + offs_r % BLOCK_M
+        h_r = h0 + offs_r // BLOCK_M
+        return b, h0, g, S, t0, i, h_r, i < NQ
+
+    @triton.jit
+    def _scores(
+        start_n,
+        key_base,
+        bound,
         qs_r,
         beta_r,
         t_r,
+        offs_h,
         KS_ptr,
-        V_ptr,
         KB_ptr,
         sksh,
         sksn,
-        svn,
         NK,
-        lo,
-        hi,
-        key_base,
-        bound,
         WINDOW,
-        MODE: tl.constexpr,
-        DV: tl.constexpr,
-        DV_PAD: tl.constexpr,
+        SEG: tl.constexpr,
         HP: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
-        DOT_PREC: tl.constexpr,
     ):
-        offs_h = tl.arange(0, HP)
-        offs_dv = tl.arange(0, DV_PAD)
-        for start_n in range(lo, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            j = key_base + offs_n
-            col_ok = offs_n < bound
-            ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn, mask=col_ok[None, :], other=0.0)
-            dd = qs_r[:, None] - _stacked(ks.to(tl.float32), HP, BLOCK_M, BLOCK_N)
-            s = -(dd * dd) * beta_r[:, None]
-            if HAS_KB:
-                kb = tl.load(KB_ptr + offs_h[:, None] * NK + j[None, :], mask=col_ok[None, :], other=float("-inf"))
-                s += _stacked(kb, HP, BLOCK_M, BLOCK_N)
-            if MODE == 1:
-                ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW) & col_ok[None, :]
-                s = tl.where(ok, s, float("-inf"))
-            elif MODE == 2:
-                s = tl.where(col_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-            v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
-            acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
-        return acc, l_i, m_i
+        """The ``[ROWS, BLOCK_N]`` score tile of the stacked query rows against the key tile at ``start_n`` (keys
+        ``j = key_base + start_n + n``, valid where ``col_ok``; log2 units, ``beta_r`` already times ``log2(e)``),
+        masked as segment ``SEG`` requires, and ``dd = qs_i - ks_j`` (the dQ pass's gradient factor; the forward
+        drops it).  Returns ``(s, dd, j, col_ok)``.  Shared by the forward and dQ passes, which must see the same
+        scores.  ``offs_h``: ``tl.arange(0, HP)``, the program's heads (made once, outside the tile loop)."""
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        j = key_base + offs_n
+        col_ok = offs_n < bound
+        ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn, mask=col_ok[None, :], other=0.0)
+        dd = qs_r[:, None] - _stacked(ks.to(tl.float32), HP, BLOCK_M, BLOCK_N)
+        s = -(dd * dd) * beta_r[:, None]
+        if HAS_KB:  # key log-weights / padding: one fp32 load per key (constexpr: no load without them)
+            kb = tl.load(KB_ptr + offs_h[:, None] * NK + j[None, :], mask=col_ok[None, :], other=float("-inf"))
+            s += _stacked(kb, HP, BLOCK_M, BLOCK_N)
+        if SEG == 0:
+            s = tl.where(col_ok[None, :], s, float("-inf"))
+        elif SEG != 2:
+            ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW) & col_ok[None, :]
+            s = tl.where(ok, s, float("-inf"))
+        return s, dd, j, col_ok
 
     @triton.jit
     def _scalar_fwd_kernel(
@@ -207,157 +232,72 @@ if HAS_TRITON:
         HP: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = ROWS // HP
-        pid_m = tl.program_id(0)
-        pid_c = tl.program_id(1).to(tl.int64)
-        n_chunks = H // HP
-        b = pid_c // n_chunks
-        h0 = (pid_c % n_chunks) * HP
-        g = h0 // HPG
-        S = NK - P
-        t0 = S - NQ
-        offs_r = tl.arange(0, ROWS)
-        i = pid_m * BLOCK_M + offs_r % BLOCK_M
-        h_r = h0 + offs_r // BLOCK_M
-        row_ok = i < NQ
+        b, h0, g, S, t0, i, h_r, row_ok = _program_rows(H, HPG, NQ, NK, P, HP, BLOCK_M, ROWS)
         qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
         beta_r = tl.load(BETA + b * sbb + h_r * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
         beta_r = beta_r * 1.4426950408889634
         t_r = t0 + i
-        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, DV_PAD], dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         KS_ptr = KS + b * sksb + h0 * sksh
         V_ptr = V + b * svb + g * svh
         KB_ptr = KB + (b * H + h0) * NK
-
-        acc, l_i, m_i = _scalar_fwd_tiles(
-            acc,
-            l_i,
-            m_i,
-            qs_r,
-            beta_r,
-            t_r,
-            KS_ptr,
-            V_ptr,
-            KB_ptr,
-            sksh,
-            sksn,
-            svn,
-            NK,
-            0,
-            P,
-            0,
-            P,
-            WINDOW,
-            2,
-            DV,
-            DV_PAD,
-            HP,
-            BLOCK_M,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            DOT_PREC,
-        )
-        t_first = t0 + pid_m * BLOCK_M
-        t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
-        start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
-        acc, l_i, m_i = _scalar_fwd_tiles(
-            acc,
-            l_i,
-            m_i,
-            qs_r,
-            beta_r,
-            t_r,
-            KS_ptr,
-            V_ptr,
-            KB_ptr,
-            sksh,
-            sksn,
-            svn,
-            NK,
-            start,
-            full_lo,
-            P,
-            S,
-            WINDOW,
-            1,
-            DV,
-            DV_PAD,
-            HP,
-            BLOCK_M,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            DOT_PREC,
-        )
-        acc, l_i, m_i = _scalar_fwd_tiles(
-            acc,
-            l_i,
-            m_i,
-            qs_r,
-            beta_r,
-            t_r,
-            KS_ptr,
-            V_ptr,
-            KB_ptr,
-            sksh,
-            sksn,
-            svn,
-            NK,
-            full_lo,
-            full_hi,
-            P,
-            S,
-            WINDOW,
-            0,
-            DV,
-            DV_PAD,
-            HP,
-            BLOCK_M,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            DOT_PREC,
-        )
-        acc, l_i, m_i = _scalar_fwd_tiles(
-            acc,
-            l_i,
-            m_i,
-            qs_r,
-            beta_r,
-            t_r,
-            KS_ptr,
-            V_ptr,
-            KB_ptr,
-            sksh,
-            sksn,
-            svn,
-            NK,
-            full_hi,
-            end,
-            P,
-            S,
-            WINDOW,
-            1,
-            DV,
-            DV_PAD,
-            HP,
-            BLOCK_M,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            DOT_PREC,
-        )
+        offs_h = tl.arange(0, HP)
+        offs_dv = tl.arange(0, DV_PAD)
+        for SEG in tl.static_range(4):
+            if SEG == 0:  # the prefix: keys 0 .. P
+                lo = 0
+                hi = P
+                key_base = 0
+                bound = P
+            else:  # the sequence: keys P + 0 .. P + S, the tiles this block of rows may see
+                if SEG == 1:  # (computed after the prefix loop, as the variants did: the same instruction stream)
+                    pid_m = tl.program_id(0)
+                    t_first = t0 + pid_m * BLOCK_M
+                    t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
+                    start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
+                lo, hi = _segment(SEG, start, full_lo, full_hi, end)
+                key_base = P
+                bound = S
+            for start_n in range(lo, hi, BLOCK_N):
+                s, _, j, col_ok = _scores(
+                    start_n,
+                    key_base,
+                    bound,
+                    qs_r,
+                    beta_r,
+                    t_r,
+                    offs_h,
+                    KS_ptr,
+                    KB_ptr,
+                    sksh,
+                    sksn,
+                    NK,
+                    WINDOW,
+                    SEG,
+                    HP,
+                    BLOCK_M,
+                    BLOCK_N,
+                    CAUSAL,
+                    HAS_WINDOW,
+                    HAS_KB,
+                )
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # A row that has seen no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - m_use[:, None])
+                alpha = tl.math.exp2(m_i - m_use)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                m_i = m_new
+                # the full middle range needs no row mask on the value tile (SEG is a constant: no code for it)
+                v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, SEG != 2)
+                acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
 
         m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
         lse = tl.where(l_i > 0, m_use + tl.math.log2(l_i), float("inf"))
         out = acc * tl.math.exp2(m_i - lse)[:, None]
-        offs_dv = tl.arange(0, DV_PAD)
         tl.store(
             OUT + b * sob + h_r[:, None] * soh + i[:, None] * son + offs_dv[None, :],
             out.to(OUT.dtype.element_ty),
