@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/count_host_ops.py --time --calls 200             # CUDA: counts and host ms/call
 
 For each fused family call (``backend="triton"``: rbf_attention, with a key-log-weight / a prefix key variant,
-gka_attention, hybrid_attention) this counts, after warm-up (autotuning, compilation):
+gka_attention, hybrid_attention, scalar_attention with each form of tau and with key log-weights) this counts, after warm-up (autotuning, compilation):
 
 - **triton launches**: every ``run`` of a triton JIT function (``JITFunction.run`` on the GPU,
   ``InterpretedFunction.run`` in the interpreter; ``kernel[grid](...)``, the autotuner and
@@ -159,6 +159,9 @@ def make_calls(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: str) 
     gamma = par(torch.full((h,), 1.0 / math.sqrt(d)))
     scale = par(torch.full((h,), 1.0 / math.sqrt(d)))
     tri = {"causal": True, "backend": "triton"}
+    # scalar sort attention: grouped values (two heads per group where H allows), the three forms of tau
+    vg = rnd(b, max(1, h // 2), n, d)
+    tau_token = par(torch.full((b, h, n), 0.3))
     return {
         "sdpa (dot product, reference)": (
             lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -198,6 +201,16 @@ def make_calls(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: str) 
         "hybrid_attention": (
             lambda: hf_rbf.hybrid_attention(q, k, v, qs, ks, tau, scale=scale, **tri),
             [q, k, v, qs, ks, tau, scale],
+        ),
+        "scalar_attention (tau per head)": (lambda: hf_rbf.scalar_attention(qs, ks, vg, tau, **tri), [qs, ks, vg, tau]),
+        "scalar_attention (tau per token)": (
+            lambda: hf_rbf.scalar_attention(qs, ks, vg, tau_token, **tri),
+            [qs, ks, vg, tau_token],
+        ),
+        "scalar_attention (tau float)": (lambda: hf_rbf.scalar_attention(qs, ks, vg, 0.3, **tri), [qs, ks, vg]),
+        "scalar_attention + key_log_weights": (
+            lambda: hf_rbf.scalar_attention(qs, ks, vg, tau, key_log_weights=klw, **tri),
+            [qs, ks, vg, tau, klw],
         ),
     }
 
