@@ -2,8 +2,10 @@
 
 ``S_ij = -(qs_i - ks_j)^2 / tau_i + log w_j`` with grouped values ``[B, G, Nk, Dv]``: see ``kernels_scalar_fwd.py``
 (heads of a value group share a program, so each value tile is read once per group) and ``kernels_scalar_bwd.py``.
-``tau`` enters as ``beta = 1 / tau`` (a differentiable torch op in the wrapper), so a per-head or per-token learnable
-``tau`` gets its gradient through the op's ``beta`` gradient.
+``tau`` goes to the kernels as it is, a float or a ``[B|1, H|1, Nq|1]`` tensor: they form ``beta = 1 / tau`` per
+query row (IEEE division, the value torch's ``1 / tau`` gives) and the dQ kernel writes ``tau``'s gradient per row,
+so a call spends no torch op on the temperature (before: a reciprocal in the forward, three elementwise ops for its
+gradient, and a ``torch.full`` for a float ``tau``).
 
 Decode note: a dense exact decode step runs through the same forward (a few query rows, every cached key).  The
 sorted-window decode (binary search in a key-sorted cache, the scalar-sort paper's O(log n + k) step) belongs to
@@ -31,12 +33,21 @@ _NS = (
 )
 
 
-def _forward_impl(qs, ks, v, beta, key_log_weights, attention_mask, causal, window, num_prefix_keys):
+def _forward_impl(qs, ks, v, tau, tau_value, key_log_weights, attention_mask, causal, window, num_prefix_keys):
     """The key-bias pass and the forward kernel: ``(out, lse, kb | None)``."""
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
     kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
-    out, lse = scalar_forward(qs, ks, v, kb, beta, causal=causal, window=window, num_prefix_keys=num_prefix_keys)
+    out, lse = scalar_forward(
+        qs,
+        ks,
+        v,
+        kb,
+        tau_value if tau is None else tau,
+        causal=causal,
+        window=window,
+        num_prefix_keys=num_prefix_keys,
+    )
     return out, lse, kb
 
 
@@ -45,21 +56,24 @@ def scalar_fwd(
     qs: Tensor,
     ks: Tensor,
     v: Tensor,
-    beta: Tensor,
+    tau: Optional[Tensor],
+    tau_value: float,
     key_log_weights: Optional[Tensor],
     attention_mask: Optional[Tensor],
     causal: bool,
     window: Optional[int],
     num_prefix_keys: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    out, lse, kb = _forward_impl(qs, ks, v, beta, key_log_weights, attention_mask, causal, window, num_prefix_keys)
+    out, lse, kb = _forward_impl(
+        qs, ks, v, tau, tau_value, key_log_weights, attention_mask, causal, window, num_prefix_keys
+    )
     if kb is None:
         kb = torch.empty(0, device=v.device, dtype=torch.float32)
     return out, lse, kb
 
 
 @scalar_fwd.register_fake
-def _(qs, ks, v, beta, key_log_weights, attention_mask, causal, window, num_prefix_keys):
+def _(qs, ks, v, tau, tau_value, key_log_weights, attention_mask, causal, window, num_prefix_keys):
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
     has_kb = key_log_weights is not None or attention_mask is not None
@@ -76,56 +90,64 @@ def scalar_bwd(
     qs: Tensor,
     ks: Tensor,
     v: Tensor,
-    beta: Tensor,
+    tau: Optional[Tensor],
+    tau_value: float,
     kb: Tensor,
     lse: Tensor,
     causal: bool,
     window: Optional[int],
     num_prefix_keys: int,
-    need_dbeta: bool,
+    need_dtau: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _backward_impl(
-        dout, qs, ks, v, beta, kb if kb.numel() else None, lse, causal, window, num_prefix_keys, need_dbeta
-    )
+    grads = _backward_impl(dout, qs, ks, v, tau, tau_value, kb, lse, causal, window, num_prefix_keys, need_dtau)
+    # an op returns tensors: empty ones stand for the gradients that were not asked for
+    return tuple(torch.empty(0, device=v.device, dtype=torch.float32) if g is None else g for g in grads)
 
 
-def _backward_impl(dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, need_dbeta):
+def _backward_impl(dout, qs, ks, v, tau, tau_value, kb, lse, causal, window, num_prefix_keys, need_dtau):
+    """The backward kernels: ``(dqs, dks, dv, dkb | None, dtau | None)`` (``kb``: None or, from the op, an empty
+    tensor for none)."""
     return scalar_backward(
         dout,
         qs,
         ks,
         v,
-        kb,
-        beta,
+        kb if kb is not None and kb.numel() else None,
+        tau_value if tau is None else tau,
         lse,
         causal=causal,
         window=window,
         num_prefix_keys=num_prefix_keys,
-        need_dbeta=need_dbeta,
+        need_dtau=need_dtau,
     )
 
 
 @scalar_bwd.register_fake
-def _(dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, need_dbeta):
+def _(dout, qs, ks, v, tau, tau_value, kb, lse, causal, window, num_prefix_keys, need_dtau):
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
     f32 = dict(dtype=torch.float32)
     return (
-        qs.new_empty((bsz, heads, nq), **f32),
-        qs.new_empty((bsz, heads, nk), **f32),
+        qs.new_empty((bsz, heads, nq)),
+        ks.new_empty((bsz, heads, nk)),
         torch.empty_like(v),
         qs.new_empty((bsz, heads, nk) if kb.numel() else (0,), **f32),
-        qs.new_empty((bsz, heads, nq) if need_dbeta else (0,), **f32),
+        qs.new_empty((bsz, heads, nq) if need_dtau else (0,), **f32),
     )
 
 
-def _setup_context(ctx, inputs, output):
-    qs, ks, v, beta, klw, am, causal, window, num_prefix_keys = inputs
-    out, lse, kb = output
-    ctx.save_for_backward(qs, ks, v, beta, lse, kb)  # the backward needs no output (exact delta in-kernel)
-    ctx.flags = (causal, window, num_prefix_keys)
+def _save(ctx, inputs, lse, kb):
+    qs, ks, v, tau, tau_value, klw, _am, causal, window, num_prefix_keys = inputs
+    # the backward needs no output (exact delta in-kernel); tau may be None (a float temperature)
+    ctx.save_for_backward(qs, ks, v, tau, lse, kb)
+    ctx.flags = (tau_value, causal, window, num_prefix_keys)
     ctx.klw_shape = None if klw is None else tuple(klw.shape)
     ctx.klw_dtype = None if klw is None else klw.dtype
+
+
+def _setup_context(ctx, inputs, output):
+    out, lse, kb = output
+    _save(ctx, inputs, lse, kb)
     ctx.mark_non_differentiable(lse, kb)
 
 
@@ -135,19 +157,22 @@ def _reduce_to(grad: Tensor, shape) -> Tensor:
 
 
 def _gradients(ctx, dout, run_backward):
-    """Input gradients from the backward kernel; ``run_backward`` is ``scalar_bwd`` (the op, traced under
-    ``torch.compile``) or ``_backward_impl`` (eager, :class:`_ScalarFunction`)."""
-    qs, ks, v, beta, lse, kb = ctx.saved_tensors
-    causal, window, num_prefix_keys = ctx.flags
-    need_qs, need_ks, need_v, need_beta, need_klw = ctx.needs_input_grad[:5]
-    dqs, dks, dv, dkb, dbeta = run_backward(
-        dout, qs, ks, v, beta, kb, lse, causal, window, num_prefix_keys, bool(need_beta)
+    """Input gradients from the backward kernels; ``run_backward`` is ``scalar_bwd`` (the op, traced under
+    ``torch.compile``) or ``_backward_impl`` (eager, :class:`_ScalarFunction`).  The kernels write ``dqs`` / ``dks``
+    in the inputs' dtypes and ``dtau`` per row (``-beta^2 dbeta``): what is left here is the sum over ``tau``'s
+    broadcast dims (none for a per-token ``tau``) and over the key log-weights'."""
+    qs, ks, v, tau, lse, kb = ctx.saved_tensors
+    tau_value, causal, window, num_prefix_keys = ctx.flags
+    need_qs, need_ks, need_v, need_tau, _, need_klw = ctx.needs_input_grad[:6]
+    dqs, dks, dv, dkb, dtau = run_backward(
+        dout, qs, ks, v, tau, tau_value, kb, lse, causal, window, num_prefix_keys, bool(need_tau)
     )
     return (
-        dqs.to(qs.dtype) if need_qs else None,
-        dks.to(ks.dtype) if need_ks else None,
+        dqs if need_qs else None,
+        dks if need_ks else None,
         dv if need_v else None,
-        _reduce_to(dbeta, tuple(beta.shape)).to(beta.dtype) if need_beta else None,
+        _reduce_to(dtau, tuple(tau.shape)).to(tau.dtype) if need_tau else None,
+        None,
         _reduce_to(dkb, ctx.klw_shape).to(ctx.klw_dtype) if need_klw else None,
         None,
         None,
@@ -168,12 +193,9 @@ class _ScalarFunction(torch.autograd.Function):
     ``attention_distance_triton._DistanceFunction`` for the measurement that motivated it)."""
 
     @staticmethod
-    def forward(ctx, qs, ks, v, beta, klw, am, causal, window, num_prefix_keys):
-        out, lse, kb = _forward_impl(qs, ks, v, beta, klw, am, causal, window, num_prefix_keys)
-        ctx.save_for_backward(qs, ks, v, beta, lse, kb)
-        ctx.flags = (causal, window, num_prefix_keys)
-        ctx.klw_shape = None if klw is None else tuple(klw.shape)
-        ctx.klw_dtype = None if klw is None else klw.dtype
+    def forward(ctx, *args):
+        out, lse, kb = _forward_impl(*args)
+        _save(ctx, args, lse, kb)
         return out
 
     @staticmethod
@@ -182,16 +204,29 @@ class _ScalarFunction(torch.autograd.Function):
 
 
 def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
-    """Fused scalar attention; same arguments and result as ``scalar_attention_naive``."""
-    if isinstance(tau, torch.Tensor):
-        beta = 1.0 / tau.float()
-    else:
-        beta = torch.full((1, 1, 1), 1.0 / float(tau), device=v.device, dtype=torch.float32)
+    """Fused scalar attention; same arguments and result as ``scalar_attention_naive``.
+
+    ``tau`` goes to the kernels as it is (a float, or a ``[B|1, H|1, Nq|1]`` tensor read through its strides): they
+    take ``beta = 1 / tau`` and return ``tau``'s gradient, so a call spends no torch op on the temperature.
+    """
+    tau_t = tau if isinstance(tau, torch.Tensor) else None
+    tau_value = 1.0 if tau_t is not None else float(tau)
     v = v if v.stride(-1) == 1 else v.contiguous()
-    args = (qs, ks, v, beta, mask.key_log_weights, mask.attention_mask, mask.causal, mask.window, mask.num_prefix_keys)
+    args = (
+        qs,
+        ks,
+        v,
+        tau_t,
+        tau_value,
+        mask.key_log_weights,
+        mask.attention_mask,
+        mask.causal,
+        mask.window,
+        mask.num_prefix_keys,
+    )
     if torch.compiler.is_compiling():
         return scalar_fwd(*args)[0]
-    differentiable = (qs, ks, v, beta, mask.key_log_weights)
+    differentiable = (qs, ks, v, tau_t, mask.key_log_weights)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
         return _ScalarFunction.apply(*args)
     return _forward_impl(*args)[0]

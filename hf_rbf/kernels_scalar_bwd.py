@@ -25,15 +25,24 @@ from __future__ import annotations
 
 import torch
 
-from .kernels_common import HAS_TRITON, autotune, dot_precision, launch_tuned, make_configs, n_bucket, padded_dim
-from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, strides3
+from .kernels_common import (
+    HAS_TRITON,
+    autotune,
+    bcast_strides,
+    dot_precision,
+    launch_tuned,
+    make_configs,
+    n_bucket,
+    padded_dim,
+)
+from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, tau_args
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
-    from .kernels_scalar_fwd import SCALAR_KEY, _program_rows, _scores, _segment
+    from .kernels_scalar_fwd import SCALAR_KEY, _program_rows, _row_beta, _scores, _segment
 
 
 # dV: BLOCK_N stationary keys x ROWS streamed query rows (HP heads x BLOCK_M queries, HP tuned as in the forward).
@@ -103,13 +112,12 @@ if HAS_TRITON:
         is_prefix,
         QS_ptr,
         BETA_ptr,
+        BETA_VALUE,
         DO_ptr,
         LSE_ptr,
         DELTA_ptr,
         sqsh,
         sqsn,
-        sbh,
-        sbn,
         sdoh,
         sdon,
         NQ,
@@ -127,6 +135,7 @@ if HAS_TRITON:
         CAUSAL: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
+        TAU_TENSOR: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         """The query tiles of segments 1-3 (``_segment``) against a program's stationary key tile: transposed scores
@@ -143,7 +152,10 @@ if HAS_TRITON:
                 i = start_m + offs_r % BLOCK_M
                 row_ok = i < NQ
                 qs = tl.load(QS_ptr + hh * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-                beta = tl.load(BETA_ptr + hh * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
+                if TAU_TENSOR:  # beta_i as the dQ pass wrote it: no reciprocal in this loop
+                    beta = tl.load(BETA_ptr + hh * NQ + i, mask=row_ok, other=0.0)
+                else:  # a global temperature: a constant, no load
+                    beta = tl.full([ROWS], BETA_VALUE, tl.float32)
                 lse = tl.load(LSE_ptr + hh * NQ + i, mask=row_ok, other=float("inf"))
                 delta = tl.load(DELTA_ptr + hh * NQ + i, mask=row_ok, other=0.0)
                 do = _load_tile(
@@ -178,10 +190,10 @@ if HAS_TRITON:
         KS,
         V,
         KB,
-        BETA,
+        BETA_VALUE,
         DO,
         LSE,
-        DELTA,
+        WORK,
         DV,
         DKS,
         DKB,
@@ -194,9 +206,6 @@ if HAS_TRITON:
         svb,
         svh,
         svn,
-        sbb,
-        sbh,
-        sbn,
         sdob,
         sdoh,
         sdon,
@@ -216,6 +225,7 @@ if HAS_TRITON:
         CAUSAL: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
+        TAU_TENSOR: tl.constexpr,
         DOT_PREC: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -269,10 +279,10 @@ if HAS_TRITON:
             dks = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
             dkb = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
             QS_ptr = QS + b * sqsb + h0 * sqsh
-            BETA_ptr = BETA + b * sbb + h0 * sbh
             DO_ptr = DO + b * sdob + h0 * sdoh
             LSE_ptr = LSE + (b * H + h0) * NQ
-            DELTA_ptr = DELTA + (b * H + h0) * NQ
+            DELTA_ptr = WORK + (b * H + h0) * NQ  # the dQ pass's work rows: delta_i, then beta_i
+            BETA_ptr = DELTA_ptr + tl.num_programs(1).to(tl.int64) * HPG * NQ
             dv, dks, dkb = _scalar_dkv_tiles(
                 dv,
                 dks,
@@ -284,13 +294,12 @@ if HAS_TRITON:
                 is_prefix,
                 QS_ptr,
                 BETA_ptr,
+                BETA_VALUE,
                 DO_ptr,
                 LSE_ptr,
                 DELTA_ptr,
                 sqsh,
                 sqsn,
-                sbh,
-                sbn,
                 sdoh,
                 sdon,
                 NQ,
@@ -308,10 +317,11 @@ if HAS_TRITON:
                 CAUSAL,
                 HAS_WINDOW,
                 HAS_KB,
+                TAU_TENSOR,
                 DOT_PREC,
             )
             out_ptrs = (b * H + h0 + offs_h)[None, :] * NK + j[:, None]
-            tl.store(DKS + out_ptrs, 2.0 * dks, mask=key_ok[:, None])
+            tl.store(DKS + out_ptrs, (2.0 * dks).to(DKS.dtype.element_ty), mask=key_ok[:, None])
             if HAS_KB:
                 tl.store(DKB + out_ptrs, dkb, mask=key_ok[:, None])
         tl.store(
@@ -326,12 +336,13 @@ if HAS_TRITON:
         KS,
         V,
         KB,
-        BETA,
+        TAU,
+        BETA_VALUE,
         DO,
         LSE,
-        DELTA,
+        WORK,
         DQS,
-        DBETA,
+        DTAU,
         sqsb,
         sqsh,
         sqsn,
@@ -341,9 +352,9 @@ if HAS_TRITON:
         svb,
         svh,
         svn,
-        sbb,
-        sbh,
-        sbn,
+        stb,
+        sth,
+        stn,
         sdob,
         sdoh,
         sdon,
@@ -360,7 +371,8 @@ if HAS_TRITON:
         CAUSAL: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
-        NEED_DBETA: tl.constexpr,
+        TAU_TENSOR: tl.constexpr,
+        NEED_DTAU: tl.constexpr,
         DOT_PREC: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -370,7 +382,7 @@ if HAS_TRITON:
         b, h0, g, S, t0, i, h_r, row_ok = _program_rows(H, HPG, NQ, NK, P, HP, BLOCK_M, ROWS)
         offs_dv = tl.arange(0, DV_PAD)
         qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-        beta_r = tl.load(BETA + b * sbb + h_r * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
+        beta_r = _row_beta(TAU, BETA_VALUE, b, h_r, i, row_ok, stb, sth, stn, TAU_TENSOR, ROWS)
         lse = tl.load(LSE + (b * H + h_r) * NQ + i, mask=row_ok, other=float("inf"))
         do = _load_tile(
             DO + b * sdob + h_r[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :],
@@ -381,7 +393,7 @@ if HAS_TRITON:
             True,
         )
         t_r = t0 + i
-        # the row sums of W dP (delta) and of W dP f, W f for f = dd and (with NEED_DBETA) dd^2
+        # the row sums of W dP (delta) and of W dP f, W f for f = dd and (with NEED_DTAU) dd^2
         dacc = tl.zeros([ROWS], dtype=tl.float32)
         a1 = tl.zeros([ROWS], dtype=tl.float32)
         b1 = tl.zeros([ROWS], dtype=tl.float32)
@@ -438,15 +450,23 @@ if HAS_TRITON:
                 dacc += tl.sum(pd, 1)
                 a1 += tl.sum(pd * dd, 1)
                 b1 += tl.sum(p * dd, 1)
-                if NEED_DBETA:  # only when tau requires grad: two more row sums per tile
+                if NEED_DTAU:  # only when tau requires grad: two more row sums per tile
                     dd2 = dd * dd
                     a2 += tl.sum(pd * dd2, 1)
                     b2 += tl.sum(p * dd2, 1)
         # sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j with the exact delta_i = sum_j W_ij dP_ij
-        tl.store(DQS + (b * H + h_r) * NQ + i, -2.0 * beta_r * (a1 - dacc * b1), mask=row_ok)
-        if NEED_DBETA:
-            tl.store(DBETA + (b * H + h_r) * NQ + i, dacc * b2 - a2, mask=row_ok)
-        tl.store(DELTA + (b * H + h_r) * NQ + i, dacc, mask=row_ok)
+        out_rows = (b * H + h_r) * NQ + i
+        dqs = -2.0 * beta_r * (a1 - dacc * b1)
+        tl.store(DQS + out_rows, dqs.to(DQS.dtype.element_ty), mask=row_ok)  # in qs's dtype: no cast op after
+        if NEED_DTAU:
+            # dtau_i = -beta_i^2 dbeta_i, the reciprocal's derivative in torch's order (-(g * (beta * beta)))
+            dbeta = dacc * b2 - a2
+            tl.store(DTAU + out_rows, -(dbeta * (beta_r * beta_r)), mask=row_ok)
+        # the work rows for the dK/dV pass: delta_i, and beta_i when tau is a tensor (so that pass takes no
+        # reciprocal in its loop; with a float tau it has the constant)
+        tl.store(WORK + out_rows, dacc, mask=row_ok)
+        if TAU_TENSOR:
+            tl.store(WORK + tl.num_programs(1).to(tl.int64) * HP * NQ + out_rows, beta_r, mask=row_ok)
 
     _scalar_bwd_dkv = autotune(make_configs(SCALAR_DKV_CONFIGS, _INTERPRET_DKV), SCALAR_KEY, _prune_dkv)(
         _scalar_bwd_dkv_kernel
@@ -456,45 +476,41 @@ if HAS_TRITON:
     )
 
 
-def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefix_keys, need_dbeta):
-    """Gradients of :func:`kernels_scalar_fwd.scalar_forward`.
+def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix_keys, need_dtau):
+    """Gradients of :func:`kernels_scalar_fwd.scalar_forward` (``tau`` the same float or tensor).
 
-    Returns ``dqs [B,H,Nq]``, ``dks [B,H,Nk]`` (fp32), ``dv [B,G,Nk,Dv]`` (v's dtype), ``dkb [B,H,Nk]`` (fp32,
-    ``sum_i dS_ij``; empty without key bias) and ``dbeta [B,H,Nq]`` (fp32; empty unless ``need_dbeta``).
+    Returns ``dqs [B,H,Nq]`` (qs's dtype), ``dks [B,H,Nk]`` (ks's dtype), ``dv [B,G,Nk,Dv]`` (v's dtype), ``dkb
+    [B,H,Nk]`` (fp32, ``sum_i dS_ij``; None without key bias) and ``dtau [B,H,Nq]`` (fp32, per row: the caller sums
+    it over tau's broadcast dims; None unless ``need_dtau``).
     """
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
     groups, dv_dim = v.shape[1], v.shape[3]
     hpg = heads // groups
-    f32 = dict(device=v.device, dtype=torch.float32)
+    dev = v.device
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    dqs = torch.empty(bsz, heads, nq, **f32)
-    dks = torch.empty(bsz, heads, nk, **f32)
+    dqs = torch.empty(bsz, heads, nq, device=dev, dtype=qs.dtype)
+    dks = torch.empty(bsz, heads, nk, device=dev, dtype=ks.dtype)
     dv = torch.empty_like(v)
-    dkb = torch.empty(bsz, heads, nk, **f32) if kb is not None else torch.empty(0, **f32)
-    dbeta = torch.empty(bsz, heads, nq, **f32) if need_dbeta else torch.empty(0, **f32)
+    dkb = torch.empty(bsz, heads, nk, device=dev, dtype=torch.float32) if kb is not None else None
+    dtau = torch.empty(bsz, heads, nq, device=dev, dtype=torch.float32) if need_dtau else None
     if nq == 0 or nk == 0:
-        return dqs.zero_(), dks.zero_(), dv.zero_(), dkb.zero_(), dbeta.zero_()
-    delta = torch.empty(bsz, heads, nq, **f32)  # written by the dqs kernel (exact delta), read by the dV kernel
+        return tuple(None if t is None else t.zero_() for t in (dqs, dks, dv, dkb, dtau))
+    tau_t, beta_value, stau, tau_tensor = tau_args(tau, bsz, heads, nq, lse)
+    # written by the dQ pass, read by the dK/dV pass: delta_i (exact, see the module docstring) and, for a tensor
+    # tau, beta_i = 1 / tau_i
+    work = torch.empty(2 if tau_tensor else 1, bsz, heads, nq, device=dev, dtype=torch.float32)
     common = dict(
         DV_PAD=padded_dim(dv_dim),
         CAUSAL=causal,
         HAS_WINDOW=window is not None,
         HAS_KB=kb is not None,
+        TAU_TENSOR=tau_tensor,
         DOT_PREC=dot_precision(v.dtype),
     )
     sizes = (heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)), requested_heads_per_program())
-    s_in = (
-        *strides3(qs, bsz, heads, nq),
-        *strides3(ks, bsz, heads, nk),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        *strides3(beta, bsz, heads, nq),
-        dout.stride(0),
-        dout.stride(1),
-        dout.stride(2),
-    )
+    s_qkv = (*bcast_strides(qs, (bsz, heads, nq)), *bcast_strides(ks, (bsz, heads, nk)), *v.stride()[:3])
+    s_do = dout.stride()[:3]
     kbt = kb if kb is not None else lse
     grid_q = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
     launch_tuned(
@@ -504,16 +520,19 @@ def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefi
         ks,
         v,
         kbt,
-        beta,
+        tau_t,
+        beta_value,
         dout,
         lse,
-        delta,
+        work,
         dqs,
-        dbeta if need_dbeta else dqs,
-        *s_in,
+        dtau if need_dtau else work,
+        *s_qkv,
+        *stau,
+        *s_do,
         *sizes,
         DV=dv_dim,
-        NEED_DBETA=need_dbeta,
+        NEED_DTAU=need_dtau,
         **common,
     )
     grid_kv = lambda meta: (  # noqa: E731
@@ -527,19 +546,18 @@ def scalar_backward(dout, qs, ks, v, kb, beta, lse, *, causal, window, num_prefi
         ks,
         v,
         kbt,
-        beta,
+        beta_value,
         dout,
         lse,
-        delta,
+        work,
         dv,
         dks,
         dkb if kb is not None else dks,
-        *s_in,
-        dv.stride(0),
-        dv.stride(1),
-        dv.stride(2),
+        *s_qkv,
+        *s_do,
+        *dv.stride()[:3],
         *sizes,
         DV_=dv_dim,
         **common,
     )
-    return dqs, dks, dv, dkb, dbeta
+    return dqs, dks, dv, dkb, dtau

@@ -24,6 +24,7 @@ from .kernels_common import (
     HAS_TRITON,
     autotune,
     autotune_subset,
+    bcast_strides,
     dot_precision,
     launch_tuned,
     make_configs,
@@ -146,6 +147,22 @@ if HAS_TRITON:
         return b, h0, g, S, t0, i, h_r, i < NQ
 
     @triton.jit
+    def _row_beta(TAU, BETA_VALUE, b, h_r, i, row_ok, stb, sth, stn, TAU_TENSOR: tl.constexpr, ROWS: tl.constexpr):
+        """``beta = 1 / tau`` of each stacked row, from the temperature itself (no torch op per call).
+
+        TAU_TENSOR (constexpr): a ``[B|1, H|1, Nq|1]`` tensor read through its broadcast strides, and the reciprocal
+        taken with IEEE rounding (``div_rn``: Triton's ``/`` on fp32 is the approximate ``div.full``), the value
+        ``1.0 / tau.float()`` gives in torch; otherwise a global float, passed as ``BETA_VALUE = 1 / tau`` (fp32):
+        no load at all.  Rows past the end read ``tau = 1`` (finite, never stored).
+        """
+        if TAU_TENSOR:
+            tau = tl.load(TAU + b * stb + h_r * sth + i * stn, mask=row_ok, other=1.0).to(tl.float32)
+            beta = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tau)
+        else:
+            beta = tl.full([ROWS], BETA_VALUE, tl.float32)
+        return beta
+
+    @triton.jit
     def _scores(
         start_n,
         key_base,
@@ -195,7 +212,8 @@ if HAS_TRITON:
         KS,
         V,
         KB,
-        BETA,
+        TAU,
+        BETA_VALUE,
         OUT,
         LSE,
         sqsb,
@@ -210,9 +228,9 @@ if HAS_TRITON:
         sob,
         soh,
         son,
-        sbb,
-        sbh,
-        sbn,
+        stb,
+        sth,
+        stn,
         H,
         HPG,
         NQ,
@@ -226,6 +244,7 @@ if HAS_TRITON:
         CAUSAL: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
+        TAU_TENSOR: tl.constexpr,
         DOT_PREC: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -234,7 +253,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr = ROWS // HP
         b, h0, g, S, t0, i, h_r, row_ok = _program_rows(H, HPG, NQ, NK, P, HP, BLOCK_M, ROWS)
         qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-        beta_r = tl.load(BETA + b * sbb + h_r * sbh + i * sbn, mask=row_ok, other=0.0).to(tl.float32)
+        beta_r = _row_beta(TAU, BETA_VALUE, b, h_r, i, row_ok, stb, sth, stn, TAU_TENSOR, ROWS)
         beta_r = beta_r * 1.4426950408889634
         t_r = t0 + i
         acc = tl.zeros([ROWS, DV_PAD], dtype=tl.float32)
@@ -309,15 +328,19 @@ if HAS_TRITON:
     _scalar_fwd = autotune(make_configs(SCALAR_FWD_CONFIGS, INTERPRET_CONFIGS), SCALAR_KEY, _prune)(_scalar_fwd_kernel)
 
 
-def strides3(t, b, h, n):
-    """Strides of a ``[B|1, H|1, N|1]`` tensor viewed as ``[B, H, N]`` (0 on broadcast dims)."""
-    e = t.expand(b, h, n)
-    return e.stride(0), e.stride(1), e.stride(2)
+def tau_args(tau, bsz: int, heads: int, nq: int, dummy):
+    """``(TAU, BETA_VALUE, (stb, sth, stn), TAU_TENSOR)`` kernel arguments of a temperature: a float (passed as
+    ``1 / tau``) or a ``[B|1, H|1, Nq|1]`` tensor read in-kernel through its broadcast strides (computed in Python:
+    no ``expand`` op)."""
+    if isinstance(tau, torch.Tensor):
+        return tau, 1.0, bcast_strides(tau, (bsz, heads, nq)), True
+    return dummy, 1.0 / float(tau), (0, 0, 0), False
 
 
-def scalar_forward(qs, ks, v, kb, beta, *, causal, window, num_prefix_keys):
-    """Launch the scalar forward.  ``qs [B,H,Nq]``, ``ks [B,H,Nk]``, ``v [B,G,Nk,Dv]`` (last dim contiguous),
-    ``kb``: key bias ``[B,H,Nk]`` fp32 or None, ``beta [B|1,H|1,Nq|1]`` (``1/tau``).
+def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys):
+    """Launch the scalar forward.  ``qs [B,H,Nq]``, ``ks [B,H,Nk]`` (any strides), ``v [B,G,Nk,Dv]`` (last dim
+    contiguous), ``kb``: key bias ``[B,H,Nk]`` fp32 or None, ``tau``: a positive float or a ``[B|1,H|1,Nq|1]`` tensor
+    (the kernel takes ``beta = 1 / tau`` itself).
 
     Returns ``(out [B,H,Nq,Dv] in v's dtype, lse [B,H,Nq] fp32)``.
     """
@@ -329,6 +352,7 @@ def scalar_forward(qs, ks, v, kb, beta, *, causal, window, num_prefix_keys):
     lse = torch.empty(bsz, heads, nq, device=v.device, dtype=torch.float32)
     if nq == 0:
         return out, lse
+    tau_t, beta_value, stau, tau_tensor = tau_args(tau, bsz, heads, nq, lse)
     grid = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
     launch_tuned(
         _scalar_fwd,
@@ -337,18 +361,19 @@ def scalar_forward(qs, ks, v, kb, beta, *, causal, window, num_prefix_keys):
         ks,
         v,
         kb if kb is not None else lse,
-        beta,
+        tau_t,
+        beta_value,
         out,
         lse,
-        *strides3(qs, bsz, heads, nq),
-        *strides3(ks, bsz, heads, nk),
+        *bcast_strides(qs, (bsz, heads, nq)),
+        *bcast_strides(ks, (bsz, heads, nk)),
         v.stride(0),
         v.stride(1),
         v.stride(2),
         out.stride(0),
         out.stride(1),
         out.stride(2),
-        *strides3(beta, bsz, heads, nq),
+        *stau,
         heads,
         hpg,
         nq,
@@ -362,6 +387,7 @@ def scalar_forward(qs, ks, v, kb, beta, *, causal, window, num_prefix_keys):
         CAUSAL=causal,
         HAS_WINDOW=window is not None,
         HAS_KB=kb is not None,
+        TAU_TENSOR=tau_tensor,
         DOT_PREC=dot_precision(v.dtype),
     )
     return out, lse
