@@ -12,11 +12,13 @@ Two launches:
   ``dP = dO V^T``.  It computes ``delta_i = sum_j W_ij dP_ij`` *exactly* in fp32 alongside the row sums
   (``sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j``) instead of FlashAttention's
   ``dO_i . O_i`` on the rounded output: in bf16 that rounding costs the temperature gradient, a sum of cancelling
-  terms, several per cent, while here it costs two extra row sums.  It writes ``dqs``, ``dbeta`` and ``delta``.
+  terms, several per cent, while here it costs two extra row sums.  It writes ``dqs`` (in qs's dtype), ``tau``'s
+  per-row gradient ``-beta_i^2 dbeta_i`` (on request) and the work rows ``delta_i`` and ``beta_i = 1 / tau_i``.
 * ``_scalar_bwd_dkv_kernel``: one program per key block and value group, the group's V tile stationary; the heads
   of the group are visited ``HP`` at a time with their query rows stacked (as in the forward), so ``dV = sum over
   heads and queries of W^T dO`` is one accumulator with no atomics; per-head ``dks``/``dkb`` come from a reshape of
-  the transposed ``[BLOCK_N, HP * BLOCK_M]`` tile.  It reads the exact ``delta``.
+  the transposed ``[BLOCK_N, HP * BLOCK_M]`` tile.  It reads the exact ``delta`` and ``beta`` from the work rows (a
+  float ``tau`` is a kernel argument), so its loop takes no reciprocal.
 
 No preprocessing kernel and no saved output are needed.
 """
