@@ -147,6 +147,17 @@ def _float32(arguments: dict) -> dict:
     }
 
 
+def _prefix_in_front(a: dict) -> dict:
+    """A call's arguments with ``prefix_keys`` / ``prefix_values`` (rbf's registers, passed to the kernels as separate
+    tensors) concatenated in front of ``k`` / ``v``: the same keys in the order the weights are read."""
+    a = dict(a)
+    prefix_keys, prefix_values = a.pop("prefix_keys", None), a.pop("prefix_values", None)
+    if prefix_keys is not None:
+        a["k"] = torch.cat([prefix_keys.expand(a["k"].shape[0], -1, -1, -1), a["k"]], dim=2)
+        a["v"] = torch.cat([prefix_values.expand(a["v"].shape[0], -1, -1, -1), a["v"]], dim=2)
+    return a
+
+
 def call_weights(call: AttentionCall) -> torch.Tensor:
     """The weight matrix ``[B, H, Nq, Nk]`` (float32) of a recorded call, on the reference ("naive") path."""
     ops = _ops()
@@ -154,6 +165,7 @@ def call_weights(call: AttentionCall) -> torch.Tensor:
     a["backend"] = "naive"
     if call.op == "gka_attention":
         return _gka_weights(a)
+    a = _prefix_in_front(a)
     v = a["v"]
     nk = v.shape[-2]
     a["v"] = torch.eye(nk, dtype=torch.float32, device=v.device).expand(*v.shape[:-2], nk, nk).contiguous()
@@ -197,7 +209,7 @@ def call_values(call: AttentionCall) -> torch.Tensor:
     a = _float32(call.arguments)
     if call.op == "gka_attention":
         return a["x"]
-    v = a["v"]
+    v = _prefix_in_front(a)["v"]
     heads = a["q"].shape[1] if "q" in a else a["qs"].shape[1]
     if v.shape[1] != heads:
         v = v.repeat_interleave(heads // v.shape[1], dim=1)
