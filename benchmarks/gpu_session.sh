@@ -15,7 +15,8 @@
 #   throughput   recipes/throughput.py (tokens/s of every family against LlamaForCausalLM with SDPA)          [150]
 #   lm           recipes/gpu_all.sh (every family: train, val loss, bpb, CORE-20, throughput, cards)       [560]
 #   multi        recipes/gpu_multi.sh (1 GPU vs DDP vs FSDP on 2 GPUs, STEPS env)                          [400]
-#   hostops      benchmarks/count_host_ops.py --time (launches, aten ops and host ms per fused call; twice)      [120]
+#   hostops      benchmarks/probe_triton_launch.py (where a triton launch's host time goes) and
+#                benchmarks/count_host_ops.py --time (launches, aten ops and host ms per fused call; twice)      [120]
 #   profile      benchmarks/profile_training.py, the run-5 command (every family vs Llama, d256 and d768,
 #                best of 3 interleaved rounds; PROFILE_ARGS replaces the defaults)                              [500]
 #   staticdecode benchmarks/bench_sorted_static_decode.py (fused vs torch vs dense SDPA per layer step,
@@ -82,6 +83,7 @@ job_vit() { EPOCHS=${EPOCHS:-4} WORK="$WORK/vit" bash recipes/gpu_vit_mnist.sh "
 job_throughput() { python3 recipes/throughput.py --output "$1/throughput" ${THROUGHPUT_ARGS:-}; }
 job_lm() { WORK="$WORK/lm" bash recipes/gpu_all.sh "$1" "$DATA_ROOT"; }
 job_hostops() {
+    python3 benchmarks/probe_triton_launch.py --json "$1/triton_launch.json"
     python3 benchmarks/count_host_ops.py --time --calls 300 --json "$1/host_ops_1.json"
     python3 benchmarks/count_host_ops.py --time --calls 300 --json "$1/host_ops_2.json"
 }
