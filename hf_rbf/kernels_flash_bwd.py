@@ -49,6 +49,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
+    from .kernels_flash_fwd import _key_value_bases
 
 
 # dK/dV: BLOCK_N stationary keys, BLOCK_M streamed queries.  The Triton tutorial's Hopper choice (128 keys x 32
@@ -93,6 +94,52 @@ _prune_dq = _make_prune("BLOCK_M", "BLOCK_N", lambda d, dv: d)
 
 
 if HAS_TRITON:
+    # Key rows j of a block in the order the kernels see them, [prefix keys; sequence keys].  With separate prefix
+    # tensors (SEP_PREFIX, see the forward kernel) a block is all prefix or all sequence keys, so one of the two masked
+    # accesses touches nothing: the same code for every block, no branch on the block kind.
+    @triton.jit
+    def _load_key_rows(
+        SEQ,
+        seq_n,
+        PRE,
+        pre_n,
+        j,
+        P,
+        key_ok,
+        cols,
+        NCOLS: tl.constexpr,
+        NCOLS_PAD: tl.constexpr,
+        SEP_PREFIX: tl.constexpr,
+    ):
+        """``[BLOCK_N, NCOLS_PAD]`` rows ``j`` (``SEQ``/``PRE``: the (batch, head) bases, ``*_n`` their row strides)."""
+        if SEP_PREFIX:
+            x = _load_tile(PRE + j[:, None] * pre_n + cols[None, :], key_ok & (j < P), cols, NCOLS, NCOLS_PAD, True)
+            x += _load_tile(
+                SEQ + (j - P)[:, None] * seq_n + cols[None, :], key_ok & (j >= P), cols, NCOLS, NCOLS_PAD, True
+            )
+        else:
+            x = _load_tile(SEQ + j[:, None] * seq_n + cols[None, :], key_ok, cols, NCOLS, NCOLS_PAD, True)
+        return x
+
+    @triton.jit
+    def _store_key_rows(x, SEQ, seq_n, PRE, pre_n, j, P, key_ok, cols, NCOLS: tl.constexpr, SEP_PREFIX: tl.constexpr):
+        """Store the ``[BLOCK_N, *]`` rows ``x`` of keys ``j`` (the prefix ones into ``PRE``), in each target's dtype."""
+        col_ok = cols[None, :] < NCOLS
+        if SEP_PREFIX:
+            tl.store(
+                PRE + j[:, None] * pre_n + cols[None, :],
+                x.to(PRE.dtype.element_ty),
+                mask=(key_ok & (j < P))[:, None] & col_ok,
+            )
+            tl.store(
+                SEQ + (j - P)[:, None] * seq_n + cols[None, :],
+                x.to(SEQ.dtype.element_ty),
+                mask=(key_ok & (j >= P))[:, None] & col_ok,
+            )
+        else:
+            tl.store(
+                SEQ + j[:, None] * seq_n + cols[None, :], x.to(SEQ.dtype.element_ty), mask=key_ok[:, None] & col_ok
+            )
 
     @triton.jit
     def _dkdv_tiles(
@@ -295,42 +342,27 @@ if HAS_TRITON:
         q_full_hi = ip * p_full_hi + (1 - ip) * q_full_hi
         q_end = ip * p_end + (1 - ip) * q_end
 
-        if SEP_PREFIX:
-            # Separate prefix tensors (see the forward kernel): a block is all prefix or all sequence keys, so one
-            # of each pair of masked loads / stores below touches nothing.  (Two masked accesses rather than a select
-            # between two pointers: the same code for every block, no branch on the block kind.)
-            pre_ok = key_ok & (j < P)
-            seq_ok = key_ok & (j >= P)
         if not KV_SAME:
-            if SEP_PREFIX:
-                v = _load_tile(
-                    PV + b * spvb + g * spvh + j[:, None] * spvn + offs_dv[None, :], pre_ok, offs_dv, DV_, DV_PAD, True
-                ) + _load_tile(
-                    V + b * svb + g * svh + (j - P)[:, None] * svn + offs_dv[None, :],
-                    seq_ok,
-                    offs_dv,
-                    DV_,
-                    DV_PAD,
-                    True,
-                )
-            else:
-                v = _load_tile(
-                    V + b * svb + g * svh + j[:, None] * svn + offs_dv[None, :], key_ok, offs_dv, DV_, DV_PAD, True
-                )
+            v = _load_key_rows(
+                V + b * svb + g * svh,
+                svn,
+                PV + b * spvb + g * spvh,
+                spvn,
+                j,
+                P,
+                key_ok,
+                offs_dv,
+                DV_,
+                DV_PAD,
+                SEP_PREFIX,
+            )
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
         for hh in range(0, HPG):
             h = g * HPG + hh
             bh = b * H + h
-            if SEP_PREFIX:
-                k = _load_tile(
-                    PK + b * spkb + h * spkh + j[:, None] * spkn + offs_d[None, :], pre_ok, offs_d, D, D_PAD, True
-                ) + _load_tile(
-                    K + b * skb + h * skh + (j - P)[:, None] * skn + offs_d[None, :], seq_ok, offs_d, D, D_PAD, True
-                )
-            else:
-                k = _load_tile(
-                    K + b * skb + h * skh + j[:, None] * skn + offs_d[None, :], key_ok, offs_d, D, D_PAD, True
-                )
+            k = _load_key_rows(
+                K + b * skb + h * skh, skn, PK + b * spkb + h * spkh, spkn, j, P, key_ok, offs_d, D, D_PAD, SEP_PREFIX
+            )
             if KV_SAME:
                 vt = k  # x is key and value: the tile is read once
             else:
@@ -501,48 +533,28 @@ if HAS_TRITON:
             if KV_SAME:
                 dk += dv  # x is key and value: one gradient
                 dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
-            d_ok = offs_d[None, :] < D
-            if SEP_PREFIX:
-                # the prefix gradient per batch element into DPK [B, H, P, D] (contiguous), summed by the caller
-                tl.store(
-                    DPK + ((b * H + h) * P + j[:, None]) * D + offs_d[None, :],
-                    dk.to(DPK.dtype.element_ty),
-                    mask=pre_ok[:, None] & d_ok,
-                )
-                tl.store(
-                    DK + b * sdkb + h * sdkh + (j - P)[:, None] * sdkn + offs_d[None, :],
-                    dk.to(DK.dtype.element_ty),
-                    mask=seq_ok[:, None] & d_ok,
-                )
-            else:
-                tl.store(
-                    DK + b * sdkb + h * sdkh + j[:, None] * sdkn + offs_d[None, :],
-                    dk.to(DK.dtype.element_ty),
-                    mask=key_ok[:, None] & d_ok,
-                )
+            # the prefix gradient per batch element into DPK [B, H, P, D] (contiguous), summed by the caller
+            _store_key_rows(
+                dk, DK + b * sdkb + h * sdkh, sdkn, DPK + (b * H + h) * P * D, D, j, P, key_ok, offs_d, D, SEP_PREFIX
+            )
             if STORE_DKB:
                 tl.store(DKB + bh * NK + j, c_acc, mask=key_ok)
             if SCALAR:
                 tl.store(DKS + bh * NK + j, 2.0 * dks_acc, mask=key_ok)
         if not KV_SAME:
-            dv_ok = offs_dv[None, :] < DV_
-            if SEP_PREFIX:
-                tl.store(
-                    DPV + ((b * G + g) * P + j[:, None]) * DV_ + offs_dv[None, :],
-                    dv.to(DPV.dtype.element_ty),
-                    mask=pre_ok[:, None] & dv_ok,
-                )
-                tl.store(
-                    DV + b * sdvb + g * sdvh + (j - P)[:, None] * sdvn + offs_dv[None, :],
-                    dv.to(DV.dtype.element_ty),
-                    mask=seq_ok[:, None] & dv_ok,
-                )
-            else:
-                tl.store(
-                    DV + b * sdvb + g * sdvh + j[:, None] * sdvn + offs_dv[None, :],
-                    dv.to(DV.dtype.element_ty),
-                    mask=key_ok[:, None] & dv_ok,
-                )
+            _store_key_rows(
+                dv,
+                DV + b * sdvb + g * sdvh,
+                sdvn,
+                DPV + (b * G + g) * P * DV_,
+                DV_,
+                j,
+                P,
+                key_ok,
+                offs_dv,
+                DV_,
+                SEP_PREFIX,
+            )
 
     @triton.jit
     def _dq_tiles(
@@ -765,22 +777,9 @@ if HAS_TRITON:
         a2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         b2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         t_r = t0 + offs_m
-        K_ptr = K + b * skb + h * skh
-        V_ptr = V + b * svb + g * svh
-        if SEP_PREFIX:  # separate prefix tensors: see the forward kernel
-            PK_ptr = PK + b * spkb + h * spkh
-            PV_ptr = PV + b * spvb + g * spvh
-            pkn = spkn
-            pvn = spvn
-            K_seq = K_ptr - P * skn
-            V_seq = V_ptr - P * svn
-        else:
-            PK_ptr = K_ptr
-            PV_ptr = V_ptr
-            pkn = skn
-            pvn = svn
-            K_seq = K_ptr
-            V_seq = V_ptr
+        PK_ptr, PV_ptr, pkn, pvn, K_seq, V_seq = _key_value_bases(
+            K, V, PK, PV, b, h, g, skb, skh, skn, svb, svh, svn, spkb, spkh, spkn, spvb, spvh, spvn, P, SEP_PREFIX
+        )
         KB_ptr = KB + bh * NK
         KS_ptr = KS + b * sksb + h * sksh
 

@@ -93,6 +93,55 @@ def _prune_fwd(configs, nargs, **kwargs):
 if HAS_TRITON:
 
     @triton.jit
+    def _key_value_bases(
+        K,
+        V,
+        PK,
+        PV,
+        b,
+        h,
+        g,
+        skb,
+        skh,
+        skn,
+        svb,
+        svh,
+        svn,
+        spkb,
+        spkh,
+        spkn,
+        spvb,
+        spvh,
+        spvn,
+        P,
+        SEP_PREFIX: tl.constexpr,
+    ):
+        """``(PK_ptr, PV_ptr, pkn, pvn, K_seq, V_seq)``: where the tiles read prefix key / value ``j < P`` (at
+        ``PK_ptr + j * pkn``) and sequence key ``j >= P`` (at ``K_seq + j * skn``) for batch ``b``, head ``h``, value
+        group ``g``.
+
+        With SEP_PREFIX the P prefix keys / values (registers) are their own tensors (batch stride 0 when every batch
+        element shares them), so no concatenation in front of the sequence keys: the sequence tensors hold key P + s at
+        row s, hence ``K_seq = K - P * skn``.  Without it the prefix is the first P rows of K / V."""
+        K_ptr = K + b * skb + h * skh
+        V_ptr = V + b * svb + g * svh
+        if SEP_PREFIX:
+            PK_ptr = PK + b * spkb + h * spkh
+            PV_ptr = PV + b * spvb + g * spvh
+            pkn = spkn
+            pvn = spvn
+            K_seq = K_ptr - P * skn
+            V_seq = V_ptr - P * svn
+        else:
+            PK_ptr = K_ptr
+            PV_ptr = V_ptr
+            pkn = skn
+            pvn = svn
+            K_seq = K_ptr
+            V_seq = V_ptr
+        return PK_ptr, PV_ptr, pkn, pvn, K_seq, V_seq
+
+    @triton.jit
     def _fwd_tiles(
         acc,
         l_i,
@@ -291,25 +340,9 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
         t_r = t0 + offs_m
 
-        K_ptr = K + b * skb + h * skh
-        V_ptr = V + b * svb + g * svh
-        if SEP_PREFIX:
-            # The P prefix keys / values (registers) in their own tensors (batch stride 0 when every batch element
-            # shares them), so no concatenation in front of the sequence keys: the sequence tensors hold key P + s at
-            # row s, and the tiles address key j at K_seq + j * skn.
-            PK_ptr = PK + b * spkb + h * spkh
-            PV_ptr = PV + b * spvb + g * spvh
-            pkn = spkn
-            pvn = spvn
-            K_seq = K_ptr - P * skn
-            V_seq = V_ptr - P * svn
-        else:
-            PK_ptr = K_ptr
-            PV_ptr = V_ptr
-            pkn = skn
-            pvn = svn
-            K_seq = K_ptr
-            V_seq = V_ptr
+        PK_ptr, PV_ptr, pkn, pvn, K_seq, V_seq = _key_value_bases(
+            K, V, PK, PV, b, h, g, skb, skh, skn, svb, svh, svn, spkb, spkh, spkn, spvb, spvh, spvn, P, SEP_PREFIX
+        )
         KB_ptr = KB + bh * NK
         KS_ptr = KS + b * sksb + h * sksh
 
