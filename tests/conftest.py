@@ -213,3 +213,18 @@ def hf_home():
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_HF_HOME, ignore_errors=True)
+
+
+# The start of a child script that must not see hf_rbf (what a user with `trust_remote_code=True` and without the
+# package has): every import of hf_rbf fails from here on.
+HIDE_HF_RBF = """\
+import importlib.abc, json, sys
+
+class BlockHfRbf(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "hf_rbf" or name.startswith("hf_rbf."):
+            raise ImportError("hf_rbf is hidden in this process")
+        return None
+
+sys.meta_path.insert(0, BlockHfRbf())
+"""

@@ -18,12 +18,16 @@ import sys
 
 import pytest
 import torch
-from conftest import FAMILY_CASES, build_model, make_config
+from conftest import FAMILY_CASES, HIDE_HF_RBF, build_model, make_config
 from sorted_cache_helpers import SORT_CASES, check_layer_invariants, left_padded
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_rbf.cache_names import CACHE_NAME, output_cache
-from hf_rbf.cache_sorted_scalar import ByteBudgetSlidingWindowLayer, SortedScalarCache, SortedScalarCacheLayer
+from hf_rbf.cache_sorted_scalar import (
+    ByteBudgetSlidingWindowLayer,
+    SortedScalarCache,
+    SortedScalarCacheLayer,
+)
 from hf_rbf.cache_sorted_static import StaticSortedLayer
 from hf_rbf.cache_static import (
     StaticDecoderCache,
@@ -306,16 +310,9 @@ def test_prompt_longer_than_the_budget_gives_the_memory_back():
         assert layer.capacity == layer.max_cache_tokens == 2000 // layer.bytes_per_token() < 40
 
 
-_REMOTE_SCRIPT = """
-import importlib.abc, json, sys
-
-class BlockHfRbf(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name == "hf_rbf" or name.startswith("hf_rbf."):
-            raise ImportError("hf_rbf is hidden in this process")
-        return None
-
-sys.meta_path.insert(0, BlockHfRbf())
+_REMOTE_SCRIPT = (
+    HIDE_HF_RBF
+    + """
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -333,6 +330,7 @@ print(json.dumps({
     "hf_rbf_loaded": any(m == "hf_rbf" or m.startswith("hf_rbf.") for m in sys.modules),
 }))
 """
+)
 
 
 def test_max_cache_bytes_through_remote_code(tmp_path, hf_home):

@@ -11,10 +11,9 @@ import textwrap
 
 import pytest
 import torch
-from conftest import FAMILY_CASES, build_model, make_config
+from conftest import FAMILY_CASES, HIDE_HF_RBF, build_model, make_config
 
 import hf_rbf  # noqa: F401
-
 
 # transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
 pytestmark = pytest.mark.contract
@@ -84,17 +83,8 @@ def test_registered_for_auto_classes_and_auto_map(tmp_path):
     assert "attn_implementation" not in cfg
 
 
-_REMOTE_SCRIPT = textwrap.dedent(
+_REMOTE_SCRIPT = HIDE_HF_RBF + textwrap.dedent(
     """
-    import importlib.abc, json, sys
-
-    class BlockHfRbf(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name == "hf_rbf" or name.startswith("hf_rbf."):
-                raise ImportError("hf_rbf is hidden in this process")
-            return None
-
-    sys.meta_path.insert(0, BlockHfRbf())
     try:
         import hf_rbf  # noqa: F401
         raise SystemExit("hf_rbf was importable")

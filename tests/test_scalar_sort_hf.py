@@ -11,11 +11,10 @@ import sys
 
 import pytest
 import torch
-from conftest import build_model
+from conftest import HIDE_HF_RBF, build_model
 from sorted_cache_helpers import PAD, SORT_CASES, left_padded
 
 import hf_rbf
-
 
 # transformers contract: CI also runs this module against the oldest supported versions (.ci/run)
 pytestmark = pytest.mark.contract
@@ -60,16 +59,9 @@ def test_save_load_identical_logits_and_auto_map(sort_case, tmp_path):
     assert "trainer.py" not in files
 
 
-_REMOTE_SCRIPT = """
-import importlib.abc, json, sys
-
-class BlockHfRbf(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name == "hf_rbf" or name.startswith("hf_rbf."):
-            raise ImportError("hf_rbf is hidden in this process")
-        return None
-
-sys.meta_path.insert(0, BlockHfRbf())
+_REMOTE_SCRIPT = (
+    HIDE_HF_RBF
+    + """
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -89,6 +81,7 @@ print(json.dumps({
     "hf_rbf_loaded": any(m == "hf_rbf" or m.startswith("hf_rbf.") for m in sys.modules),
 }))
 """
+)
 
 
 @pytest.mark.parametrize("family", ["scalar_sort", "hybrid_sort"])
