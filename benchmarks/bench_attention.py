@@ -378,6 +378,12 @@ def main() -> int:
         type=lambda s: [int(x) for x in s.split(",") if x],
         default=[8192, 32768, 131072, 524288, 1048576],
     )
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="tokens per call: batch = tokens / N at each N (the training-speed issue's tables use 32768); default B2",
+    )
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing new rows after this many seconds")
     ap.add_argument("--no-warm", action="store_true", help="skip the parallel compile warm-up")
     ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of the triton rows at N8192 D64")
@@ -416,7 +422,7 @@ def main() -> int:
         cuda=torch.version.cuda,
         device=torch.cuda.get_device_name(),
         triton=__import__("triton").__version__,
-        shapes=f"B{b} H{h} bf16",
+        shapes=(f"B = {args.tokens} tokens / N" if args.tokens else f"B{b}") + f" H{h} bf16",
         started=time.strftime("%Y-%m-%d %H:%M"),
     )
     print(json.dumps(env), flush=True)
@@ -436,11 +442,12 @@ def main() -> int:
     have_ref = set()
     for d, mask, n in shapes:
         window = 1024 if mask.startswith("window") else None
+        b = max(1, args.tokens // n) if args.tokens else 2
         for ref in ("flash", "cudnn"):
             if (n, d, ref) in have_ref:  # one causal dot-product reference per (N, D), whatever the mask
                 continue
             have_ref.add((n, d, ref))
-            row = dict(kind="train", family="dot", impl=f"sdpa-{ref}", n=n, d=d, mask="causal")
+            row = dict(kind="train", family="dot", impl=f"sdpa-{ref}", b=b, n=n, d=d, mask="causal")
             try:
                 row.update(bench_sdpa_dot(ref, b, h, n, d, dtype))
             except Exception as exc:  # noqa: BLE001
@@ -452,7 +459,7 @@ def main() -> int:
             _print_row(row)
         for fam in args.families:
             for impl in args.impls:
-                row = dict(kind="train", family=fam, impl=impl, n=n, d=d, mask=mask)
+                row = dict(kind="train", family=fam, impl=impl, b=b, n=n, d=d, mask=mask)
                 if time.time() - t_start > args.budget_s:
                     row["error"] = "not run: time budget of this run spent"
                 elif impl == "flex" and not _flex_selected(args, n, d, mask):

@@ -1,34 +1,47 @@
-"""Scaling benchmark: tokens/s per GPU, peak memory per GPU and scaling efficiency of the pretraining recipe under
-``accelerate launch`` with DDP and FSDP2, for several process counts, families and sizes.  One command:
+"""Scaling benchmark: tokens/s per GPU, peak memory per GPU and scaling efficiency of the pretraining recipe on one GPU
+and under ``accelerate launch`` with DDP and FSDP2, for several process counts, families and sizes.  One command:
 
-    python benchmarks/bench_scaling.py --output benchmarks/results/scaling            # every GPU count up to 8 lent
-    python benchmarks/bench_scaling.py --processes 1 2 4 --strategies ddp fsdp2 --steps 30 \\
+    python benchmarks/bench_scaling.py --output benchmarks/results/scaling            # every GPU count up to 8 here
+    python benchmarks/bench_scaling.py --processes 1 2 4 --strategies ddp fsdp2 --steps 40 --concurrent \\
         --configs recipes/configs/scale_d768_llama.yaml recipes/configs/scale_1b_rbf.yaml --output DIR
 
-For every (recipe, strategy, N) it runs ``accelerate launch --config_file recipes/accelerate/<ddp|fsdp2>.yaml
---num_processes N`` on ``recipes/pretrain.py``'s training (through this file's ``worker`` mode, which adds the peak
-memory of each process) for ``--steps`` optimizer steps, and writes ``scaling.json`` and ``scaling.md``:
+Runs:
 
-* tokens/s per GPU: the recipe's own measure (``ThroughputCallback``: the steps after the first 5, evaluation and
-  saving excluded) divided by N;
-* peak memory per GPU: the largest ``torch.cuda.max_memory_allocated`` over the N processes during training (from the
-  first step to the last, the weights included; evaluation and saving come after); on the CPU dry run the largest
-  resident set size (``ru_maxrss``, the whole process so far, interpreter included: only a sanity figure);
-* scaling efficiency: tokens/s per GPU at N over tokens/s per GPU at 1 process, same recipe and strategy.
+* 1 process ("single"): ``recipes/pretrain.py``'s training in one plain process on one GPU, what a user runs without
+  ``accelerate``: the baseline of both strategies;
+* N > 1 processes: ``accelerate launch --config_file recipes/accelerate/<ddp|fsdp2>.yaml --num_processes N``.
+
+One *launch* trains every recipe in turn (``worker`` mode: the recipe's ``run`` with ``train_only``, no evaluation,
+saving, story or checks, plus a callback for peak memory and FSDP units), so a process group, the imports and the
+Triton kernels' compile/autotune cache are paid once per (strategy, N), not once per recipe.  Under FSDP2 the worker
+leaves the layer class to wrap to each model's ``_no_split_modules`` (``DecoderLayer`` for hf_rbf families,
+``LlamaDecoderLayer`` for Llama: the classes the accelerate config and its documented Llama override name), and every
+row reports the FSDP units it found, so a model that was not sharded per layer shows.
+
+``--concurrent`` runs launches on disjoint GPUs at once: the single-GPU runs spread over every GPU (one process per GPU,
+the recipes dealt round-robin), two 2-GPU launches (DDP and FSDP2) side by side on 4 GPUs.  It saves device time; the
+host's CPUs are then shared, which the table states.  Results are written after every launch (a run cut by a time limit
+keeps what finished), to ``scaling.json`` and ``scaling.md``:
+
+* tokens/s per GPU: the recipe's own measure (``ThroughputCallback``: the steps after the first 5) divided by N;
+* peak memory per GPU: the largest ``torch.cuda.max_memory_allocated`` over the N processes during training (weights,
+  optimizer state and activations; evaluation and saving are not run); on the CPU dry run the largest resident set
+  size (``ru_maxrss``, the whole process so far, interpreter included: only a sanity figure);
+* scaling efficiency: tokens/s per GPU at N over the single-GPU run's tokens/s, same recipe.
 
 Weak scaling: every process gets ``--blocks-per-gpu`` blocks per step (``global_batch_size = blocks x N``), so the work
-per GPU is the same at every N and an efficiency of 1.0 means linear scaling.  The Llama recipe is wrapped for FSDP by
-its ``LlamaDecoderLayer`` (the accelerate config names hf_rbf's ``DecoderLayer``).  ``--cpu`` runs the same commands
-with gloo processes on the CPU (DDP only: accelerate's FSDP needs GPUs), as a dry run of the whole chain.
+per GPU is the same at every N and an efficiency of 1.0 means linear scaling.  ``--cpu`` runs the same commands with
+gloo processes on the CPU (DDP only: accelerate's FSDP needs GPUs), as a dry run of the whole chain.
 
 The tokenizer and the packed data are prepared once per distinct (tokenizer, data) recipe section (``pretrain.py
---prepare-only``) and shared by the runs; each run's ``final/`` model is deleted after its numbers are read (a ~1B model
-is 4.4 GB in float32), its logs and summary kept under ``<output>/runs``.
+--prepare-only``) and shared by the runs; each run's logs and ``summary.json`` stay under ``<output>/runs``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import hashlib
 import json
 import os
@@ -38,25 +51,24 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 ACCELERATE_CONFIGS = {"ddp": "recipes/accelerate/ddp.yaml", "fsdp2": "recipes/accelerate/fsdp2.yaml"}
+SINGLE = "single"  # one plain process on one GPU: the baseline of every strategy
 SIZES = ("d768", "1b")
 FAMILIES = ("llama", "rbf", "gka", "scalar_sort", "hybrid_sort")
 DEFAULT_CONFIGS = [f"recipes/configs/scale_{size}_{family}.yaml" for size in SIZES for family in FAMILIES]
-# a short run measures speed only: no evaluation, checkpoints, story, bits per byte or remote-code check
+# a short run measures speed only: no evaluation or checkpoints (and train_only skips the final evaluation, the saved
+# model, the story and the checks)
 BENCH_OVERRIDES = [
     "training.eval_strategy='no'",
     "training.save_strategy='no'",
     "training.logging_steps=5",
-    "evaluation.generation.enabled=false",
-    "evaluation.bpb.enabled=false",
-    "evaluation.remote_code_check=false",
     "model.expected_num_parameters=null",
-    "data.max_validation_blocks=16",  # run() still evaluates the final weights once
 ]
 
 
@@ -68,11 +80,14 @@ def parse_args(argv=None):
     )
     parser.add_argument("--strategies", nargs="+", default=list(ACCELERATE_CONFIGS), choices=list(ACCELERATE_CONFIGS))
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="recipe YAMLs (default: scale_*.yaml)")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (the first 5 are not timed)")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (the first 5 are not timed)")
     parser.add_argument("--blocks-per-gpu", type=int, default=8, help="blocks of block_size tokens per GPU and step")
     parser.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="KEY=VALUE", help="recipe overrides")
     parser.add_argument("--cpu", action="store_true", help="gloo processes on the CPU (a dry run; DDP only)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run before it counts as failed")
+    parser.add_argument(
+        "--concurrent", action="store_true", help="run launches on disjoint GPUs at the same time (GPUs only)"
+    )
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch before it counts as failed")
     args = parser.parse_args(argv)
     if args.steps < 6:
         parser.error(f"--steps must be at least 6 (the first 5 steps are not timed); got {args.steps}")
@@ -80,23 +95,62 @@ def parse_args(argv=None):
         parser.error(f"--blocks-per-gpu must be a positive int; got {args.blocks_per_gpu}")
     if args.cpu and "fsdp2" in args.strategies:
         parser.error("--cpu runs DDP only (accelerate's FSDP needs GPUs): pass --strategies ddp")
+    if args.cpu and args.concurrent:
+        parser.error("--concurrent places launches on disjoint GPUs: it needs GPUs, not --cpu")
     if args.processes is None:
         args.processes = default_process_counts(args.cpu)
     if not args.processes or min(args.processes) < 1:
         parser.error(f"--processes must be positive ints; got {args.processes}")
+    args.processes = sorted(set(args.processes))
     return args
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def default_process_counts(cpu: bool) -> list[int]:
     """1, 2, 4, 8 up to the GPUs of this machine (1 and 2 processes on the CPU)."""
     if cpu:
         return [1, 2]
-    import torch
-
-    available = torch.cuda.device_count()
+    available = gpu_count()
     if available == 0:
         raise SystemExit("no GPU here: pass --cpu for a dry run with gloo processes")
     return [n for n in (1, 2, 4, 8) if n <= available]
+
+
+def plan_waves(configs, processes, strategies, gpus: int, concurrent: bool) -> list[list[dict]]:
+    """The launches, grouped in waves that run at the same time.  A launch is ``{"strategy", "processes", "gpus"
+    (device indices, None on the CPU), "configs"}``.  Without ``concurrent`` every wave holds one launch (on the first
+    GPUs); with it, the single-GPU runs are dealt round-robin over all ``gpus`` and launches of N processes fill the
+    GPUs N at a time."""
+    launches = []
+    for n in processes:
+        for strategy in [SINGLE] if n == 1 else strategies:
+            launches.append({"strategy": strategy, "processes": n, "configs": list(configs)})
+    if not concurrent:
+        for launch in launches:
+            launch["gpus"] = list(range(launch["processes"])) if gpus else None
+        return [[launch] for launch in launches]
+    waves = []
+    for launch in launches:
+        n = launch["processes"]
+        if n > gpus:
+            raise ValueError(f"--processes {n} needs {n} GPUs; this machine has {gpus}")
+        if n == 1:  # one process per GPU, each with a share of the recipes
+            shares = [launch["configs"][i::gpus] for i in range(gpus)]
+            waves.append([dict(launch, gpus=[i], configs=share) for i, share in enumerate(shares) if share])
+            continue
+        wave = waves[-1] if waves and waves[-1][0]["processes"] == n else None
+        used = sum(len(x["gpus"]) for x in wave) if wave else gpus
+        if wave is None or used + n > gpus:
+            wave = []
+            waves.append(wave)
+            used = 0
+        wave.append(dict(launch, gpus=list(range(used, used + n))))
+    return waves
 
 
 def _free_port() -> int:
@@ -111,10 +165,12 @@ def _recipe(config: str, overrides) -> dict:
     return load_config(os.path.join(REPO, config), list(overrides))
 
 
-def _env(args) -> dict:
+def _env(args, gpus=None) -> dict:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if args.cpu:
         env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    elif gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     return env
 
 
@@ -135,58 +191,166 @@ def prepare(config: str, args, prepared: dict) -> list[str]:
     return overrides
 
 
-def launch_command(config: str, strategy: str, processes: int, run_dir: str, args, prepared=()) -> list[str]:
-    """The ``accelerate launch`` command of one run (``prepared``: the overrides from :func:`prepare`)."""
-    family = _recipe(config, args.overrides)["model"]["family"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ACCELERATE_CONFIGS[strategy]]
-    cmd += ["--num_processes", str(processes), "--main_process_port", str(_free_port())]
-    if strategy == "fsdp2" and family == "llama":
-        cmd += ["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"]
-    if args.cpu:  # gloo: Trainer sets it up for several CPU processes; bf16 autocast is the GPU recipes' setting
-        cmd += ["--mixed_precision", "no"]
-    cmd += [os.path.abspath(__file__), "worker", "--config", config, "--output-dir", run_dir, "--set"]
-    cmd += [*BENCH_OVERRIDES, f"training.max_steps={args.steps}"]
-    cmd += [f"global_batch_size={args.blocks_per_gpu * processes}", *args.overrides, *prepared]
+def run_name(config: str, strategy: str, processes: int) -> str:
+    return f"{os.path.splitext(os.path.basename(config))[0]}-{strategy}-{processes}"
+
+
+def launch_command(launch: dict, args, prepared: dict) -> list[str]:
+    """The command of one launch (``prepared``: config -> the overrides from :func:`prepare`)."""
+    strategy, processes = launch["strategy"], launch["processes"]
+    if strategy == SINGLE:
+        cmd = [sys.executable]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ACCELERATE_CONFIGS[strategy]]
+        cmd += ["--num_processes", str(processes), "--main_process_port", str(_free_port())]
+        if args.cpu:  # gloo: Trainer sets it up for several CPU processes; bf16 autocast is the GPU recipes' setting
+            cmd += ["--mixed_precision", "no"]
+    cmd += [os.path.abspath(__file__), "worker", "--root", os.path.join(os.path.abspath(args.output), "runs")]
+    cmd += ["--strategy", strategy, "--processes", str(processes)]
+    common = [*BENCH_OVERRIDES, f"training.max_steps={args.steps}"]
+    common += [f"global_batch_size={args.blocks_per_gpu * processes}", *args.overrides]
     if args.cpu:
-        cmd += ["training.bf16=false", "training.optim=adamw_torch", "training.dataloader_num_workers=0"]
+        common += ["training.bf16=false", "training.optim=adamw_torch", "training.dataloader_num_workers=0"]
+    for config in launch["configs"]:
+        cmd += ["--config", config, *common, *prepared.get(config, [])]
     return cmd
 
 
-def run_one(config: str, strategy: str, processes: int, args, prepared=()) -> dict:
-    name = f"{os.path.splitext(os.path.basename(config))[0]}-{strategy}-{processes}"
-    run_dir = os.path.join(os.path.abspath(args.output), "runs", name)
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier invocation must not be read as this one's
-    os.makedirs(run_dir)
-    cmd = launch_command(config, strategy, processes, run_dir, args, prepared)
-    env = _env(args)
-    row = {"config": config, "strategy": strategy, "processes": processes, "run_dir": run_dir}
-    t0 = time.time()
-    with open(os.path.join(run_dir, "launch.log"), "w") as log:
-        log.write(" ".join(cmd) + "\n")
-        log.flush()
+def worker_runs(argv) -> tuple[argparse.Namespace, list[tuple[str, list[str]]]]:
+    """Parse ``worker --root R --strategy S --processes N (--config C KEY=VALUE ...)+``."""
+    parser = argparse.ArgumentParser(prog="bench_scaling.py worker")
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--processes", type=int, required=True)
+    head, runs, current = [], [], None
+    for item in argv:
+        if item == "--config":
+            current = [None, []]
+            runs.append(current)
+        elif current is None:
+            head.append(item)
+        elif current[0] is None:
+            current[0] = item
+        else:
+            current[1].append(item)
+    args = parser.parse_args(head)
+    if not runs or any(c is None for c, _ in runs):
+        parser.error("worker needs one or more '--config FILE [KEY=VALUE ...]'")
+    return args, [(c, o) for c, o in runs]
+
+
+def bench_callback(output_dir: str):
+    """A ``TrainerCallback`` that writes this process's peak memory of the training loop and the FSDP units of the
+    prepared model to ``<output_dir>/peak_memory_rank<RANK>.json``."""
+    import torch
+    from transformers import TrainerCallback
+
+    class BenchCallback(TrainerCallback):
+        fsdp_units = None
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                from torch.distributed.fsdp import FSDPModule
+            except ImportError:  # torch without FSDP2
+                return
+            if model is not None:
+                self.fsdp_units = sum(isinstance(m, FSDPModule) for m in model.modules())
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                peak = {"kind": "cuda", "peak_bytes": torch.cuda.max_memory_allocated()}
+            else:  # Linux reports ru_maxrss in KiB
+                peak = {"kind": "rss", "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            peak["fsdp_units"] = self.fsdp_units
+            rank = int(os.environ.get("RANK", "0"))
+            with open(os.path.join(output_dir, f"peak_memory_rank{rank}.json"), "w") as f:
+                json.dump(peak, f)
+
+    return BenchCallback()
+
+
+def reset_fsdp_wrap_policy(plugin) -> None:
+    """Let an FSDP plugin wrap the next model by that model's own ``_no_split_modules``.
+
+    accelerate's ``set_auto_wrap_policy`` (called when a model is prepared) writes the first model's layer classes into
+    the plugin (``transformer_cls_names_to_wrap`` and a ``functools.partial`` policy), and the plugin lives on in the
+    process-wide ``AcceleratorState``: without this, the second recipe of a launch (Llama after an hf_rbf family, or
+    the reverse) stops with "Could not find the transformer layer class"."""
+    if plugin is None:
+        return
+    plugin.transformer_cls_names_to_wrap = None
+    if isinstance(plugin.auto_wrap_policy, functools.partial):
+        plugin.auto_wrap_policy = plugin.auto_wrap_policy.func
+
+
+def _release_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def worker(argv) -> int:
+    """One process of a launch: ``recipes/pretrain.py``'s ``run`` (``train_only``) for each recipe in turn, each in its
+    own run folder; a recipe that fails writes ``failure.json`` there and the next one runs."""
+    from recipes.pretrain import run
+    from recipes.pretrain_config import load_config
+
+    args, runs = worker_runs(argv)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        # one launch serves Llama (LlamaDecoderLayer) and the hf_rbf families (DecoderLayer): each model's
+        # _no_split_modules names its layer class, which accelerate wraps when no class list is given
+        os.environ.pop("FSDP_TRANSFORMER_CLS_TO_WRAP", None)
+    failures = 0
+    for config, overrides in runs:
+        out = os.path.join(args.root, run_name(config, args.strategy, args.processes))
+        os.makedirs(out, exist_ok=True)
+        from accelerate.state import AcceleratorState
+
+        reset_fsdp_wrap_policy(AcceleratorState._shared_state.get("fsdp_plugin"))
         try:
-            proc = subprocess.run(
-                cmd, check=False, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
-            )
-            row["returncode"] = proc.returncode
-        except subprocess.TimeoutExpired:
-            row["returncode"] = None
-    row["wall_seconds"] = time.time() - t0
-    shutil.rmtree(os.path.join(run_dir, "final"), ignore_errors=True)
+            cfg = load_config(os.path.join(REPO, config), overrides, output_dir=out)
+            run(cfg, train_only=True, callbacks=[bench_callback(out)])
+        except Exception as exc:  # noqa: BLE001 (keep the launch going: the other recipes still run)
+            failures += 1
+            with open(os.path.join(out, f"failure_rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+                json.dump({"error": repr(exc), "traceback": traceback.format_exc()}, f, indent=2)
+            traceback.print_exc()
+        _release_memory()
+    return 1 if failures else 0
+
+
+def read_row(config: str, launch: dict, root: str, returncode, wall_seconds: float) -> dict:
+    """The table row of one recipe of a finished launch, from its run folder."""
+    strategy, processes = launch["strategy"], launch["processes"]
+    run_dir = os.path.join(root, run_name(config, strategy, processes))
+    row = {"config": config, "strategy": strategy, "processes": processes, "gpus": launch.get("gpus")}
+    row.update(run_dir=run_dir, launch_returncode=returncode, launch_wall_seconds=wall_seconds)
     summary_path = os.path.join(run_dir, "summary.json")
-    if row["returncode"] != 0 or not os.path.exists(summary_path):
-        row["error"] = f"failed (returncode {row['returncode']}); see {os.path.join(run_dir, 'launch.log')}"
+    if not os.path.exists(summary_path):
+        failures = [f for f in sorted(os.listdir(run_dir)) if f.startswith("failure")] if os.path.isdir(run_dir) else []
+        why = ""
+        if failures:
+            with open(os.path.join(run_dir, failures[0])) as f:
+                why = json.load(f)["error"][:200]
+        row["error"] = f"failed (launch returncode {returncode}) {why}".strip()
         return row
     with open(summary_path) as f:
         s = json.load(f)
     peaks = []
     for rank in range(processes):
-        with open(os.path.join(run_dir, f"peak_memory_rank{rank}.json")) as f:
-            peaks.append(json.load(f))
+        path = os.path.join(run_dir, f"peak_memory_rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                peaks.append(json.load(f))
     tokens_per_second = s["tokens_per_second"]
     row.update(
         family=s["family"],
         num_parameters=s["num_parameters"],
+        num_hidden_layers=s["model_config"].get("num_hidden_layers"),
         world_size=s["world_size"],
         global_batch_size=s["global_batch_size"],
         tokens_per_step=s["tokens_per_step"],
@@ -194,8 +358,9 @@ def run_one(config: str, strategy: str, processes: int, args, prepared=()) -> di
         measured_steps=s["throughput"]["measured_steps"],
         tokens_per_second=tokens_per_second,
         tokens_per_second_per_gpu=tokens_per_second / s["world_size"] if tokens_per_second else None,
-        peak_memory_gib=max(p["peak_bytes"] for p in peaks) / 2**30,
-        peak_memory_kind=peaks[0]["kind"],
+        peak_memory_gib=max(p["peak_bytes"] for p in peaks) / 2**30 if peaks else None,
+        peak_memory_kind=peaks[0]["kind"] if peaks else None,
+        fsdp_units=peaks[0].get("fsdp_units") if peaks else None,
         attention_backends=s["attention_backends"],
         final_train_loss=s["final_train_loss"],
         device=s["device"],
@@ -203,42 +368,75 @@ def run_one(config: str, strategy: str, processes: int, args, prepared=()) -> di
     )
     if s["world_size"] != processes:
         row["error"] = f"the recipe ran on {s['world_size']} processes, not {processes}"
+    elif len(peaks) != processes:
+        row["error"] = f"{len(peaks)} of {processes} processes reported their peak memory"
     return row
 
 
+def run_wave(wave: list[dict], args, prepared: dict) -> list[dict]:
+    """Start every launch of a wave, wait for all of them, return their rows."""
+    root = os.path.join(os.path.abspath(args.output), "runs")
+    started = []
+    for launch in wave:
+        for config in launch["configs"]:  # a run of an earlier invocation must not be read as this one's
+            shutil.rmtree(os.path.join(root, run_name(config, launch["strategy"], launch["processes"])), True)
+        name = f"launch-{launch['strategy']}-{launch['processes']}-gpu{'_'.join(map(str, launch['gpus'] or ['cpu']))}"
+        os.makedirs(root, exist_ok=True)
+        log = open(os.path.join(root, name + ".log"), "w")  # noqa: SIM115 (closed when the launch ends)
+        cmd = launch_command(launch, args, prepared)
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(args, launch["gpus"]), stdout=log, stderr=subprocess.STDOUT)
+        started.append((launch, proc, log, time.time()))
+    rows = []
+    for launch, proc, log, t0 in started:
+        try:
+            returncode = proc.wait(timeout=max(1.0, args.timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            returncode = None
+        log.close()
+        wall = time.time() - t0
+        rows += [read_row(config, launch, root, returncode, wall) for config in launch["configs"]]
+    return rows
+
+
 def add_efficiency(rows: list[dict]) -> None:
-    """``scaling_efficiency``: tokens/s per GPU over the same recipe and strategy's at 1 process."""
-    base = {
-        (r["config"], r["strategy"]): r["tokens_per_second_per_gpu"]
-        for r in rows
-        if r["processes"] == 1 and r.get("tokens_per_second_per_gpu")
-    }
+    """``scaling_efficiency``: tokens/s per GPU over the same recipe's single-GPU run."""
+    base = {r["config"]: r["tokens_per_second_per_gpu"] for r in rows if r["processes"] == 1}
     for r in rows:
-        one = base.get((r["config"], r["strategy"]))
+        one = base.get(r["config"])  # None when the single-GPU run failed
         per_gpu = r.get("tokens_per_second_per_gpu")
         r["scaling_efficiency"] = per_gpu / one if one and per_gpu else None
 
 
-def markdown_table(rows: list[dict], title: str) -> str:
+def _order(rows: list[dict]) -> list[dict]:
+    strategies = [SINGLE, *ACCELERATE_CONFIGS]
+    key = lambda r: (r["config"], strategies.index(r["strategy"]) if r["strategy"] in strategies else 9, r["processes"])
+    return sorted(rows, key=key)
+
+
+def markdown_table(rows: list[dict], title: str, concurrent: bool = False) -> str:
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
     lines = [
         f"# {title}",
         "",
         (
             "| recipe | family | parameters | strategy | processes (GPUs) | tokens/s per GPU "
-            "| peak memory per GPU (GiB) | efficiency |"
+            "| peak memory per GPU (GiB) | FSDP units | efficiency |"
         ),
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    for r in _order(rows):
         recipe = os.path.splitext(os.path.basename(r["config"]))[0]
         if "error" in r:
-            lines.append(f"| {recipe} | | | {r['strategy']} | {r['processes']} | {r['error']} | | |")
+            lines.append(f"| {recipe} | | | {r['strategy']} | {r['processes']} | {r['error']} | | | |")
             continue
         lines.append(
             f"| {recipe} | {r['family']} | {r['num_parameters']:,} | {r['strategy']} | {r['processes']} | "
-            f"{fmt(r['tokens_per_second_per_gpu'], ',.0f')} | {r['peak_memory_gib']:.2f} | "
-            f"{fmt(r['scaling_efficiency'], '.3f')} |"
+            f"{fmt(r['tokens_per_second_per_gpu'], ',.0f')} | {fmt(r['peak_memory_gib'], '.2f')} | "
+            f"{fmt(r['fsdp_units'], 'd') if r['strategy'] == 'fsdp2' else ''} | {fmt(r['scaling_efficiency'], '.3f')} |"
         )
     ok = [r for r in rows if "error" not in r]
     if ok:
@@ -247,46 +445,30 @@ def markdown_table(rows: list[dict], title: str) -> str:
             "",
             f"Device: {r['device']} ({r['versions'].get('cuda') or 'CPU'}); torch {r['versions']['torch']}, "
             f"transformers {r['versions']['transformers']}.  Weak scaling: {r['tokens_per_step'] // r['world_size']} "
-            "tokens per GPU and step.  Peak memory: "
+            "tokens per GPU and step; efficiency = tokens/s per GPU over the same recipe's single-GPU run.  Peak "
+            "memory: "
             + ("torch.cuda.max_memory_allocated" if r["peak_memory_kind"] == "cuda" else "max resident set size")
-            + ", largest over the processes.",
+            + ", largest over the processes.  FSDP units: modules sharded by fully_shard (the decoder layers and the "
+            "root).",
         ]
+        if concurrent:
+            lines.append(
+                "Launches on disjoint GPUs ran at the same time (--concurrent): the single-GPU runs one per GPU, the "
+                "2-process launches two at once; the host's CPUs were shared."
+            )
     return "\n".join(lines) + "\n"
 
 
-def peak_memory_callback(output_dir: str):
-    """A ``TrainerCallback`` that writes this process's peak memory of the training loop (from the first step to the
-    last, the model's weights included) to ``<output_dir>/peak_memory_rank<RANK>.json``."""
-    import torch
-    from transformers import TrainerCallback
-
-    class PeakMemoryCallback(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if torch.cuda.is_available():
-                peak = {"kind": "cuda", "peak_bytes": torch.cuda.max_memory_allocated()}
-            else:  # Linux reports ru_maxrss in KiB
-                peak = {"kind": "rss", "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-            rank = int(os.environ.get("RANK", "0"))
-            with open(os.path.join(output_dir, f"peak_memory_rank{rank}.json"), "w") as f:
-                json.dump(peak, f)
-
-    return PeakMemoryCallback()
-
-
-def worker(argv) -> int:
-    """One process of a run: ``recipes/pretrain.py``'s ``run`` with the peak-memory callback."""
-    from recipes.pretrain import parse_args as pretrain_args
-    from recipes.pretrain import run
-    from recipes.pretrain_config import load_config
-
-    args = pretrain_args(argv)
-    cfg = load_config(args.config, args.overrides, output_dir=args.output_dir)
-    run(cfg, callbacks=[peak_memory_callback(cfg["output_dir"])])
-    return 0
+def write_results(rows: list[dict], args) -> str:
+    add_efficiency(rows)
+    title = "Scaling: tokens/s per GPU, peak memory and efficiency (" + ("CPU dry run" if args.cpu else "GPUs") + ")"
+    meta = {"steps": args.steps, "blocks_per_gpu": args.blocks_per_gpu, "concurrent": args.concurrent}
+    with open(os.path.join(args.output, "scaling.json"), "w") as f:
+        json.dump({"title": title, **meta, "rows": _order(rows)}, f, indent=2)
+    table = markdown_table(rows, title, args.concurrent)
+    with open(os.path.join(args.output, "scaling.md"), "w") as f:
+        f.write(table)
+    return table
 
 
 def main(argv=None) -> int:
@@ -295,27 +477,21 @@ def main(argv=None) -> int:
         return worker(argv[1:])
     args = parse_args(argv)
     os.makedirs(args.output, exist_ok=True)
-    rows, prepared = [], {}
+    prepared_roots, prepared = {}, {}
     for config in args.configs:
-        data_overrides = prepare(config, args, prepared)
-        for strategy in args.strategies:
-            for processes in args.processes:
-                row = run_one(config, strategy, processes, args, data_overrides)
-                rows.append(row)
-                print(
-                    f"{os.path.basename(config)} {strategy} x{processes}: "
-                    + (row.get("error") or f"{row['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU"),
-                    flush=True,
-                )
-    add_efficiency(rows)
-    title = "Scaling: tokens/s per GPU, peak memory and efficiency (" + ("CPU dry run" if args.cpu else "GPUs") + ")"
-    with open(os.path.join(args.output, "scaling.json"), "w") as f:
-        json.dump(
-            {"title": title, "steps": args.steps, "blocks_per_gpu": args.blocks_per_gpu, "rows": rows}, f, indent=2
-        )
-    with open(os.path.join(args.output, "scaling.md"), "w") as f:
-        f.write(markdown_table(rows, title))
-    print(markdown_table(rows, title))
+        prepared[config] = prepare(config, args, prepared_roots)
+    gpus = 0 if args.cpu else gpu_count()
+    rows = []
+    for wave in plan_waves(args.configs, args.processes, args.strategies, gpus, args.concurrent):
+        for row in run_wave(wave, args, prepared):
+            rows.append(row)
+            print(
+                f"{os.path.basename(row['config'])} {row['strategy']} x{row['processes']}: "
+                + (row.get("error") or f"{row['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU"),
+                flush=True,
+            )
+        write_results(rows, args)
+    print(write_results(rows, args))
     return 1 if any("error" in r for r in rows) else 0
 
 

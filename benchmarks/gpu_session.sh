@@ -6,12 +6,15 @@
 #
 # Jobs (default time limits in brackets):
 #   env          versions, GPU, pip installs from ./wheels (datasets, evaluate: the GPU image lacks them)  [120]
-#   gputests     pytest -m gpu over the whole suite (kernels, attention backends, sorted cache)             [240]
+#   gputests     pytest -m gpu over the whole suite (kernels, attention backends, sorted cache; GPUTESTS: the
+#                files to run instead of tests/)                                                                  [240]
 #   kernelcheck  benchmarks/check_kernels_gpu.py (full-shape output and gradient checks, pass/fail table)     [240]
 #   bench        benchmarks/bench_attention.py (training sweep and decode rows, ratios against SDPA-flash)    [300]
 #   sorted       recipes/bench_sorted_decode.py --device cuda (sorted-window decode vs exact)               [120]
 #   mass         recipes/measure_captured_mass.py --size gpu (captured attention mass, STEPS env)          [300]
 #   vit          recipes/gpu_vit_mnist.sh (GKA vs DeiT on MNIST, EPOCHS env)                               [300]
+#   scaling      benchmarks/bench_scaling.py (single GPU, DDP and FSDP2 on every GPU count here; SCALING_ARGS
+#                appended, e.g. "--concurrent --configs ...")                                                    [540]
 #   throughput   recipes/throughput.py (tokens/s of every family against LlamaForCausalLM with SDPA)          [150]
 #   lm           recipes/gpu_all.sh (every family: train, val loss, bpb, CORE-20, throughput, cards)       [560]
 #   multi        recipes/gpu_multi.sh (1 GPU vs DDP vs FSDP on 2 GPUs, STEPS env)                          [400]
@@ -57,7 +60,7 @@ if ! python3 -c "import datasets, evaluate" 2>/dev/null; then
 fi
 
 declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=120 [profile]=500 [staticdecode]=400 [generate]=500 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
-                  [lm]=560 [multi]=400 [throughput]=150)
+                  [lm]=560 [multi]=400 [throughput]=150 [scaling]=540)
 
 job_env() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -71,7 +74,7 @@ job_env() {
     python3 -c "import datasets, evaluate, pyarrow; print('datasets', datasets.__version__, 'evaluate', evaluate.__version__, 'pyarrow', pyarrow.__version__)"
 }
 # autotune off: a correctness run needs one config per kernel variant, not every config compiled and timed
-job_gputests() { HF_RBF_TRITON_AUTOTUNE=0 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 tests; }
+job_gputests() { HF_RBF_TRITON_AUTOTUNE=0 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 ${GPUTESTS:-tests}; }
 job_kernelcheck() { python3 benchmarks/check_kernels_gpu.py --workers 14; }
 job_bench() { python3 benchmarks/bench_attention.py --output "$1" ${BENCH_ARGS:-}; }
 job_sorted() { python3 recipes/bench_sorted_decode.py --device cuda --output "$1" ${SORTED_ARGS:-}; }
@@ -105,6 +108,10 @@ job_science() {
     (cd "$out" && find runs \( -name worker.log -o -name failure.json -o -name summary.json \) -print0 |
         tar --null -czf "$1/logs.tar.gz" -T - 2>/dev/null)
     return $rc
+}
+job_scaling() {
+    python3 benchmarks/bench_scaling.py --output "$1" ${SCALING_ARGS:-}
+    rm -rf "$1/prepared"  # the packed data: large, and rebuilt by any run
 }
 job_multi() { WORK="$WORK/multi" bash recipes/gpu_multi.sh "$1" "$DATA_ROOT"; }
 

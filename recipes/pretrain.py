@@ -1,7 +1,7 @@
 """Pretrain a causal LM of any hf_rbf family (or the dot-product / Llama baselines) with ``Trainer``.
 
     python recipes/pretrain.py --config recipes/configs/cpu_quick.yaml [--set training.max_steps=50 ...]
-        [--output-dir DIR] [--resume [CHECKPOINT]] [--prepare-only] [--stop-at-step N]
+        [--output-dir DIR] [--resume [CHECKPOINT]] [--prepare-only] [--train-only] [--stop-at-step N]
     accelerate launch --config_file recipes/accelerate/ddp.yaml recipes/pretrain.py --config ...   # several GPUs
 
 Steps: train (or load) a byte-level BPE tokenizer with ``tokenizers``; load the text with ``datasets`` (local files or
@@ -67,6 +67,12 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--prepare-only", action="store_true", help="train/load the tokenizer and pack the data (cached), then stop"
+    )
+    parser.add_argument(
+        "--train-only",
+        action="store_true",
+        help="stop after training: no final evaluation, saved model, story or checks (speed runs; summary.json still "
+        "holds the training numbers)",
     )
     parser.add_argument(
         "--stop-at-step",
@@ -300,9 +306,13 @@ def _versions() -> dict:
     }
 
 
-def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=print, callbacks=()) -> dict:
+def run(
+    cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, train_only=False, log=print, callbacks=()
+) -> dict:
     """Run a recipe (see the module docstring); returns the summary (also written to ``summary.json``).  ``callbacks``:
-    more ``TrainerCallback``s for the Trainer (benchmarks/bench_scaling.py adds its peak-memory one)."""
+    more ``TrainerCallback``s for the Trainer (benchmarks/bench_scaling.py adds its peak-memory one).  ``train_only``:
+    stop after training (speed runs: no final evaluation, no saved model, no story or checks; the summary holds the
+    training numbers and ``"train_only": true``)."""
     import datasets
     import transformers
     from transformers import set_seed
@@ -448,6 +458,17 @@ def run(cfg: dict, *, resume=None, stop_at_step=None, prepare_only=False, log=pr
             _write_json(os.path.join(out_dir, "summary.json"), summary)
         log(f"[stop] stopped at step {trainer.state.global_step} of {trainer.state.max_steps}; continue with --resume")
         return summary
+    if train_only:
+        summary["train_only"] = True
+        summary["total_seconds"] = time.time() - t_start
+        if is_main:
+            _write_json(os.path.join(out_dir, "summary.json"), summary)
+            log(
+                f"[train-only] {summary['steps']} steps, {_fmt(summary['tokens_per_second'], ',.0f')} tokens/s, "
+                f"final train loss {_fmt(summary['final_train_loss'], '.4f')}"
+            )
+        trainer.accelerator.wait_for_everyone()
+        return summary
 
     last_eval = [row for row in trainer.state.log_history if "eval_loss" in row]
     if last_eval and last_eval[-1].get("step") == trainer.state.global_step:
@@ -522,7 +543,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides, output_dir=args.output_dir)
-    summary = run(cfg, resume=args.resume, stop_at_step=args.stop_at_step, prepare_only=args.prepare_only)
+    summary = run(
+        cfg,
+        resume=args.resume,
+        stop_at_step=args.stop_at_step,
+        prepare_only=args.prepare_only,
+        train_only=args.train_only,
+    )
     for name in ("remote_code_check", "story_cache_check"):
         check = summary.get(name)
         if check is not None and not check.get("ok"):

@@ -35,6 +35,7 @@ NO_EXTRAS = [
     "cpu_threads=1",
 ]
 LOSS_TOLERANCE = 1e-4  # 1 vs 2 processes: float summation order only (see the module docstring)
+GPU_LOSS_TOLERANCE = 1e-3  # the same on GPUs in float32 (cuBLAS / NCCL reduction orders), still far below a restart
 
 
 def _free_port() -> int:
@@ -99,6 +100,46 @@ def test_checkpoint_resumes_on_another_process_count(straight_run, tmp_path, sav
         assert resumed[step] == pytest.approx(straight_run[step], abs=LOSS_TOLERANCE), (step, resumed, straight_run)
     # the losses after the resume are not the ones before it: the test would see a restart from scratch
     assert abs(resumed[5] - straight_run[1]) > 10 * LOSS_TOLERANCE
+
+
+def _pretrain_fsdp2(output_dir, processes: int, *extra: str) -> None:
+    """``recipes/pretrain.py`` on cpu_test.yaml under ``accelerate launch --config_file fsdp2.yaml`` with ``processes``
+    GPUs, in float32 (``--mixed_precision no``: bf16 sharding would differ between process counts by more than the
+    float summation order)."""
+    script = [os.path.join(REPO, "recipes", "pretrain.py"), "--config", CPU_TEST, "--output-dir", str(output_dir)]
+    script += [*extra, "--set", *NO_EXTRAS, "training.bf16=false"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    cmd += [os.path.join(REPO, "recipes", "accelerate", "fsdp2.yaml"), "--num_processes", str(processes)]
+    cmd += ["--main_process_port", str(_free_port()), "--mixed_precision", "no", *script]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(torch.cuda.device_count())))
+    env = dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES=",".join(visible.split(",")[:processes]))
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 across process counts needs 2 GPUs")
+def test_fsdp2_checkpoint_resumes_on_another_gpu_count(tmp_path):
+    """FSDP2 (full shard, FULL_STATE_DICT checkpoints): 4 of 8 steps on 2 GPUs resumed on 1, and 4 on 1 resumed on 2,
+    each against an uninterrupted 8-step run on 1 GPU.  float32 on the GPU: the difference is float summation order
+    (sharded reduce-scatter against one process), as in the gloo test, with a tolerance for the GPU's kernels."""
+    straight = tmp_path / "straight"
+    _pretrain_fsdp2(straight, 1)
+    reference = _losses(straight)
+    for saved_on, resumed_on in [(2, 1), (1, 2)]:
+        out = tmp_path / f"fsdp2_saved{saved_on}_resumed{resumed_on}"
+        _pretrain_fsdp2(out, saved_on, "--stop-at-step", "4")
+        assert os.path.isdir(out / "checkpoint-4") and not os.path.isdir(out / "final")
+        _pretrain_fsdp2(out, resumed_on, "--resume")
+        with open(out / "summary.json") as f:
+            summary = json.load(f)
+        assert summary["world_size"] == resumed_on and summary["steps"] == 8
+        assert summary["resumed_from"].endswith("checkpoint-4")
+        resumed = _losses(out)
+        assert sorted(resumed) == list(range(1, 9))
+        for step in range(1, 9):
+            assert resumed[step] == pytest.approx(reference[step], abs=GPU_LOSS_TOLERANCE), (step, resumed, reference)
+        assert abs(resumed[5] - reference[1]) > 10 * GPU_LOSS_TOLERANCE
 
 
 ACCELERATE_DIR = os.path.join(REPO, "recipes", "accelerate")
@@ -170,63 +211,178 @@ def test_fsdp2_wraps_every_decoder_layer_of_the_scale_recipes(family, size, monk
             plain.set_auto_wrap_policy(model)
 
 
+def _llama_test_config(tmp_path) -> str:
+    """cpu_test.yaml as a Llama (SDPA) recipe: a second family for the benchmark's multi-recipe launches."""
+    import yaml
+
+    with open(CPU_TEST) as f:
+        cfg = yaml.safe_load(f)
+    cfg["run_name"] = "cpu_test_llama"
+    cfg["model"]["family"] = "llama"
+    cfg["model"]["expected_num_parameters"] = None
+    for key in ("num_register_tokens", "attention_backend"):  # hf_rbf keys that LlamaConfig does not have
+        del cfg["model"]["config"][key]
+    for source in cfg["data"]["train"] + cfg["data"]["validation"]:  # the files are relative to the repository
+        source["files"] = [os.path.join(REPO, f) for f in source["files"]]
+    path = tmp_path / "cpu_test_llama.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_scaling_benchmark_wraps_each_recipe_by_its_own_layer_class(monkeypatch):
+    """One FSDP2 launch trains Llama and the hf_rbf families in turn: the plugin (process-wide in accelerate) wraps each
+    model by its own ``_no_split_modules`` once the benchmark resets what the previous model wrote into it."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    _fsdp_plugin("fsdp2.yaml", monkeypatch)  # the environment accelerate launch gives the processes
+    monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP")  # what the worker does under FSDP
+
+    plugin = FullyShardedDataParallelPlugin()
+    reset = _bench_module().reset_fsdp_wrap_policy
+    for family in ("llama", "rbf", "llama", "gka"):
+        model = _scale_model("d768", family)
+        plugin.set_auto_wrap_policy(model)
+        (layer_class,) = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
+        assert layer_class.__name__ == ("LlamaDecoderLayer" if family == "llama" else "DecoderLayer")
+        reset(plugin)
+    # without the reset the second model is refused (what accelerate's fsdp2_prepare_model does with it)
+    plugin.set_auto_wrap_policy(_scale_model("d768", "llama"))
+    rbf = _scale_model("d768", "rbf")
+    plugin.set_auto_wrap_policy(rbf)
+    with pytest.raises(ValueError, match="LlamaDecoderLayer"):
+        fsdp2_prepare_auto_wrap_policy(plugin, rbf)
+    reset(plugin)
+    plugin.set_auto_wrap_policy(rbf)
+    assert fsdp2_prepare_auto_wrap_policy(plugin, rbf)(rbf.model.layers[0])
+
+
 @pytest.mark.slow
 def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
-    """benchmarks/bench_scaling.py end to end with 1 and 2 gloo processes on cpu_test.yaml: both runs go through
-    ``accelerate launch`` at the asked process count, with the asked blocks per process, and the table holds their
-    measured speed, memory and efficiency."""
+    """benchmarks/bench_scaling.py end to end with 1 and 2 gloo processes on two recipes (rbf and Llama): the single
+    process is a plain one, the 2 processes go through ``accelerate launch``; each launch trains both recipes in turn
+    with the asked blocks per process, and the table holds their measured speed, memory and efficiency."""
     out = tmp_path / "scaling"
+    llama = _llama_test_config(tmp_path)
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_scaling.py"), "--cpu", "--strategies", "ddp"]
-    cmd += ["--configs", "recipes/configs/cpu_test.yaml", "--processes", "1", "2", "--steps", "8"]
+    cmd += ["--configs", "recipes/configs/cpu_test.yaml", llama, "--processes", "1", "2", "--steps", "8"]
     cmd += ["--blocks-per-gpu", "4", "--output", str(out)]
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "scaling.json") as f:
         rows = json.load(f)["rows"]
-    assert [(r["processes"], r["world_size"], r["global_batch_size"]) for r in rows] == [(1, 1, 4), (2, 2, 8)]
+    got = [(r["family"], r["strategy"], r["processes"], r["world_size"], r["global_batch_size"]) for r in rows]
+    assert sorted(got) == [
+        ("llama", "ddp", 2, 2, 8),
+        ("llama", "single", 1, 1, 4),
+        ("rbf", "ddp", 2, 2, 8),
+        ("rbf", "single", 1, 1, 4),
+    ]
     for r in rows:
-        assert r["family"] == "rbf" and r["steps"] == 8 and r["measured_steps"] == 3 and "error" not in r
+        assert r["steps"] == 8 and r["measured_steps"] == 3 and "error" not in r and r["launch_returncode"] == 0
         assert r["tokens_per_second_per_gpu"] == pytest.approx(r["tokens_per_second"] / r["processes"])
         assert (
             r["tokens_per_second_per_gpu"] > 0 and 0.05 < r["peak_memory_gib"] < 16 and r["peak_memory_kind"] == "rss"
         )
         run_dir = out / "runs" / os.path.basename(r["run_dir"])
-        launch = (run_dir / "launch.log").read_text()
-        # launched by accelerate, on the tokenizer and data prepared once for both runs; the final model deleted
-        assert "accelerate.commands.launch" in launch and f"tokenizer.path={out / 'prepared'}" in launch
-        assert not (run_dir / "final").exists() and (run_dir / f"peak_memory_rank{r['processes'] - 1}.json").exists()
-    one, two = rows
-    assert one["scaling_efficiency"] == 1.0
-    assert two["scaling_efficiency"] == pytest.approx(
-        two["tokens_per_second_per_gpu"] / one["tokens_per_second_per_gpu"]
-    )
+        with open(run_dir / "summary.json") as f:
+            summary = json.load(f)
+        # train_only: no evaluation, no saved model
+        assert summary["train_only"] is True and "eval_loss" not in summary and not (run_dir / "final").exists()
+        assert (run_dir / f"peak_memory_rank{r['processes'] - 1}.json").exists()
+    launches = sorted(p.name for p in (out / "runs").glob("launch-*.log"))
+    assert launches == ["launch-ddp-2-gpucpu.log", "launch-single-1-gpucpu.log"]
+    for name in launches:  # one launch per process count serves both recipes, on the data prepared once
+        text = (out / "runs" / name).read_text()
+        assert text.count("--config ") == 2 and f"tokenizer.path={out / 'prepared'}" in text
+        assert ("accelerate.commands.launch" in text) == name.startswith("launch-ddp")
+    for family in ("rbf", "llama"):
+        one, two = [r for r in rows if r["family"] == family]
+        assert one["scaling_efficiency"] == 1.0
+        assert two["scaling_efficiency"] == pytest.approx(
+            two["tokens_per_second_per_gpu"] / one["tokens_per_second_per_gpu"]
+        )
     table = (out / "scaling.md").read_text()
+    two = next(r for r in rows if r["family"] == "rbf" and r["processes"] == 2)
     assert f"| cpu_test | rbf | 30,336 | ddp | 2 | {two['tokens_per_second_per_gpu']:,.0f} |" in table
 
 
-def test_scaling_benchmark_arguments(tmp_path):
+def _bench_module():
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     try:
         import bench_scaling
     finally:
         sys.path.remove(os.path.join(REPO, "benchmarks"))
+    return bench_scaling
+
+
+def test_scaling_benchmark_arguments(tmp_path):
+    bench_scaling = _bench_module()
     with pytest.raises(SystemExit):
         bench_scaling.parse_args(["--output", str(tmp_path), "--cpu"])  # FSDP2 on the CPU: refused, not skipped
     with pytest.raises(SystemExit):
         bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--steps", "5"])
+    with pytest.raises(SystemExit):
+        bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--concurrent"])
     args = bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp"])
     assert args.processes == [1, 2] and len(args.configs) == 10
-    cmd = bench_scaling.launch_command("recipes/configs/scale_d768_llama.yaml", "fsdp2", 4, str(tmp_path), args)
-    joined = " ".join(cmd)
-    assert "--config_file recipes/accelerate/fsdp2.yaml --num_processes 4" in joined
-    assert "--fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer" in joined and "global_batch_size=32" in joined
-    rbf = " ".join(bench_scaling.launch_command("recipes/configs/scale_1b_rbf.yaml", "fsdp2", 2, str(tmp_path), args))
-    assert "--fsdp_transformer_layer_cls_to_wrap" not in rbf and "global_batch_size=16" in rbf
+    args.strategies = ["ddp", "fsdp2"]
+    launch = {"strategy": "fsdp2", "processes": 4, "configs": ["recipes/configs/scale_d768_llama.yaml"]}
+    joined = " ".join(bench_scaling.launch_command(launch, args, {}))
+    assert (
+        "--config_file recipes/accelerate/fsdp2.yaml --num_processes 4" in joined and "global_batch_size=32" in joined
+    )
+    single = {"strategy": "single", "processes": 1, "configs": ["a.yaml", "b.yaml"]}
+    cmd = bench_scaling.launch_command(single, args, {"a.yaml": ["data.cache_dir=X"]})
+    assert "accelerate.commands.launch" not in cmd and cmd.count("--config") == 2
+    assert cmd[cmd.index("a.yaml") + 1 :].index("data.cache_dir=X") < cmd[cmd.index("a.yaml") + 1 :].index("--config")
+    # the worker reads back each recipe with its own overrides
+    wargs, runs = bench_scaling.worker_runs(cmd[cmd.index("worker") + 1 :])
+    assert wargs.strategy == "single" and wargs.processes == 1 and [c for c, _ in runs] == ["a.yaml", "b.yaml"]
+    assert "data.cache_dir=X" in runs[0][1] and "data.cache_dir=X" not in runs[1][1]
+    assert "global_batch_size=8" in runs[1][1] and "training.max_steps=40" in runs[1][1]
     rows = [
-        {"config": "a", "strategy": "ddp", "processes": 1, "tokens_per_second_per_gpu": 100.0},
+        {"config": "a", "strategy": "single", "processes": 1, "tokens_per_second_per_gpu": 100.0},
         {"config": "a", "strategy": "ddp", "processes": 2, "tokens_per_second_per_gpu": 90.0},
-        {"config": "a", "strategy": "fsdp2", "processes": 2, "tokens_per_second_per_gpu": 80.0},  # no 1-GPU run
+        {"config": "a", "strategy": "fsdp2", "processes": 2, "tokens_per_second_per_gpu": 80.0},
+        {"config": "b", "strategy": "ddp", "processes": 2, "tokens_per_second_per_gpu": 80.0},  # no 1-GPU run
     ]
     bench_scaling.add_efficiency(rows)
-    assert [r["scaling_efficiency"] for r in rows] == [1.0, 0.9, None]
+    assert [r["scaling_efficiency"] for r in rows] == [1.0, 0.9, 0.8, None]
+
+
+def test_scaling_benchmark_waves():
+    """Sequential: one launch per wave on the first GPUs.  Concurrent: the single-GPU runs dealt over every GPU, the
+    2-process launches side by side on 4 GPUs, never two launches on one GPU."""
+    plan = _bench_module().plan_waves
+    configs = [f"c{i}" for i in range(5)]
+    waves = plan(configs, [1, 2, 4], ["ddp", "fsdp2"], 4, False)
+    assert [[(x["strategy"], x["processes"], x["gpus"]) for x in w] for w in waves] == [
+        [("single", 1, [0])],
+        [("ddp", 2, [0, 1])],
+        [("fsdp2", 2, [0, 1])],
+        [("ddp", 4, [0, 1, 2, 3])],
+        [("fsdp2", 4, [0, 1, 2, 3])],
+    ]
+    assert all(x["configs"] == configs for w in waves for x in w)
+    waves = plan(configs, [1, 2, 4], ["ddp", "fsdp2"], 4, True)
+    assert [[(x["strategy"], x["processes"], x["gpus"]) for x in w] for w in waves] == [
+        [("single", 1, [0]), ("single", 1, [1]), ("single", 1, [2]), ("single", 1, [3])],
+        [("ddp", 2, [0, 1]), ("fsdp2", 2, [2, 3])],
+        [("ddp", 4, [0, 1, 2, 3])],
+        [("fsdp2", 4, [0, 1, 2, 3])],
+    ]
+    assert [x["configs"] for x in waves[0]] == [["c0", "c4"], ["c1"], ["c2"], ["c3"]]
+    for wave in waves:
+        used = [g for x in wave for g in x["gpus"]]
+        assert len(used) == len(set(used))
+    # 2 GPUs: the 2-process launches one after the other; more processes than GPUs is an error
+    waves = plan(configs, [1, 2], ["ddp", "fsdp2"], 2, True)
+    assert [[(x["strategy"], x["gpus"]) for x in w] for w in waves] == [
+        [("single", [0]), ("single", [1])],
+        [("ddp", [0, 1])],
+        [("fsdp2", [0, 1])],
+    ]
+    with pytest.raises(ValueError, match="needs 4 GPUs"):
+        plan(configs, [4], ["ddp"], 2, True)
