@@ -15,6 +15,8 @@ OUT=${1:?usage: bash benchmarks/gpu_lanes.sh OUT 'GPUS [VAR=VALUE ...] : JOB ...
 shift
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT/lanes"
+# the carried wheels go into gpu_session.sh's site folder once, before the lanes start (not four installs at once)
+bash "$REPO/benchmarks/gpu_session.sh" "$OUT/lanes/setup" > "$OUT/lanes/setup.log" 2>&1
 pids=()
 i=0
 for spec in "$@"; do
