@@ -76,7 +76,7 @@ job_env() {
 # autotune off: a correctness run needs one config per kernel variant, not every config compiled and timed
 job_gputests() { HF_RBF_TRITON_AUTOTUNE=0 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 ${GPUTESTS:-tests}; }
 job_kernelcheck() { python3 benchmarks/check_kernels_gpu.py --workers 14; }
-job_bench() { python3 benchmarks/bench_attention.py --output "$1" ${BENCH_ARGS:-}; }
+job_bench() { python3 benchmarks/bench_attention.py --out "$1" ${BENCH_ARGS:-}; }
 job_sorted() { python3 recipes/bench_sorted_decode.py --device cuda --output "$1" ${SORTED_ARGS:-}; }
 job_mass() {
     python3 recipes/measure_captured_mass.py --size gpu --output "$1" ${MASS_STEPS:+--steps $MASS_STEPS} \

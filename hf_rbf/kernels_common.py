@@ -344,6 +344,23 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _row_sq_norms(ptrs, rows_ok, cols, NCOLS: tl.constexpr, NCOLS_PAD: tl.constexpr, ROW_MASK: tl.constexpr):
+        """``||row||^2`` (fp32) of a ``[rows, NCOLS_PAD]`` tile, read by a load of its own.
+
+        The streamed key tile of the forward and dQ loops feeds ``tl.dot`` (transposed, and as the value / dQ operand
+        too); reducing that same tile in registers made triton 3.6 on Hopper (H200, bf16, pipelined loops) return
+        wrong scores: GKA outputs and rbf dQ / dgamma off by 10-30% relative, while the CPU interpreter was exact
+        (benchmarks/results/h200x4-2026-11-26, ``pytest -m gpu``).  A separate load (a different eviction policy, so
+        that it is not merged with the operand's) keeps the reduction off the operand tile; it reads the tile again
+        from L1/L2, ``1 / BLOCK_M`` of the tile's dot product in work.
+        """
+        mask = cols[None, :] < NCOLS
+        if ROW_MASK:
+            mask = mask & rows_ok[:, None]
+        x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        return tl.sum(x * x, 1)
+
+    @triton.jit
     def _key_bias_kernel(
         K,
         KLW,

@@ -48,7 +48,15 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
+    from .kernels_common import (
+        _allowed,
+        _dot,
+        _key_range,
+        _load_tile,
+        _query_range,
+        _row_sq_norms,
+        _tile_range,
+    )
     from .kernels_flash_fwd import _key_value_bases
 
 
@@ -612,9 +620,9 @@ if HAS_TRITON:
             s = _dot(q, tl.trans(k), None, DOT_PREC) * a
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
-            if KNORM_INLINE:
-                kf = k.to(tl.float32)
-                s += (tl.sum(kf * kf, 1) * kn_coef)[None, :]
+            if KNORM_INLINE:  # a load of its own: see kernels_common._row_sq_norms
+                kn = _row_sq_norms(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
+                s += (kn * kn_coef)[None, :]
             if SCALAR:
                 ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
                 dd = qs_r[:, None] - ks[None, :]

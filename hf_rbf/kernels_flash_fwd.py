@@ -48,7 +48,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .kernels_common import _allowed, _dot, _key_range, _load_tile
+    from .kernels_common import _allowed, _dot, _key_range, _load_tile, _row_sq_norms
 
 
 # (tile sizes, num_warps, num_stages).  BLOCK_N = 64 with 4 warps is the Triton tutorial's Hopper choice at head dim
@@ -195,11 +195,11 @@ if HAS_TRITON:
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
             if KNORM_INLINE:
-                # the key norms from the tile already loaded: in decode (memory-bound) this is free, while a separate
-                # key-norm pass would read the whole cache a second time; in training it saves the key-bias launch
-                # (see kernels_common's docstring)
-                kf = k.to(tl.float32)
-                s += (tl.sum(kf * kf, 1) * kn_coef)[None, :]
+                # the key norms of this tile, read again from L1/L2 (see _row_sq_norms for why not from `k`): in decode
+                # (memory-bound) a separate key-norm pass would read the whole cache a second time; in training this
+                # saves the key-bias launch (see kernels_common's docstring)
+                kn = _row_sq_norms(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
+                s += (kn * kn_coef)[None, :]
             if SCALAR:
                 ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
                 dd = qs_r[:, None] - ks[None, :]

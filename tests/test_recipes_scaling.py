@@ -112,7 +112,8 @@ def _pretrain_fsdp2(output_dir, processes: int, *extra: str) -> None:
     cmd += [os.path.join(REPO, "recipes", "accelerate", "fsdp2.yaml"), "--num_processes", str(processes)]
     cmd += ["--main_process_port", str(_free_port()), "--mixed_precision", "no", *script]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(torch.cuda.device_count())))
-    env = dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES=",".join(visible.split(",")[:processes]))
+    pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)  # keep the machine's own
+    env = dict(os.environ, PYTHONPATH=pythonpath, CUDA_VISIBLE_DEVICES=",".join(visible.split(",")[:processes]))
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
