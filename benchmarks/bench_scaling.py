@@ -404,7 +404,7 @@ def run_wave(wave: list[dict], args, prepared: dict) -> list[dict]:
 
 def add_efficiency(rows: list[dict]) -> None:
     """``scaling_efficiency``: tokens/s per GPU over the same recipe's single-GPU run."""
-    base = {r["config"]: r["tokens_per_second_per_gpu"] for r in rows if r["processes"] == 1}
+    base = {r["config"]: r.get("tokens_per_second_per_gpu") for r in rows if r["processes"] == 1}
     for r in rows:
         one = base.get(r["config"])  # None when the single-GPU run failed
         per_gpu = r.get("tokens_per_second_per_gpu")
