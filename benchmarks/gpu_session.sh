@@ -31,8 +31,9 @@
 #                ./outputs/science_tinystories (kept between calls while the machine is warm); every results.json,
 #                worker log and failure.json packed; runs stored under SCIENCE_STORED (default
 #                model_cards/results/science_tinystories) count as done                                                            [560]
-# Wheels: every *.whl of ./.whl or ./wheels that the image lacks (datasets, evaluate, dill, multiprocess) goes into
-# /tmp/hf_rbf_site (on PYTHONPATH) before the first job.
+# Wheels: every *.whl of ./.whl or ./wheels (what the image lacks: datasets, evaluate, dill, multiprocess, xxhash;
+# `bash benchmarks/fetch_gpu_wheels.sh` downloads the tested set into .whl/) goes into /tmp/hf_rbf_site (on PYTHONPATH)
+# before the first job, on every call.
 # Data: DATA_ROOT (default ./gpu_data, a copy of shared/data carried with the call, else ../shared/data).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT JOB[:SECONDS] ...}
@@ -52,12 +53,12 @@ mkdir -p "$WORK" "$OUT"
 # the image has no index: the wheels carried with the call, --no-deps (the image has their dependencies)
 SITE=/tmp/hf_rbf_site
 export PYTHONPATH="$SITE:$PYTHONPATH"
-if ! python3 -c "import datasets, evaluate" 2>/dev/null; then
-    for d in .whl wheels; do
-        ls "$d"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --upgrade --target "$SITE" "$d"/*.whl 2>&1 | tail -3
-    done
-fi
+# Always (re)install what was carried: on a machine still warm from an earlier call the site folder may hold other
+# versions, and "datasets imports" does not say which (a stale datasets 4.4 broke every training run of a session).
+for d in .whl wheels; do
+    ls "$d"/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" "$d"/*.whl 2>&1 | tail -3
+done
 
 declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=120 [profile]=500 [staticdecode]=400 [generate]=500 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
                   [lm]=560 [multi]=400 [throughput]=150 [scaling]=540)
