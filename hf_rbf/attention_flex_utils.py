@@ -8,9 +8,18 @@ log-sum-exp that flex returns (natural log, float32, ``-inf`` for a row without 
 differentiates.
 
 The mask semantics of :mod:`hf_rbf.attention_utils` become a ``mask_mod`` and a ``BlockMask`` (fully masked
-blocks are skipped, so sliding windows cost only their band).  On CUDA the call goes through a cached
-``torch.compile(flex_attention)`` (the fused Triton kernel); elsewhere flex runs eagerly (it materialises the
-scores, fine for tests and small CPU calls).
+blocks are skipped, so sliding windows cost only their band).  On CUDA the call goes through ``torch.compile`` (the
+fused Triton kernel, forward and backward); elsewhere flex runs eagerly (it materialises the scores, fine for tests
+and small CPU calls).
+
+One compiled callable per call signature (score_mod builder, shapes, dtypes, grad mode, mask): Dynamo keeps its
+graphs, guards and recompilation count per code object, so a single ``torch.compile(fn)`` serving every shape and
+family recompiled at each new one, turned dimensions dynamic, and after ``recompile_limit`` (8) distinct calls ran
+the rest *eagerly*, scores materialised: the issue's kernel sweep measured our flex backend 5-14x slower than
+SDPA-flash where FlexAttention compiled per shape runs 1.3-1.9x.  Here every signature gets a function with a code
+object of its own, compiled with ``dynamic=False``: it compiles once, is never guarded against another shape, and
+the least recently used of ``FLEX_CACHE_SIZE`` signatures is dropped.  ``create_block_mask`` is compiled the same
+way.
 
 What this torch's flex cannot do is stated, not hidden: flex has no backward outside CUDA, and on CUDA the
 compiled backward could not differentiate scalar queries/keys/temperatures captured by a score_mod (torch 2.11:
@@ -20,6 +29,8 @@ slower).  :func:`flex_reason` turns those into sentences for the families' ``_ca
 
 from __future__ import annotations
 
+import collections
+import types
 import warnings
 
 import torch
@@ -42,7 +53,12 @@ except ImportError:  # older torch: the LSE comes from return_lse=True
 BIAS_LIMIT = 1e30
 _BLOCK_MASK_CACHE: dict = {}
 _BLOCK_MASK_CACHE_SIZE = 32
-_COMPILED: dict = {}
+# compiled callables by call signature (see the module docstring), least recently used first
+FLEX_CACHE_SIZE = 64
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+# the device types whose flex calls are compiled (tests add "cpu" with a cheap backend to check the caching)
+COMPILE_DEVICE_TYPES = {"cuda"}
+COMPILE_BACKEND = "inductor"
 
 
 def flex_reason(device: torch.device, mask: MaskArgs, inputs: dict, captured_scalars: dict | None = None) -> str | None:
@@ -118,7 +134,8 @@ def block_mask_for(mask: MaskArgs, batch: int, device: torch.device):
         if cached is not None:
             return cached
     b = batch if mask.attention_mask is not None else None
-    block_mask = _block_mask_builder(device)(_mask_mod(mask), b, None, mask.nq, mask.nk, device=device)
+    signature = (mask.causal, mask.window, mask.num_prefix_keys, mask.nq, mask.nk, b, str(device))
+    block_mask = _block_mask_builder(device, signature)(_mask_mod(mask), b, None, mask.nq, mask.nk, device)
     if key is not None:
         if len(_BLOCK_MASK_CACHE) >= _BLOCK_MASK_CACHE_SIZE:
             _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
@@ -126,15 +143,33 @@ def block_mask_for(mask: MaskArgs, batch: int, device: torch.device):
     return block_mask
 
 
-def _block_mask_builder(device: torch.device):
+def _block_mask_builder(device: torch.device, signature: tuple):
     """``create_block_mask``, compiled on CUDA (so that it never materialises the ``[Nq, Nk]`` mask), the way torch
-    2.11 asks for it: ``torch.compile(create_block_mask)`` (its ``_compile=True`` flag is deprecated)."""
-    if device.type != "cuda":
+    2.11 asks for it: ``torch.compile(create_block_mask)`` (its ``_compile=True`` flag is deprecated), one compiled
+    callable per mask signature."""
+    if device.type not in COMPILE_DEVICE_TYPES:
         return create_block_mask
-    fn = _COMPILED.get("block_mask")
-    if fn is None:
-        fn = _COMPILED["block_mask"] = torch.compile(create_block_mask)
-    return fn
+    return compiled_for(("block_mask", *signature), _create_block_mask)
+
+
+def _create_block_mask(mask_mod, b, h, nq, nk, device):
+    return create_block_mask(mask_mod, b, h, nq, nk, device=device)
+
+
+def compiled_for(signature: tuple, fn):
+    """``torch.compile(fn, dynamic=False)`` for one call signature, through a copy of ``fn`` with its own code object
+    (Dynamo's caches and recompilation counts live on code objects); cached, least recently used dropped."""
+    compiled = _COMPILED.get(signature)
+    if compiled is not None:
+        _COMPILED.move_to_end(signature)
+        return compiled
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{len(_COMPILED)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    compiled = torch.compile(copy, dynamic=False, backend=COMPILE_BACKEND)
+    _COMPILED[signature] = compiled
+    if len(_COMPILED) > FLEX_CACHE_SIZE:
+        _COMPILED.popitem(last=False)
+    return compiled
 
 
 def bias_score_mod(bias: torch.Tensor):
@@ -159,13 +194,27 @@ def _flex_call(q, k, v, block_mask, make_score_mod, captured: tuple, return_lse:
     return flex_attention(q, k, v, return_lse=True, **kwargs)
 
 
-def _flex_callable(device: torch.device):
-    if device.type != "cuda":
+def _flex_callable(q, k, v, mask: MaskArgs, make_score_mod, captured: tuple, return_lse: bool):
+    """``_flex_call`` itself (eager) off the compiled devices, else its compiled copy for this call's signature."""
+    if q.device.type not in COMPILE_DEVICE_TYPES:
         return _flex_call
-    fn = _COMPILED.get("flex")
-    if fn is None:
-        fn = _COMPILED["flex"] = torch.compile(_flex_call)
-    return fn
+
+    def desc(t):
+        return (tuple(t.shape), t.dtype, t.requires_grad)
+
+    signature = (
+        "flex",
+        make_score_mod,
+        return_lse,
+        torch.is_grad_enabled(),
+        str(q.device),
+        desc(q),
+        desc(k),
+        desc(v),
+        tuple(desc(t) for t in captured),
+        (mask.causal, mask.window, mask.num_prefix_keys, mask.attention_mask is not None),
+    )
+    return compiled_for(signature, _flex_call)
 
 
 def run_flex(q, k, v, make_score_mod, captured: tuple, mask: MaskArgs, *, return_lse: bool):
@@ -179,7 +228,6 @@ def run_flex(q, k, v, make_score_mod, captured: tuple, mask: MaskArgs, *, return
         # flex refuses leaf tensors that require grad outside CUDA even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
     block_mask = block_mask_for(mask, q.shape[0], q.device)
-    fn = _flex_callable(q.device)
     dv = v.shape[-1]
     # Compiled flex refuses head dims below 16 (found on the H200 with Dv = 8).  Zero columns change neither q.k nor
     # the output's real columns, and the padded output columns are sliced away; done on every device so the CPU
@@ -189,10 +237,12 @@ def run_flex(q, k, v, make_score_mod, captured: tuple, mask: MaskArgs, *, return
         k = torch.nn.functional.pad(k, (0, FLEX_MIN_DIM - k.shape[-1]))
     if dv < FLEX_MIN_DIM:
         v = torch.nn.functional.pad(v, (0, FLEX_MIN_DIM - dv))
+    captured = tuple(captured)
+    fn = _flex_callable(q, k, v, mask, make_score_mod, captured, return_lse)
     with warnings.catch_warnings():
         # eager flex on CPU warns that it materialises the scores: that is the intended CPU path
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out, lse = fn(q, k, v, block_mask, make_score_mod, tuple(captured), return_lse)
+        out, lse = fn(q, k, v, block_mask, make_score_mod, captured, return_lse)
     return out[..., :dv], lse
 
 

@@ -285,6 +285,49 @@ def test_flex_without_grad_mode_accepts_leaves_that_require_grad():
     torch.testing.assert_close(out, want)
 
 
+def test_flex_compiles_once_per_call_signature(monkeypatch):
+    """The compiled flex path (CUDA's; here on the CPU with Dynamo's cheap "eager" backend and no gradients) compiles
+    one graph per call signature and never again for it: a sweep over families, lengths and masks that would pass
+    Dynamo's recompile limit (8) on one shared callable, and then run eagerly, compiles each signature exactly once,
+    and repeated calls reuse it.  Outputs equal the naive reference."""
+    import torch._dynamo.testing
+
+    import hf_rbf.attention_flex_utils as flex_utils
+
+    counter = torch._dynamo.testing.CompileCounter()
+    monkeypatch.setattr(flex_utils, "COMPILE_DEVICE_TYPES", {"cpu"})
+    monkeypatch.setattr(flex_utils, "COMPILE_BACKEND", counter)
+    monkeypatch.setattr(flex_utils, "_COMPILED", type(flex_utils._COMPILED)())
+    monkeypatch.setattr(flex_utils, "_BLOCK_MASK_CACHE", {})
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for n in (16, 24, 40, 56, 72):
+        for window in (None, 8):
+            x = torch.randn(1, 2, n, 16, generator=g)
+            calls.append(("rbf", n, window, x))
+    calls.append(("gka", 24, None, torch.randn(1, 2, 24, 16, generator=g)))
+    calls.append(("gka", 40, None, torch.randn(1, 2, 40, 16, generator=g)))
+
+    def run(family, window, x, backend):
+        if family == "rbf":
+            return hf_rbf.rbf_attention(x, x.flip(2), x, causal=True, window=window, backend=backend)
+        return hf_rbf.gka_attention(x, log_sigma=torch.zeros(2), causal=True, window=window, backend=backend)
+
+    with torch.no_grad():
+        for family, n, window, x in calls:
+            torch.testing.assert_close(run(family, window, x, "flex"), run(family, window, x, "naive"))
+        compiled = counter.frame_count
+        # one flex graph per call signature (12), one block-mask graph per mask (10: GKA's two share rbf's masks)
+        masks = {(n, window) for _, n, window, _ in calls}
+        assert compiled == len(calls) + len(masks) == 22, compiled
+        for family, n, window, x in calls:  # the same signatures again: nothing new is compiled
+            run(family, window, x, "flex")
+    assert counter.frame_count == compiled
+    assert len(flex_utils._COMPILED) == compiled
+    torch._dynamo.reset()
+
+
 def test_no_keys_gives_zeros_on_naive():
     q = torch.randn(1, 2, 3, 8, requires_grad=True)
     out = hf_rbf.rbf_attention(q, q[:, :, :0], q[:, :, :0])
