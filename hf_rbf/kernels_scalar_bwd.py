@@ -44,22 +44,27 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
-    from .kernels_scalar_fwd import SCALAR_KEY, _program_rows, _row_beta, _scores, _segment
+    from .kernels_scalar_fwd import SCALAR_KEY, _mma_anchor, _program_rows, _row_beta, _rows_of, _scores, _segment
 
 
 # dV: BLOCK_N stationary keys x ROWS streamed query rows (HP heads x BLOCK_M queries, HP tuned as in the forward).
 SCALAR_DKV_CONFIGS = [
+    # the first two compile without spills for sm_90 (benchmarks/offline_kernel_report.py); 64 x 64 tiles spill
+    # 256-512 bytes per thread, 128 x 128 over 1 KB
+    ({"BLOCK_N": 128, "ROWS": 32, "HP": 1}, 8, 3),
+    ({"BLOCK_N": 64, "ROWS": 32, "HP": 1}, 4, 3),
     ({"BLOCK_N": 64, "ROWS": 64, "HP": 1}, 4, 3),
     ({"BLOCK_N": 128, "ROWS": 64, "HP": 1}, 8, 3),
-    ({"BLOCK_N": 128, "ROWS": 32, "HP": 1}, 4, 3),
     ({"BLOCK_N": 64, "ROWS": 32, "HP": 1}, 4, 2),
     ({"BLOCK_N": 64, "ROWS": 128, "HP": 4}, 8, 3),
     ({"BLOCK_N": 64, "ROWS": 64, "HP": 2}, 4, 3),
 ]
 # dqs: ROWS stationary query rows x BLOCK_N streamed keys.
 SCALAR_DQ_CONFIGS = [
-    ({"ROWS": 128, "BLOCK_N": 64, "HP": 1}, 4, 3),
+    # first: no spills, 162 registers per thread for sm_90 (benchmarks/offline_kernel_report.py)
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 1}, 8, 3),
     ({"ROWS": 128, "BLOCK_N": 128, "HP": 1}, 8, 3),
+    ({"ROWS": 128, "BLOCK_N": 64, "HP": 1}, 4, 3),
     ({"ROWS": 64, "BLOCK_N": 64, "HP": 1}, 4, 3),
     ({"ROWS": 64, "BLOCK_N": 32, "HP": 1}, 4, 2),
     ({"ROWS": 128, "BLOCK_N": 64, "HP": 4}, 4, 3),
@@ -265,17 +270,22 @@ if HAS_TRITON:
 
         v = _load_tile(V + b * svb + g * svh + j[:, None] * svn + offs_dv[None, :], key_ok, offs_dv, DV_, DV_PAD, True)
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
+        anchor = _mma_anchor(BLOCK_N, ROWS)
         for hc in range(0, HPG, HP):
             h0 = g * HPG + hc
             ks = tl.load(
                 KS + b * sksb + (h0 + offs_h)[:, None] * sksh + j[None, :] * sksn, mask=key_ok[None, :], other=0.0
             ).to(tl.float32)
             ksT = _stacked_t(ks, HP, BLOCK_M, BLOCK_N)
+            if HP == 1:  # the key column in the layout of the dP^T product's tile (see _mma_anchor)
+                ksT = _rows_of(anchor, tl.sum(ks, 0))[:, None]
             if HAS_KB:
                 kb = tl.load(
                     KB + (b * H + h0 + offs_h)[:, None] * NK + j[None, :], mask=key_ok[None, :], other=float("-inf")
                 )
                 kbT = _stacked_t(kb, HP, BLOCK_M, BLOCK_N)
+                if HP == 1:
+                    kbT = _rows_of(anchor, tl.sum(kb, 0))[:, None]
             else:
                 kbT = ksT
             dks = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
@@ -406,6 +416,12 @@ if HAS_TRITON:
         KB_ptr = KB + (b * H + h0) * NK
         offs_h = tl.arange(0, HP)
         beta2_r = beta_r * 1.4426950408889634  # log2 units for the scores; dqs below takes beta itself
+        # the row vectors in the layout of the dP product's tile (see kernels_scalar_fwd._mma_anchor)
+        anchor = _mma_anchor(ROWS, BLOCK_N)
+        qs_r = _rows_of(anchor, qs_r)
+        beta2_r = _rows_of(anchor, beta2_r)
+        lse = _rows_of(anchor, lse)
+        t_r = _rows_of(anchor, t_r)
         # the forward's key segments and scores (see kernels_scalar_fwd._scalar_fwd_kernel)
         for SEG in tl.static_range(4):
             if SEG == 0:  # the prefix: keys 0 .. P

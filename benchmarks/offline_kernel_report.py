@@ -1,0 +1,247 @@
+"""Compile the fused kernels for a GPU that is not here (default sm_90, the H100 / H200) and report what the compiler
+made of them: registers, spills, shared memory, SASS instruction mix and layout conversions, per kernel variant.
+
+    PYTHONPATH=. python benchmarks/offline_kernel_report.py [--arch 90] [--cases rbf,gka,hybrid,scalar] \\
+        [--n 1024] [--d 64] [--config BLOCK_M=128,BLOCK_N=64,num_warps=4,num_stages=3] [--out DIR]
+
+No GPU is needed: a stand-in driver reports the target, our host code (``distance_forward`` / ``distance_backward`` /
+``scalar_forward`` / ``scalar_backward``) builds every argument exactly as for a real call on CPU tensors, and every
+triton launch is turned into a compile (``warmup``).  The cubin's resource usage comes from ``cuobjdump`` (shipped
+with triton), the instruction mix from ``nvdisasm``.  Timing needs the GPU; these numbers are what to look at between
+GPU sessions: a spilling kernel (local memory traffic) or a score tile converted through shared memory
+(``convert_layout`` ops in TTGIR, ``STS`` / ``LDS`` in the loop) is slow whatever the tile sizes.
+
+Autotuning is off (each kernel's first fitting config, or the one ``--config`` names, applied to every kernel whose
+parameters it names).  Run it with the triton version of the GPU machines (3.6) for numbers that match them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["HF_RBF_TRITON_AUTOTUNE"] = "0"
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver as _driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+class OfflineDriver:
+    """The parts of triton's active driver that compiling (not launching) a kernel asks for."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+    def __getattr__(self, name):  # anything else means the code wanted a real GPU
+        raise RuntimeError(f"offline compile: the triton driver was asked for {name!r}")
+
+
+COMPILED: list = []
+FORCED_CONFIG: dict = {}
+
+
+def _compile_only(self, *args, grid, warmup, **kwargs):
+    names = [p.name for p in self.params]
+    for key, value in FORCED_CONFIG.items():
+        if key in names or key in ("num_warps", "num_stages"):
+            kwargs[key] = value
+    kernel = _ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    constexprs = {p.name: bound.get(p.name) for p in self.params if p.is_constexpr}
+    COMPILED.append((self.fn.__name__, constexprs, kernel))
+    return kernel
+
+
+_ORIGINAL_RUN = JITFunction.run
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """REG / STACK / SHARED / LOCAL of the kernel in a cubin (``cuobjdump --dump-resource-usage``)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    out = {}
+    for key in ("REG", "STACK", "SHARED", "LOCAL"):
+        m = re.search(rf"{key}:(\d+)", text)
+        out[key.lower()] = int(m.group(1)) if m else None
+    return out
+
+
+def sass_mix(cubin: bytes) -> dict:
+    """Counts of the instruction classes that tell the story: tensor-core MMAs, shared-memory traffic, local-memory
+    (spill) traffic, special-function (exp2) ops and layout shuffles."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+    ops = collections.Counter()
+    for line in text.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?", line)
+        if m:
+            ops[m.group(1)] += 1
+    groups = {
+        "mma": ("HGMMA", "HMMA", "WGMMA"),
+        "shared_st": ("STS", "STSM"),
+        "shared_ld": ("LDS", "LDSM"),
+        "ldl_stl": ("LDL", "STL"),
+        "mufu": ("MUFU",),
+        "shfl": ("SHFL",),
+        "bar": ("BAR",),
+    }
+    out = {name: sum(ops[o] for o in names) for name, names in groups.items()}
+    out["total"] = sum(ops.values())
+    return out
+
+
+def report_kernel(name: str, constexprs: dict, kernel) -> dict:
+    ttgir = kernel.asm.get("ttgir", "")
+    row = {"kernel": name, **resource_usage(kernel.asm["cubin"]), **sass_mix(kernel.asm["cubin"])}
+    row["convert_layout"] = ttgir.count("ttg.convert_layout")
+    row["local_alloc"] = ttgir.count("ttg.local_alloc")
+    row["num_warps"] = kernel.metadata.num_warps
+    row["num_stages"] = kernel.metadata.num_stages
+    row["shared_bytes"] = kernel.metadata.shared
+    tiles = {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "BLOCK_N", "ROWS", "HP")}
+    row["tiles"] = " ".join(f"{k}={v}" for k, v in tiles.items())
+    flags = [k for k, v in constexprs.items() if v is True]
+    row["flags"] = " ".join(flags)
+    return row
+
+
+def cases(names, n: int, d: int, dtype):
+    """Inputs of each family's training call (B1 H4, causal), as CPU tensors: the host code builds the launch."""
+    from hf_rbf.kernels_flash_bwd import distance_backward
+    from hf_rbf.kernels_flash_fwd import distance_forward
+    from hf_rbf.kernels_scalar_bwd import scalar_backward
+    from hf_rbf.kernels_scalar_fwd import scalar_forward
+
+    b, h = 1, 4
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    out = {}
+    for name in names:
+        if name in ("rbf", "gka", "hybrid"):
+            q, k = rnd(b, h, n, d), rnd(b, h, n, d)
+            v = k if name == "gka" else rnd(b, h, n, d)
+            qs = ks = beta = None
+            if name == "hybrid":
+                qs, ks, beta = rnd(b, h, n).float(), rnd(b, h, n).float(), torch.ones(b, h, n)
+            a = torch.full((h,), 0.125)
+            bb = None if name != "hybrid" else torch.zeros(h)
+            flags = dict(
+                causal=True,
+                window=None,
+                num_prefix_keys=0,
+                normalize=True,
+                qnorm=name == "gka",
+                kv_same=name == "gka",
+                eps=1e-6 if name == "gka" else 0.0,
+            )
+            knorm = name != "hybrid"
+
+            def run(q=q, k=k, v=v, qs=qs, ks=ks, beta=beta, a=a, bb=bb, flags=flags, knorm=knorm):
+                o, lse = distance_forward(q, k, v, None, qs, ks, beta, a, bb, knorm_inline=knorm, **flags)
+                distance_backward(
+                    o, q, k, v, None, qs, ks, beta, a, bb, o, lse, knorm=knorm, need_dbeta=qs is not None, **flags
+                )
+
+            out[name] = run
+        elif name == "scalar":
+            qs, ks, v = rnd(b, h, n).float(), rnd(b, h, n).float(), rnd(b, 1, n, d)
+
+            def run(qs=qs, ks=ks, v=v):
+                tau = torch.ones(b, h, 1)
+                o, lse = scalar_forward(qs, ks, v, None, tau, causal=True, window=None, num_prefix_keys=0)
+                scalar_backward(
+                    o, qs, ks, v, None, tau, lse, causal=True, window=None, num_prefix_keys=0, need_dtau=True
+                )
+
+            out[name] = run
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--cases", default="rbf,gka,hybrid,scalar")
+    ap.add_argument("--n", type=int, default=1024)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--config", default="", help="KEY=VALUE,... forced on every kernel that has the parameter")
+    ap.add_argument("--out", default=None, help="folder for report.json / report.md")
+    args = ap.parse_args(argv)
+    for item in filter(None, args.config.split(",")):
+        key, value = item.split("=")
+        FORCED_CONFIG[key] = int(value)
+    _driver.set_active(OfflineDriver(args.arch))
+    JITFunction.run = _compile_only
+    # triton 3.6's autotuner "times" even a single config before caching it: nothing to time here
+    triton.testing.do_bench = lambda fn, *a, quantiles=None, **k: [1.0] * len(quantiles) if quantiles else 1.0
+    rows = []
+    for name, run in cases(args.cases.split(","), args.n, args.d, getattr(torch, args.dtype)).items():
+        COMPILED.clear()
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 (a kernel that does not compile is a row, not the end of the report)
+            rows.append({"case": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        for kname, constexprs, kernel in COMPILED:
+            if kname.startswith("_key_bias"):
+                continue
+            rows.append({"case": name, **report_kernel(kname, constexprs, kernel)})
+    cols = ["case", "kernel", "tiles", "num_warps", "num_stages", "reg", "stack", "local", "shared_bytes", "mma"]
+    cols += ["shared_st", "shared_ld", "ldl_stl", "mufu", "convert_layout", "total"]
+    lines = [
+        f"# Offline compile for sm_{args.arch} (triton {triton.__version__}), N {args.n}, D {args.d}, {args.dtype}",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | error: {r['error']} |")
+            continue
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "report.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(os.path.join(args.out, "report.md"), "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
