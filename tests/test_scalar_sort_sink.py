@@ -114,4 +114,9 @@ def test_save_load_keeps_the_sink_off(case, tmp_path):
     assert not any("sink" in name for name in back.state_dict())
     ids, mask = left_padded(model.config.vocab_size, [7, 5])
     with torch.no_grad():
-        assert torch.equal(model(ids, attention_mask=mask).logits, back.eval()(ids, attention_mask=mask).logits)
+        # equal up to float rounding: the loaded weights are memory-mapped at addresses that are not 64-byte
+        # aligned (safetensors 0.8), and the CPU matmul kernels round differently on them (1e-8 after the first
+        # projection, 2e-6 in the logits); the sink's absence itself is checked on the config and state dict above
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).logits, back.eval()(ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5
+        )
