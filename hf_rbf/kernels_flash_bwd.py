@@ -64,6 +64,9 @@ if HAS_TRITON:
 # queries, 4 warps) first; 64 x 64 for the larger head dims; 64 x 32 with 8 warps keeps head dim 256 in registers.
 DKDV_CONFIGS = [
     ({"BLOCK_N": 128, "BLOCK_M": 32}, 4, 3),
+    # compiled offline for sm_90 (benchmarks/offline_kernel_report.py, D64): 220 registers and no spills for rbf,
+    # GKA and hybrid, where the 4-warp version of the same tiles spills 192-312 bytes per thread
+    ({"BLOCK_N": 128, "BLOCK_M": 32}, 8, 3),
     ({"BLOCK_N": 64, "BLOCK_M": 64}, 4, 3),
     ({"BLOCK_N": 128, "BLOCK_M": 64}, 8, 3),
     ({"BLOCK_N": 64, "BLOCK_M": 32}, 4, 2),
