@@ -139,7 +139,7 @@ def report_kernel(name: str, constexprs: dict, kernel) -> dict:
 def cases(names, n: int, d: int, dtype):
     """Inputs of each family's training call (B1 H4, causal), as CPU tensors: the host code builds the launch."""
     from hf_rbf.kernels_flash_bwd import distance_backward
-    from hf_rbf.kernels_flash_fwd import distance_forward
+    from hf_rbf.kernels_flash_fwd import distance_decode, distance_forward
     from hf_rbf.kernels_scalar_bwd import scalar_backward
     from hf_rbf.kernels_scalar_fwd import scalar_forward
 
@@ -177,6 +177,18 @@ def cases(names, n: int, d: int, dtype):
                 )
 
             out[name] = run
+        elif name in ("rbf_decode", "gka_decode"):
+            q, k = rnd(b, h, 1, d), rnd(b, h, n, d)
+            v = k if name == "gka_decode" else rnd(b, h, n, d)
+            gka = name == "gka_decode"
+
+            def run(q=q, k=k, v=v, gka=gka):
+                distance_decode(
+                    q, k, v, None, None, None, None, torch.full((h,), 0.125), None, causal=True, window=None,
+                    num_prefix_keys=0, normalize=True, qnorm=gka, knorm=True, kv_same=gka, eps=1e-6 if gka else 0.0,
+                )
+
+            out[name] = run
         elif name == "scalar":
             qs, ks, v = rnd(b, h, n).float(), rnd(b, h, n).float(), rnd(b, 1, n, d)
 
@@ -194,7 +206,7 @@ def cases(names, n: int, d: int, dtype):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--cases", default="rbf,gka,hybrid,scalar")
+    ap.add_argument("--cases", default="rbf,gka,hybrid,scalar", help="of rbf, gka, hybrid, scalar, rbf_decode, gka_decode")
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
