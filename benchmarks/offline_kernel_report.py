@@ -11,6 +11,10 @@ with triton), the instruction mix from ``nvdisasm``.  Timing needs the GPU; thes
 GPU sessions: a spilling kernel (local memory traffic) or a score tile converted through shared memory
 (``convert_layout`` ops in TTGIR, ``STS`` / ``LDS`` in the loop) is slow whatever the tile sizes.
 
+``--checks FAMILIES`` compiles instead every variant that the GPU tests' cases (``kernel_checks.full_cases``: dtypes,
+head dims, masks, prefix, padding, key weights, decode) launch, at shortened lengths, and reports each kernel's
+spills: a kernel change that no longer compiles for the GPU shows here, without one.
+
 Autotuning is off (each kernel's first fitting config, or the one ``--config`` names, applied to every kernel whose
 parameters it names).  Run it with the triton version of the GPU machines (3.6) for numbers that match them.
 """
@@ -184,8 +188,23 @@ def cases(names, n: int, d: int, dtype):
 
             def run(q=q, k=k, v=v, gka=gka):
                 distance_decode(
-                    q, k, v, None, None, None, None, torch.full((h,), 0.125), None, causal=True, window=None,
-                    num_prefix_keys=0, normalize=True, qnorm=gka, knorm=True, kv_same=gka, eps=1e-6 if gka else 0.0,
+                    q,
+                    k,
+                    v,
+                    None,
+                    None,
+                    None,
+                    None,
+                    torch.full((h,), 0.125),
+                    None,
+                    causal=True,
+                    window=None,
+                    num_prefix_keys=0,
+                    normalize=True,
+                    qnorm=gka,
+                    knorm=True,
+                    kv_same=gka,
+                    eps=1e-6 if gka else 0.0,
                 )
 
             out[name] = run
@@ -203,15 +222,50 @@ def cases(names, n: int, d: int, dtype):
     return out
 
 
+def compile_checks(families) -> int:
+    """Compile the kernels of every GPU-test case of ``families`` (see the module docstring); returns the failures."""
+    import dataclasses
+
+    import kernel_checks
+
+    import hf_rbf.kernels_common as kernels_common
+
+    # the fused path refuses CPU tensors outside the interpreter: let the calls through (they only compile here)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("hf_rbf") and hasattr(module, "triton_unavailable_reason"):
+            module.triton_unavailable_reason = lambda *a, **k: None
+    kernels_common.triton_unavailable_reason = lambda *a, **k: None
+    failures = 0
+    for case in kernel_checks.full_cases():
+        if case.family not in families:
+            continue
+        short = dataclasses.replace(case, b=1, nq=min(case.nq, 300), nk=min(case.nk, 300 if case.nq > 16 else 600))
+        COMPILED.clear()
+        try:
+            made = kernel_checks.make_inputs(short, "cpu")
+            tensors, args = made["tensors"], made["args"]
+            kernel_checks._run(short, tensors, args, "triton", kernel_checks._dout(short, "cpu", tensors))
+            spills = [f"{n}: {resource_usage(k.asm['cubin'])['stack']} B" for n, _, k in COMPILED]
+            print(f"ok    {short.name}  spills {', '.join(spills)}")
+        except Exception as exc:  # noqa: BLE001 (every case is reported)
+            failures += 1
+            print(f"FAIL  {short.name}  {type(exc).__name__}: {str(exc)[:300]}")
+    print(f"{failures} failures")
+    return failures
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--cases", default="rbf,gka,hybrid,scalar", help="of rbf, gka, hybrid, scalar, rbf_decode, gka_decode")
+    ap.add_argument(
+        "--cases", default="rbf,gka,hybrid,scalar", help="of rbf, gka, hybrid, scalar, rbf_decode, gka_decode"
+    )
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--config", default="", help="KEY=VALUE,... forced on every kernel that has the parameter")
     ap.add_argument("--out", default=None, help="folder for report.json / report.md")
+    ap.add_argument("--checks", default=None, help="compile the GPU tests' variants of these families instead")
     args = ap.parse_args(argv)
     for item in filter(None, args.config.split(",")):
         key, value = item.split("=")
@@ -220,6 +274,9 @@ def main(argv=None) -> int:
     JITFunction.run = _compile_only
     # triton 3.6's autotuner "times" even a single config before caching it: nothing to time here
     triton.testing.do_bench = lambda fn, *a, quantiles=None, **k: [1.0] * len(quantiles) if quantiles else 1.0
+    if args.checks:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        return 1 if compile_checks(args.checks.split(",")) else 0
     rows = []
     for name, run in cases(args.cases.split(","), args.n, args.d, getattr(torch, args.dtype)).items():
         COMPILED.clear()
