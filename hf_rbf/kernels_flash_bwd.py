@@ -60,20 +60,24 @@ if HAS_TRITON:
     from .kernels_flash_fwd import _key_value_bases
 
 
-# dK/dV: BLOCK_N stationary keys, BLOCK_M streamed queries.  The Triton tutorial's Hopper choice (128 keys x 32
-# queries, 4 warps) first; 64 x 64 for the larger head dims; 64 x 32 with 8 warps keeps head dim 256 in registers.
+# dK/dV: BLOCK_N stationary keys, BLOCK_M streamed queries.  The Triton tutorial's Hopper tiles (128 keys x 32
+# queries) first; 64 x 64 for the larger head dims; 64 x 32 with 8 warps keeps head dim 256 in registers.
 DKDV_CONFIGS = [
-    ({"BLOCK_N": 128, "BLOCK_M": 32}, 4, 3),
-    # compiled offline for sm_90 (benchmarks/offline_kernel_report.py, D64): 220 registers and no spills for rbf,
-    # GKA and hybrid, where the 4-warp version of the same tiles spills 192-312 bytes per thread
+    # first (autotuning off, and lengths up to SMALL_N_BUCKET): compiled offline for sm_90
+    # (benchmarks/offline_kernel_report.py) it spills nothing at D64 for rbf, GKA and hybrid (at most 88 bytes at
+    # D128), where the 4-warp version of the same tiles spills 192-312 bytes per thread at D64
     ({"BLOCK_N": 128, "BLOCK_M": 32}, 8, 3),
+    ({"BLOCK_N": 128, "BLOCK_M": 32}, 4, 3),
     ({"BLOCK_N": 64, "BLOCK_M": 64}, 4, 3),
     ({"BLOCK_N": 128, "BLOCK_M": 64}, 8, 3),
     ({"BLOCK_N": 64, "BLOCK_M": 32}, 4, 2),
     ({"BLOCK_N": 64, "BLOCK_M": 32}, 8, 2),
 ]
-# dQ: BLOCK_M stationary queries, BLOCK_N streamed keys (the tutorial's 128 x 32 first).
+# dQ: BLOCK_M stationary queries, BLOCK_N streamed keys (the tutorial's 128 x 32 tiles first).
 DQ_CONFIGS = [
+    # first: the same tiles with 8 warps compile without spills at D64 and D128 for every family (offline sm_90
+    # compile), where 4 warps spill 8-112 bytes at D64 and 712-1,016 bytes at D128
+    ({"BLOCK_M": 128, "BLOCK_N": 32}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 32}, 4, 3),
     ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 64}, 8, 3),
