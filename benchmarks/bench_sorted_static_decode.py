@@ -41,6 +41,7 @@ if __package__ in (None, ""):
 
 from hf_rbf.cache_sorted_static import StaticSortedLayer  # noqa: E402
 from hf_rbf.kernels_common import next_pow2  # noqa: E402
+import hf_rbf.kernels_sorted_static_decode as static_decode  # noqa: E402
 from hf_rbf.kernels_sorted_static_decode import MAX_CANDIDATES  # noqa: E402
 
 
@@ -150,7 +151,8 @@ def dense_fn(*, b, h, d, n, device, dtype, gen):
 
 def run_case(args, kind, b, h, n, device, dtype, timer):
     d, window = args.head_dim, args.window
-    extra = args.warmup * 3 + args.reps * 3 + 16  # steps appended while timing (eager, graph capture, replays)
+    # steps appended while timing (eager, graph capture, replays; once more per --num-warps alternative)
+    extra = (args.warmup + args.reps) * (3 + len(args.num_warps)) + 16 + 2 * len(args.num_warps)
     capacity = n + extra
     block_size = auto_block_size(capacity, window) if args.block_size == "auto" else int(args.block_size)
     row = {"kind": kind, "batch": b, "heads": h, "head_dim": d, "tokens": n, "window": window, "block_size": block_size}
@@ -181,6 +183,13 @@ def run_case(args, kind, b, h, n, device, dtype, timer):
             row[f"{backend}_note"] = f"not available: {layer.decode_backend_reason}"
             continue
         step = step_fn(layer, kind, b=b, h=h, g=g, d=d, device=device, dtype=dtype, gen=gen)
+        if backend == "triton" and device.type == "cuda":
+            for warps in args.num_warps:  # the warps-per-program alternatives, each replayed as a CUDA graph
+                static_decode.NUM_WARPS = warps
+                try:
+                    row[f"triton_graph_us_w{warps}"] = timer.median_us(graphed(step, device), args.warmup, args.reps)
+                finally:
+                    static_decode.NUM_WARPS = None
         row[f"{backend}_us"] = timer.median_us(step, args.warmup, args.reps)
         if device.type == "cuda":
             try:
@@ -222,6 +231,14 @@ def markdown(rows, meta) -> str:
             head + f" {fmt(r.get('triton_us'))} | {fmt(tg)} | {fmt(r.get('torch_us'))} | "
             f"{fmt(r.get('torch_graph_us'))} | {fmt(r.get('dense_sdpa_us'))} | {fmt(sg)} | {ratio} |"
         )
+    warps = sorted({k for r in rows for k in r if k.startswith("triton_graph_us_w")}, key=lambda k: int(k[17:]))
+    if warps:
+        lines += ["", "Fused step replayed as a CUDA graph, by warps per program (us):", ""]
+        lines.append("| layer | B | H | tokens | " + " | ".join(f"{k[17:]} warps" for k in warps) + " |")
+        lines.append("|---|---|---|---|" + "---|" * len(warps))
+        for r in rows:
+            cells = " | ".join(fmt(r.get(k)) for k in warps)
+            lines.append(f"| {r['kind']} | {r['batch']} | {r['heads']} | {r['tokens']} | {cells} |")
     notes = [f"* {r['kind']} B{r['batch']} H{r['heads']} n={r['tokens']}: {r[k]}" for r in rows for k in r
              if k.endswith("_note")]  # fmt: skip
     if notes:
@@ -246,6 +263,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-gib", type=float, default=60.0)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set TRITON_INTERPRET=1 for triton)")
+    ap.add_argument(
+        "--num-warps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the fused step (CUDA graph) with these warps per program (kernels_sorted_static_decode."
+        "NUM_WARPS); the table's columns keep the default heuristic",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         device = torch.device("cpu")

@@ -210,6 +210,34 @@ def cases(names, n: int, d: int, dtype):
                 )
 
             out[name] = run
+        elif name in ("sorted_static_scalar", "sorted_static_hybrid"):  # the static sorted cache's fused step
+            import bench_sorted_static_decode as bench
+
+            for mod_name, module in list(sys.modules.items()):  # CPU tensors: let the "triton" backend be chosen
+                if mod_name.startswith("hf_rbf") and hasattr(module, "static_decode_unavailable_reason"):
+                    module.static_decode_unavailable_reason = lambda *a, **k: None
+            kind = name.rsplit("_", 1)[1]
+
+            def run(kind=kind):
+                dev = torch.device("cpu")
+                layer, g_ = bench.build_layer(
+                    kind,
+                    "triton",
+                    b=1,
+                    h=12,
+                    d=d,
+                    n=n,
+                    capacity=n + 64,
+                    window=64,
+                    block_size=max(64, n // 4),
+                    device=dev,
+                    dtype=dtype,
+                    fill_chunk=4096,
+                    gen=g,
+                )
+                bench.step_fn(layer, kind, b=1, h=12, g=g_, d=d, device=dev, dtype=dtype, gen=g)()
+
+            out[name] = run
         elif name == "scalar":
             qs, ks, v = rnd(b, h, n).float(), rnd(b, h, n).float(), rnd(b, 1, n, d)
 
@@ -260,7 +288,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument(
-        "--cases", default="rbf,gka,hybrid,scalar", help="of rbf, gka, hybrid, scalar, rbf_decode, gka_decode"
+        "--cases",
+        default="rbf,gka,hybrid,scalar",
+        help="of rbf, gka, hybrid, scalar, rbf_decode, gka_decode, sorted_static_scalar, sorted_static_hybrid",
     )
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--d", type=int, default=64)
@@ -279,6 +309,7 @@ def main(argv=None) -> int:
     if args.checks:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         return 1 if compile_checks(args.checks.split(",")) else 0
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     rows = []
     for name, run in cases(args.cases.split(","), args.n, args.d, getattr(torch, args.dtype)).items():
         COMPILED.clear()
@@ -291,7 +322,7 @@ def main(argv=None) -> int:
                 continue
             rows.append({"case": name, **report_kernel(kname, constexprs, kernel)})
     cols = ["case", "kernel", "tiles", "num_warps", "num_stages", "reg", "stack", "local", "shared_bytes", "mma"]
-    cols += ["shared_st", "shared_ld", "ldl_stl", "mufu", "convert_layout", "total"]
+    cols += ["shared_st", "shared_ld", "ldl_stl", "mufu", "bar", "convert_layout", "total"]
     lines = [
         f"# Offline compile for sm_{args.arch} (triton {triton.__version__}), N {args.n}, D {args.d}, {args.dtype}",
         "",

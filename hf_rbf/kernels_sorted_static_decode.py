@@ -451,6 +451,21 @@ def static_decode_unavailable_reason(
     return None
 
 
+# Warps per program, by candidate-tile size (None: the heuristic of decode_num_warps).  The step is a chain of
+# dependent rounds (search, bisection, gathers), each a reduction over the tile: more warps hold the tile in fewer
+# registers but synchronise through shared memory at every round (76 barriers in an offline sm_90 compile with 4 warps
+# at 8K tokens, 15 with one warp, which then holds 254 registers).  benchmarks/bench_sorted_static_decode.py
+# --num-warps times the alternatives.
+NUM_WARPS: int | None = None
+
+
+def decode_num_warps(tile: int) -> int:
+    """Warps per program of the fused step for a candidate tile of ``tile`` order keys (``NUM_WARPS`` overrides)."""
+    if NUM_WARPS is not None:
+        return NUM_WARPS
+    return 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
+
+
 def _launch(
     new_scalar_keys, new_values, new_vector_keys, new_valid, qs, tau, q, scale, prefix_ks, prefix_v, prefix_k,
     keys, values, vector_keys, valid, token_index, sorted_keys, sorted_slots, fill_keys, fill_slots, order_head,
@@ -478,8 +493,7 @@ def _launch(
 
     w_span = min(2 * window, t)
     w_split = -(-t // min(WRITE_CHUNK, next_pow2(t)))
-    tile = next_pow2(nb) * next_pow2(w_span)
-    num_warps = 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
+    num_warps = decode_num_warps(next_pow2(nb) * next_pow2(w_span))
     key_int, key_bits, shift = _key_bits(sorted_keys.dtype)
     grid = (b * h + b * o * w_split,)
     _static_sorted_decode_kernel[grid](
