@@ -69,7 +69,9 @@ def _candidates(qs, ks, v, tau, mask, backend):
     if mask.window is None:
         # Measured on an H200 (benchmarks/results/README.md): without a window the padding trick into SDPA-flash runs
         # the scalar score about 3x faster than our rank-1 Triton kernel (2.7 ms vs 7.9 ms fwd+bwd at B2 H16 N8192
-        # G4), whose score tile spills registers; with a window SDPA needs a dense mask and Triton wins by ~10x.
+        # G4), whose score tile spilled registers; with a window SDPA needs a dense mask and Triton wins by ~10x.
+        # The spills are gone since (kernels_scalar_fwd._mma_anchor, compiled offline for sm_90); this order stays
+        # until a GPU run measures the kernel again (benchmarks/bench_attention.py --tokens 32768).
         candidates = {name: candidates[name] for name in ("sdpa", "triton", "flex", "naive")}
     return auto_order(candidates, v.device, mask.nq, split_k_decode=False)
 
