@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Download the wheels that the lent GPU machines' image lacks into .whl/ (ignored by git: add `/.whl/` to
-# .git/info/exclude), for `run(..., carry=[".whl", ...])` and benchmarks/gpu_session.sh, which installs them.
+# Download the wheels that the lent GPU machines' image lacks into .whl/ (ignored by .gitignore, so it travels only
+# when carried: `run(..., carry=[".whl", ...])`), for benchmarks/gpu_session.sh, which installs them.
 # The image (2026-11): Python 3.12, torch 2.11, torchvision 0.26, pyarrow 25, huggingface_hub 1.33, no datasets /
 # evaluate.  datasets 5.2 (not 4.x): 4.x's torch formatter imports torchvision.io.VideoReader, which torchvision 0.26
 # no longer has, and every DataLoader worker then fails (benchmarks/results/h200x4-2026-11-26/README.md, section 6).
