@@ -39,6 +39,9 @@ VARIANTS = {
     "gka": ("gka", {}),
     "hybrid_sort": ("hybrid_sort", {}),
     "scalar_sort": ("scalar_sort", {}),
+    # the recipes' setting (recipes/configs/tinystories_*_sort.yaml, scale_*_sort.yaml): one register
+    "hybrid_sort (1 register)": ("hybrid_sort", {"num_register_tokens": 1}),
+    "scalar_sort (1 register)": ("scalar_sort", {"num_register_tokens": 1}),
 }
 
 

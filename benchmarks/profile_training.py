@@ -180,6 +180,9 @@ VARIANTS = {
     "gka": ("gka", dict()),
     "scalar_sort": ("scalar_sort", dict()),
     "hybrid_sort": ("hybrid_sort", dict()),
+    # the recipes' setting (recipes/configs/tinystories_*_sort.yaml, scale_*_sort.yaml): one register
+    "scalar_sort (1 register)": ("scalar_sort", dict(num_register_tokens=1)),
+    "hybrid_sort (1 register)": ("hybrid_sort", dict(num_register_tokens=1)),
 }
 
 SIZES = {

@@ -94,6 +94,17 @@ class HybridSortAttention(ScalarSortAttention):
         proj.q, proj.k = q + position, k + position
         return proj
 
+    def pair_scores(self, queries: _Projections, keys: _Projections, tau, ct: torch.dtype) -> torch.Tensor:
+        """The scalar scores plus the dot term ``scale_h q.k`` (0 for pure scalar heads; the sink's vector key is
+        zero), each ``[1, H, 1]``."""
+        scores = super().pair_scores(queries, keys, tau, ct)
+        scale = self._scale(queries.qs.device)
+        if isinstance(scale, float) and scale == 0.0:
+            return scores
+        dot = (queries.q.to(ct) * keys.k.to(ct)).sum(-1)
+        scale = scale if isinstance(scale, float) else scale.to(ct).view(1, -1, 1)
+        return scores + scale * dot
+
     def attention_function(
         self, queries: _Projections, keys: _Projections, tau, backend: str | None = None, **mask_args
     ) -> torch.Tensor:

@@ -226,6 +226,42 @@ class ScalarSortAttention(DecoderAttention):
         """The dot-product scale passed to the windowed decode step (None: no dot term)."""
         return None
 
+    def register_attention(self, registers: _Projections, tau, dtype, device) -> torch.Tensor:
+        """The register rows' attention over the sink and the registers (causal): ``[1, H, R, Dv]``.
+
+        One register (the recipes' setting) sees at most two keys, the sink and itself, so its softmax is a sigmoid
+        of the score difference and needs no attention call: ``out = v_sink + sigmoid(s_self - s_sink) (v_self -
+        v_sink)``, or ``v_self`` alone without a sink (weight 1, as rbf's register).  The call it replaces cost a
+        fused launch or a materialised attention forward and backward, with its host work, in every layer and step.
+        Several registers go through :meth:`attention_function` (``register_backend``).
+        """
+        sink = self.sink_entries(dtype, device)
+        if self.num_registers > 1:
+            return self.attention_function(
+                registers,
+                self._cat_keys([sink, registers], 1),
+                tau,
+                backend=self.register_backend,
+                causal=True,
+                num_prefix_keys=self.num_sink,
+            )
+        heads_per_group = self.num_heads // self.num_value_groups
+        v_self = registers.v.repeat_interleave(heads_per_group, dim=1)  # [1, H, 1, Dv]
+        if sink is None:
+            return v_self
+        v_sink = sink.v.repeat_interleave(heads_per_group, dim=1)
+        ct = torch.promote_types(registers.qs.dtype, torch.float32)
+        gap = self.pair_scores(registers, registers, tau, ct) - self.pair_scores(registers, sink, tau, ct)
+        w_self = torch.sigmoid(gap).unsqueeze(-1)  # [1, H, 1, 1]
+        return (v_sink.to(ct) + w_self * (v_self.to(ct) - v_sink.to(ct))).to(v_self.dtype)
+
+    def pair_scores(self, queries: _Projections, keys: _Projections, tau, ct: torch.dtype) -> torch.Tensor:
+        """Scores ``-(qs - ks)^2 / tau`` (natural log) of one query row against one key, each ``[1, H, 1]``; ``tau``
+        as :meth:`temperature` returns it (``[H]`` or ``[1, H, 1]``), computed in ``ct``."""
+        tau = tau.to(ct).view(1, -1, 1) if tau.dim() == 1 else tau.to(ct)
+        diff = queries.qs.to(ct) - keys.ks.to(ct)
+        return -(diff * diff) / tau
+
     @staticmethod
     def _cat_keys(parts: list[_Projections | None], batch: int) -> _Projections:
         parts = [p for p in parts if p is not None]
@@ -276,16 +312,7 @@ class ScalarSortAttention(DecoderAttention):
         register_out, register_keys = None, None
         if self.num_registers > 0:
             register_keys = self.project_registers(register_states)
-            sink = self.sink_entries(dtype, device)
-            reg_kv = self._cat_keys([sink, register_keys], 1)
-            register_out = self.attention_function(
-                register_keys,
-                reg_kv,
-                self.temperature(register_states),
-                backend=self.register_backend,
-                causal=True,
-                num_prefix_keys=self.num_sink,
-            )
+            register_out = self.register_attention(register_keys, self.temperature(register_states), dtype, device)
             register_out = self.o_proj(self._merge_heads(register_out))
         prefix, num_prefix = self._prefix(register_keys, dtype, device)
 

@@ -1,0 +1,85 @@
+"""One register in the sorted families: its attention over the sink and itself is the closed form
+``v_sink + sigmoid(s_self - s_sink) (v_self - v_sink)`` (``v_self`` without a sink), not an attention call.  Checked
+against the attention call it replaces (the path several registers take), on the layer and on whole models, outputs
+and gradients, for every temperature form, value grouping and head kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model
+
+import hf_rbf.modeling_scalar_sort as scalar_sort
+
+CASES = [
+    ("scalar-per-head-sink-g2", "scalar_sort", dict(num_value_groups=2)),
+    ("scalar-per-token-sink-g1", "scalar_sort", dict(num_value_groups=1, tau_mode="per_token")),
+    ("scalar-global-nosink", "scalar_sort", dict(tau_mode="global", scalar_sink=False)),
+    ("hybrid-sink", "hybrid_sort", dict()),
+    ("hybrid-kinds-per-token", "hybrid_sort", dict(head_kinds=["hybrid", "scalar"], tau_mode="per_token")),
+    ("hybrid-dot-heads-nosink", "hybrid_sort", dict(head_kinds=["dot", "hybrid"], scalar_sink=False)),
+]
+
+
+def _attention_call(self, registers, tau, dtype, device):
+    """The general path (an attention call over the sink and the registers), whatever the register count."""
+    return self.attention_function(
+        registers,
+        self._cat_keys([self.sink_entries(dtype, device), registers], 1),
+        tau,
+        backend="naive",
+        causal=True,
+        num_prefix_keys=self.num_sink,
+    )
+
+
+def _randomize_register_parameters(model):
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "register" in name or "sink_value" in name:  # zero-initialised: give them values that matter
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_one_register_closed_form_equals_the_attention_call(case, monkeypatch):
+    _, family, overrides = case
+    model = build_model(family, dict(overrides, num_register_tokens=1))
+    _randomize_register_parameters(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        model.zero_grad()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.logits.detach(), grads
+
+    logits, grads = run()
+    monkeypatch.setattr(scalar_sort.ScalarSortAttention, "register_attention", _attention_call)
+    ref_logits, ref_grads = run()
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    # the register rows' output depends on the sink value and the register's own projections
+    assert any("register" in n for n in grads) and all(g.abs().sum() > 0 for n, g in grads.items() if "register" in n)
+
+
+def test_one_register_needs_no_attention_call(monkeypatch):
+    """With one register the layer makes a single attention call per forward (the text rows'); with two, two."""
+    calls = []
+    original = scalar_sort.ScalarSortAttention.attention_function
+
+    def counting(self, *args, **kwargs):
+        calls.append(self.layer_idx)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(scalar_sort.ScalarSortAttention, "attention_function", counting)
+    ids = torch.randint(0, 100, (1, 6))
+    for registers, per_layer in ((1, 1), (2, 2)):
+        model = build_model("scalar_sort", dict(num_register_tokens=registers))
+        calls.clear()
+        with torch.no_grad():
+            model(ids)
+        assert len(calls) == per_layer * model.config.num_hidden_layers, (registers, calls)
