@@ -76,23 +76,25 @@ class HybridSortAttention(ScalarSortAttention):
             qs, ks = qs * mask, ks * mask
         return qs, ks
 
-    def project(self, x: torch.Tensor, position_embeddings) -> _Projections:
-        qs, ks = self.scalar_qk(x)
-        q, k = self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x))
+    def _row_projections(self, x: torch.Tensor) -> _Projections:
+        proj = super()._row_projections(x)
+        proj.q, proj.k = self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x))
+        return proj
+
+    def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:
         if self.use_rope:
             cos, sin = position_embeddings
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return _Projections(qs=qs, ks=ks, v=self._values(x), q=q, k=k)
+            proj.q, proj.k = apply_rotary(proj.q, cos, sin), apply_rotary(proj.k, cos, sin)
+        return proj
 
-    def project_registers(self, r: torch.Tensor, detach_offsets: bool = False) -> _Projections:
-        proj = super().project_registers(r, detach_offsets)
-        q, k = self._split_heads(self.q_proj(r)), self._split_heads(self.k_proj(r))
+    def _register_offsets(self, proj: _Projections, detach_offsets: bool = False) -> _Projections:
+        out = super()._register_offsets(proj, detach_offsets)
         # the projections' dtype, not the residual stream's: under autocast they differ (bf16 vs float32)
-        position = self.register_position.to(q.dtype)
+        position = self.register_position.to(proj.q.dtype)
         if detach_offsets:
             position = position.detach()
-        proj.q, proj.k = q + position, k + position
-        return proj
+        out.q, out.k = proj.q + position, proj.k + position
+        return out
 
     def pair_scores(self, queries: _Projections, keys: _Projections, tau, ct: torch.dtype) -> torch.Tensor:
         """The scalar scores plus the dot term ``scale_h q.k`` (0 for pure scalar heads; the sink's vector key is

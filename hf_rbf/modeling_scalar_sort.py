@@ -68,6 +68,17 @@ def tau_init_values(config: ScalarSortConfig, heads: int) -> list[float]:
     return [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * h / (heads - 1)) for h in range(heads)]
 
 
+def _split_row_heads(t: torch.Tensor | None, text_shape: tuple[int, int]):
+    """A head-major projection of the flat rows, ``[1, C, B * N + R, ...]``, as text ``[B, C, N, ...]`` and registers
+    ``[1, C, R, ...]`` (None without register rows); views, no copy.  ``(None, None)`` for None."""
+    if t is None:
+        return None, None
+    b, n = text_shape
+    text = t[:, :, : b * n].unflatten(2, (b, n)).squeeze(0).movedim(1, 0)
+    registers = t[:, :, b * n :] if t.shape[2] > b * n else None
+    return text, registers
+
+
 @dataclass
 class _Projections:
     """One set of per-token projections: scalar queries / keys ``[B, H, N]``, values ``[B, G, N, Dv]`` and, for the
@@ -181,20 +192,54 @@ class ScalarSortAttention(DecoderAttention):
         b, n, _ = x.shape
         return self.v_proj(x).view(b, n, self.num_value_groups, self.value_head_dim).transpose(1, 2)
 
-    def project(self, x: torch.Tensor, position_embeddings) -> _Projections:
-        """Text projections (no positions in scalar layers)."""
+    def _row_projections(self, x: torch.Tensor) -> _Projections:
+        """The projections of rows ``x [B, N, D]``, head-major, before positions or register offsets."""
         qs, ks = self.scalar_qk(x)
         return _Projections(qs=qs, ks=ks, v=self._values(x))
 
-    def project_registers(self, r: torch.Tensor, detach_offsets: bool = False) -> _Projections:
-        """Register projections ``[1, ...]`` with their learned scalar offsets (``register_scalar_position``)."""
-        qs, ks = self.scalar_qk(r)
+    def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:
+        """Positions of the text rows (none in scalar layers)."""
+        return proj
+
+    def _register_offsets(self, proj: _Projections, detach_offsets: bool = False) -> _Projections:
+        """The register rows' learned scalar offsets (``register_scalar_position``)."""
+        qs, ks = proj.qs, proj.ks
         offset = self.register_scalar_position.to(qs.dtype).t().unsqueeze(0) * self._scalar_head_mask(qs.device).view(
             1, -1, 1
         )
         if detach_offsets:
             offset = offset.detach()
-        return _Projections(qs=qs + offset, ks=ks + offset, v=self._values(r))
+        return _Projections(qs=qs + offset, ks=ks + offset, v=proj.v, q=proj.q, k=proj.k)
+
+    def project(self, x: torch.Tensor, position_embeddings) -> _Projections:
+        """Text projections (no positions in scalar layers)."""
+        return self._text_positions(self._row_projections(x), position_embeddings)
+
+    def project_registers(self, r: torch.Tensor, detach_offsets: bool = False) -> _Projections:
+        """Register projections ``[1, ...]`` with their learned scalar offsets (``register_scalar_position``)."""
+        return self._register_offsets(self._row_projections(r), detach_offsets)
+
+    @property
+    def takes_rows(self) -> bool:
+        """The flat-rows path (see :meth:`project_rows`) where there are register rows to merge; without them it
+        would only add views."""
+        return self.num_registers > 0
+
+    def project_rows(self, rows: torch.Tensor, text_shape: tuple[int, int], position_embeddings):
+        """Text and register projections from the flat ``[B * N + R, D]`` rows, one matmul per projection for both:
+        ``(text, registers or None, tau of the text rows, tau of the register rows or None)``, the same values as
+        :meth:`project`, :meth:`project_registers` and :meth:`temperature` of the two views (views, no copy)."""
+        proj = self._row_projections(rows.unsqueeze(0))
+        parts = {f: _split_row_heads(getattr(proj, f), text_shape) for f in ("qs", "ks", "v", "q", "k")}
+        text = self._text_positions(_Projections(**{f: t for f, (t, _) in parts.items()}), position_embeddings)
+        registers = None
+        if rows.shape[0] > text_shape[0] * text_shape[1]:
+            registers = self._register_offsets(_Projections(**{f: r for f, (_, r) in parts.items()}))
+        tau = self.temperature(rows.unsqueeze(0))
+        if tau.dim() == 1:  # global / per head: one value for every row
+            return text, registers, tau, tau
+        tau_text, tau_registers = _split_row_heads(tau, text_shape)
+        return text, registers, tau_text, tau_registers
 
     def sink_entries(self, dtype, device) -> _Projections | None:
         """The sink as a key set of length 1: scalar key ``sink_key``, value ``sink_value`` (zero vector key)."""
@@ -303,17 +348,27 @@ class ScalarSortAttention(DecoderAttention):
         attention_mask: torch.Tensor | None = None,
         key_log_weights: torch.Tensor | None = None,
         output_attentions: bool = False,
+        rows: torch.Tensor | None = None,
     ):
+        """Text ``[B, N, D]`` and register ``[1, R, D]`` rows -> ``(text out, register out or None, weights)``; with
+        ``rows`` (the flat ``[B * N + R, D]`` buffer the two are views of, as ``DecoderLayer`` passes it) one matmul
+        per projection and one ``o_proj`` serve both, and the result is ``(out rows [B * N + R, D], None,
+        weights)``."""
         b, n, _ = hidden_states.shape
-        proj = self.project(hidden_states, position_embeddings)
-        tau = self.temperature(hidden_states)
+        register_keys = tau_registers = None
+        if rows is not None:
+            proj, register_keys, tau, tau_registers = self.project_rows(rows, (b, n), position_embeddings)
+        else:
+            proj = self.project(hidden_states, position_embeddings)
+            tau = self.temperature(hidden_states)
+            if self.num_registers > 0:
+                register_keys = self.project_registers(register_states)
+                tau_registers = self.temperature(register_states)
         dtype, device = proj.ks.dtype, proj.ks.device
 
-        register_out, register_keys = None, None
+        register_out = None
         if self.num_registers > 0:
-            register_keys = self.project_registers(register_states)
-            register_out = self.register_attention(register_keys, self.temperature(register_states), dtype, device)
-            register_out = self.o_proj(self._merge_heads(register_out))
+            register_out = self.register_attention(register_keys, tau_registers, dtype, device)
         prefix, num_prefix = self._prefix(register_keys, dtype, device)
 
         layer = None if cache is None else cache.layers[self.layer_idx]
@@ -363,6 +418,10 @@ class ScalarSortAttention(DecoderAttention):
             if output_attentions:
                 out, weights = out
                 weights = self._weights_over_all_text_keys(weights, num_prefix, cache)
+        if rows is not None:
+            return self.o_proj(self._heads_to_rows(out, register_out)), None, weights
+        if register_out is not None:
+            register_out = self.o_proj(self._merge_heads(register_out))
         return self.o_proj(self._merge_heads(out)), register_out, weights
 
     def output_attentions_error(self, cache) -> str | None:

@@ -56,8 +56,9 @@ def _head_outputs(model, ids, mask, cache, chunks):
     finally:
         hook.remove()
     b = ids.shape[0]
-    # register rows also pass through o_proj (batch 1): keep the text calls
-    text = [s for s in seen if s.shape[0] == b]
+    # o_proj takes the flat rows [B * N + R, H * Dv] of each chunk (text rows first, then the registers')
+    assert len(seen) == len(chunks)
+    text = [rows[: b * size].view(b, size, -1) for rows, size in zip(seen, chunks)]
     return torch.cat(text, 1).view(b, ids.shape[1], attn.num_heads, -1)
 
 
