@@ -295,10 +295,26 @@ class ScalarSortAttention(DecoderAttention):
         if sink is None:
             return v_self
         v_sink = sink.v.repeat_interleave(heads_per_group, dim=1)
+        w_self = self._one_register_self_weight(registers, sink, tau).unsqueeze(-1)  # [1, H, 1, 1]
+        ct = w_self.dtype
+        return (v_sink.to(ct) + w_self * (v_self.to(ct) - v_sink.to(ct))).to(v_self.dtype)
+
+    def _one_register_self_weight(self, registers: _Projections, sink: _Projections, tau) -> torch.Tensor:
+        """The softmax weight ``[1, H, 1]`` that one register puts on itself next to the sink (the rest on the sink)."""
         ct = torch.promote_types(registers.qs.dtype, torch.float32)
         gap = self.pair_scores(registers, registers, tau, ct) - self.pair_scores(registers, sink, tau, ct)
-        w_self = torch.sigmoid(gap).unsqueeze(-1)  # [1, H, 1, 1]
-        return (v_sink.to(ct) + w_self * (v_self.to(ct) - v_sink.to(ct))).to(v_self.dtype)
+        return torch.sigmoid(gap)
+
+    @torch.no_grad()
+    def one_register_weights(self, register_states: torch.Tensor) -> torch.Tensor:
+        """The weights ``[1, H, 1, S + 1]`` of one register row over the sink (``S`` = 0 or 1) and itself, as
+        :meth:`register_attention` applies them without an attention call (``recipes/visualize.py`` reads them)."""
+        registers = self.project_registers(register_states)
+        sink = self.sink_entries(registers.qs.dtype, registers.qs.device)
+        if sink is None:
+            return registers.qs.new_ones(1, self.num_heads, 1, 1, dtype=torch.float32)
+        w_self = self._one_register_self_weight(registers, sink, self.temperature(register_states)).float()
+        return torch.stack([1.0 - w_self, w_self], dim=-1)
 
     def pair_scores(self, queries: _Projections, keys: _Projections, tau, ct: torch.dtype) -> torch.Tensor:
         """Scores ``-(qs - ks)^2 / tau`` (natural log) of one query row against one key, each ``[1, H, 1]``; ``tau``

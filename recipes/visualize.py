@@ -100,6 +100,7 @@ def _recording(model, records: dict):
     by_id = {id(fn): name for name, fn in ops.items()}
     modules = [m for m in model.modules() if isinstance(m, DecoderAttention)]
     current = []
+    register_inputs = records.setdefault("register_inputs", {})  # module -> its register rows (R = 1 closed forms)
     patched = []  # (python module, attribute name, original)
 
     def make_wrapper(name, fn):
@@ -124,6 +125,8 @@ def _recording(model, records: dict):
 
     def enter(mod, args):
         current.append(mod)
+        if len(args) > 1:
+            register_inputs[mod] = args[1]
 
     def leave(mod, args, out):
         current.pop()
@@ -259,7 +262,12 @@ def capture_attention(model, input_ids: torch.Tensor) -> list[LayerAttention]:
         if sinks:
             full[:, :sinks, :sinks] = torch.eye(sinks)
         if r == 1 and len(calls) == 1 and getattr(module, "normalize", False):
-            full[:, sinks, sinks] = 1.0  # a single softmax register attends to itself alone (RbfAttention skips the call)
+            full[:, sinks, sinks] = (
+                1.0  # a single softmax register attends to itself alone (RbfAttention skips the call)
+            )
+        elif r == 1 and len(calls) == 1 and hasattr(module, "one_register_weights"):
+            # the sorted families' one register: a closed form over the sink and itself, no attention call
+            full[:, sinks : sinks + 1, : sinks + 1] = module.one_register_weights(records["register_inputs"][module])[0]
         elif r > 0:
             if len(calls) < 2:
                 raise RuntimeError(f"layer {module.layer_idx}: registers without a register call")

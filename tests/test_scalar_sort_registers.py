@@ -118,3 +118,28 @@ def test_flat_rows_path_equals_the_text_and_register_views(case, monkeypatch):
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_one_register_weights_are_those_of_the_attention_call(case):
+    """``one_register_weights`` (what recipes/visualize.py draws for the register row) equals the weights of the
+    attention call the closed form replaces."""
+    _, family, overrides = case
+    model = build_model(family, dict(overrides, num_register_tokens=1))
+    _randomize_register_parameters(model)
+    attn = next(layer.self_attn for layer in model.model.layers if layer.self_attn.kind != "dot")
+    register_states = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    registers = attn.project_registers(register_states)
+    sink = attn.sink_entries(registers.qs.dtype, registers.qs.device)
+    _, want = attn.attention_function(
+        registers,
+        attn._cat_keys([sink, registers], 1),
+        attn.temperature(register_states),
+        backend="naive",
+        causal=True,
+        num_prefix_keys=attn.num_sink,
+        return_weights=True,
+    )
+    got = attn.one_register_weights(register_states)
+    assert got.shape == want.shape == (1, attn.num_heads, 1, 1 + attn.num_sink)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
