@@ -41,6 +41,22 @@ def _randomize_register_parameters(model):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
+def _logits_and_grads(model, ids, **kwargs):
+    """Logits and every parameter gradient of one LM-loss forward and backward."""
+    model.zero_grad()
+    out = model(ids, labels=ids, **kwargs)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(got, want, *, rtol_logits, atol_logits, atol_grads):
+    (logits, grads), (ref_logits, ref_grads) = got, want
+    torch.testing.assert_close(logits, ref_logits, rtol=rtol_logits, atol=atol_logits)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=atol_grads, msg=name)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_one_register_closed_form_equals_the_attention_call(case, monkeypatch):
     _, family, overrides = case
@@ -48,20 +64,10 @@ def test_one_register_closed_form_equals_the_attention_call(case, monkeypatch):
     _randomize_register_parameters(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
 
-    def run():
-        model.zero_grad()
-        out = model(ids, labels=ids)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return out.logits.detach(), grads
-
-    logits, grads = run()
+    got = _logits_and_grads(model, ids)
     monkeypatch.setattr(scalar_sort.ScalarSortAttention, "register_attention", _attention_call)
-    ref_logits, ref_grads = run()
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == ref_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same(got, _logits_and_grads(model, ids), rtol_logits=1e-5, atol_logits=1e-6, atol_grads=1e-6)
+    grads = got[1]
     # the register rows' output depends on the sink value and the register's own projections
     assert any("register" in n for n in grads) and all(g.abs().sum() > 0 for n, g in grads.items() if "register" in n)
 
@@ -104,20 +110,12 @@ def test_flat_rows_path_equals_the_text_and_register_views(case, monkeypatch):
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
 
-    def run():
-        model.zero_grad()
-        out = model(ids, attention_mask=mask, labels=ids)
-        out.loss.backward()
-        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    logits, grads = run()
+    got = _logits_and_grads(model, ids, attention_mask=mask)
     monkeypatch.setattr(scalar_sort.ScalarSortAttention, "takes_rows", False)
-    ref_logits, ref_grads = run()
     # float32 rounding only: one matmul over all rows sums in another order than two (2.7e-6 seen)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
-    assert grads.keys() == ref_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_same(
+        got, _logits_and_grads(model, ids, attention_mask=mask), rtol_logits=1e-4, atol_logits=1e-5, atol_grads=1e-5
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
