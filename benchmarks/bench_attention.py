@@ -390,6 +390,8 @@ def main() -> int:
     ap.add_argument("--naive-max-n", type=int, default=None, help="naive rows only up to this N (time)")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.tokens is not None and args.tokens < 1:
+        ap.error(f"--tokens must be a positive number of tokens per call; got {args.tokens}")
 
     import torch
 

@@ -272,6 +272,9 @@ def main(argv=None) -> int:
         "NUM_WARPS); the table's columns keep the default heuristic",
     )
     args = ap.parse_args(argv)
+    bad = [w for w in args.num_warps if w not in (1, 2, 4, 8, 16, 32)]
+    if bad:
+        ap.error(f"--num-warps takes 1, 2, 4, 8, 16 or 32; got {bad}")
     if args.smoke:
         device = torch.device("cpu")
         args.lengths, args.heads, args.batches, args.head_dim, args.window = [60, 250], [4], [2], 16, 4

@@ -14,6 +14,13 @@ set -uo pipefail
 OUT=${1:?usage: bash benchmarks/gpu_lanes.sh OUT 'GPUS [VAR=VALUE ...] : JOB ...' ...}
 shift
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+for spec in "$@"; do
+    case "$spec" in
+        *" : "*) ;;
+        *) echo "gpu_lanes.sh: a lane is 'GPUS [VAR=VALUE ...] : JOB ...' (a ' : ' between them); got '$spec'" >&2
+           exit 2 ;;
+    esac
+done
 mkdir -p "$OUT/lanes"
 # the carried wheels go into gpu_session.sh's site folder once, before the lanes start (not four installs at once)
 bash "$REPO/benchmarks/gpu_session.sh" "$OUT/lanes/setup" > "$OUT/lanes/setup.log" 2>&1

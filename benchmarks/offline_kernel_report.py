@@ -299,8 +299,26 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for report.json / report.md")
     ap.add_argument("--checks", default=None, help="compile the GPU tests' variants of these families instead")
     args = ap.parse_args(argv)
+    known = (
+        "rbf",
+        "gka",
+        "hybrid",
+        "scalar",
+        "rbf_decode",
+        "gka_decode",
+        "sorted_static_scalar",
+        "sorted_static_hybrid",
+    )
+    unknown = [c for c in args.cases.split(",") if c not in known]
+    if unknown:
+        ap.error(f"--cases takes {', '.join(known)}; got {unknown}")
+    checks = args.checks.split(",") if args.checks else []
+    if any(f not in ("rbf", "gka", "hybrid", "scalar") for f in checks):
+        ap.error(f"--checks takes families of rbf, gka, hybrid, scalar; got {args.checks!r}")
     for item in filter(None, args.config.split(",")):
-        key, value = item.split("=")
+        key, sep, value = item.partition("=")
+        if not sep or not value.strip().lstrip("-").isdigit():
+            ap.error(f"--config takes KEY=INT items separated by commas (e.g. BLOCK_M=128,num_warps=8); got {item!r}")
         FORCED_CONFIG[key] = int(value)
     _driver.set_active(OfflineDriver(args.arch))
     JITFunction.run = _compile_only
@@ -308,7 +326,7 @@ def main(argv=None) -> int:
     triton.testing.do_bench = lambda fn, *a, quantiles=None, **k: [1.0] * len(quantiles) if quantiles else 1.0
     if args.checks:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        return 1 if compile_checks(args.checks.split(",")) else 0
+        return 1 if compile_checks(checks) else 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     rows = []
     for name, run in cases(args.cases.split(","), args.n, args.d, getattr(torch, args.dtype)).items():

@@ -462,6 +462,8 @@ NUM_WARPS: int | None = None
 def decode_num_warps(tile: int) -> int:
     """Warps per program of the fused step for a candidate tile of ``tile`` order keys (``NUM_WARPS`` overrides)."""
     if NUM_WARPS is not None:
+        if NUM_WARPS not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"kernels_sorted_static_decode.NUM_WARPS must be 1, 2, 4, 8, 16 or 32; got {NUM_WARPS!r}")
         return NUM_WARPS
     return 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
 

@@ -407,3 +407,19 @@ def test_gpu_long_cache_and_cuda_graph(scheme, dtype):
     torch.cuda.synchronize()
     assert torch.equal(ref.sorted_keys, fused.sorted_keys) and torch.equal(ref.keys, fused.keys)
     assert int(ref.cumulative_length) == int(fused.cumulative_length) == prompt + steps
+
+
+def test_warps_per_program_setting(monkeypatch):
+    """``NUM_WARPS`` overrides the heuristic (what ``bench_sorted_static_decode.py --num-warps`` times); a count the
+    GPU cannot launch is refused naming the setting, by the module and by the benchmark's arguments."""
+    import hf_rbf.kernels_sorted_static_decode as static_decode
+    from benchmarks.bench_sorted_static_decode import main
+
+    assert [static_decode.decode_num_warps(t) for t in (512, 4096, 32768)] == [4, 8, 16]
+    monkeypatch.setattr(static_decode, "NUM_WARPS", 1)
+    assert static_decode.decode_num_warps(32768) == 1
+    monkeypatch.setattr(static_decode, "NUM_WARPS", 3)
+    with pytest.raises(ValueError, match="NUM_WARPS must be 1, 2, 4, 8, 16 or 32; got 3"):
+        static_decode.decode_num_warps(512)
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--out", "unused", "--num-warps", "1", "3"])

@@ -196,3 +196,22 @@ def test_compare_runs_table_and_plot(tmp_path):
     assert rows[1]["max_abs_loss_diff"] == pytest.approx(0.25) and rows[1]["compared_steps"] == 5
     assert os.path.getsize(out / "loss_curves.png") > 10000
     assert "(reference)" in Path(out / "comparison.md").read_text()
+
+
+def test_kernel_benchmarks_refuse_bad_arguments():
+    """benchmarks/offline_kernel_report.py and bench_attention.py name the argument and what it takes before they
+    compile or time anything."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo)
+    for script, args, message in (
+        ("offline_kernel_report.py", ["--cases", "rbf,nope"], "--cases takes"),
+        ("offline_kernel_report.py", ["--checks", "rbf,dot"], "--checks takes families"),
+        ("offline_kernel_report.py", ["--config", "BLOCK_M128"], "--config takes KEY=INT"),
+        ("bench_attention.py", ["--out", "unused", "--tokens", "0"], "--tokens must be a positive number"),
+    ):
+        cmd = [sys.executable, os.path.join(repo, "benchmarks", script), *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, (script, args, proc.stderr[-500:])
