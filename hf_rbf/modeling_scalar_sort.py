@@ -271,8 +271,9 @@ class ScalarSortAttention(DecoderAttention):
         """The dot-product scale passed to the windowed decode step (None: no dot term)."""
         return None
 
-    def register_attention(self, registers: _Projections, tau, dtype, device) -> torch.Tensor:
-        """The register rows' attention over the sink and the registers (causal): ``[1, H, R, Dv]``.
+    def register_attention(self, registers: _Projections, sink: _Projections | None, tau) -> torch.Tensor:
+        """The register rows' attention over the sink (:meth:`sink_entries`, or None) and the registers (causal):
+        ``[1, H, R, Dv]``.
 
         One register (the recipes' setting) sees at most two keys, the sink and itself, so its softmax is a sigmoid
         of the score difference and needs no attention call: ``out = v_sink + sigmoid(s_self - s_sink) (v_self -
@@ -280,7 +281,6 @@ class ScalarSortAttention(DecoderAttention):
         fused launch or a materialised attention forward and backward, with its host work, in every layer and step.
         Several registers go through :meth:`attention_function` (``register_backend``).
         """
-        sink = self.sink_entries(dtype, device)
         if self.num_registers > 1:
             return self.attention_function(
                 registers,
@@ -336,8 +336,11 @@ class ScalarSortAttention(DecoderAttention):
         return _Projections(qs=None, ks=cat("ks", 2), v=cat("v", 2), k=cat("k", 2))
 
     def _prefix(self, register_keys: _Projections | None, dtype, device) -> tuple[_Projections | None, int]:
-        parts = [self.sink_entries(dtype, device), register_keys]
-        parts = [p for p in parts if p is not None]
+        return self._prefix_of(self.sink_entries(dtype, device), register_keys)
+
+    def _prefix_of(self, sink: _Projections | None, register_keys: _Projections | None):
+        """The keys in front of the text keys (sink, then registers) and their count."""
+        parts = [p for p in (sink, register_keys) if p is not None]
         if not parts:
             return None, 0
         prefix = self._cat_keys(parts, 1)
@@ -382,10 +385,11 @@ class ScalarSortAttention(DecoderAttention):
                 tau_registers = self.temperature(register_states)
         dtype, device = proj.ks.dtype, proj.ks.device
 
+        sink = self.sink_entries(dtype, device)
         register_out = None
         if self.num_registers > 0:
-            register_out = self.register_attention(register_keys, tau_registers, dtype, device)
-        prefix, num_prefix = self._prefix(register_keys, dtype, device)
+            register_out = self.register_attention(register_keys, sink, tau_registers)
+        prefix, num_prefix = self._prefix_of(sink, register_keys)
 
         layer = None if cache is None else cache.layers[self.layer_idx]
         weights = None

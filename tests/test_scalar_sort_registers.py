@@ -21,11 +21,11 @@ CASES = [
 ]
 
 
-def _attention_call(self, registers, tau, dtype, device):
+def _attention_call(self, registers, sink, tau):
     """The general path (an attention call over the sink and the registers), whatever the register count."""
     return self.attention_function(
         registers,
-        self._cat_keys([self.sink_entries(dtype, device), registers], 1),
+        self._cat_keys([sink, registers], 1),
         tau,
         backend="naive",
         causal=True,
