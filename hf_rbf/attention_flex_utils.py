@@ -15,8 +15,9 @@ and small CPU calls).
 One compiled callable per call signature (score_mod builder, shapes, dtypes, grad mode, mask): Dynamo keeps its
 graphs, guards and recompilation count per code object, so a single ``torch.compile(fn)`` serving every shape and
 family recompiled at each new one, turned dimensions dynamic, and after ``recompile_limit`` (8) distinct calls ran
-the rest *eagerly*, scores materialised: the issue's kernel sweep measured our flex backend 5-14x slower than
-SDPA-flash where FlexAttention compiled per shape runs 1.3-1.9x.  Here every signature gets a function with a code
+the rest *eagerly*, scores materialised (Dynamo's documented behaviour; the likely cause of the training-speed
+issue's sweep measuring our flex backend 5-14x slower than SDPA-flash where FlexAttention compiled per shape ran
+1.3-1.9x; not yet re-measured on a GPU).  Here every signature gets a function with a code
 object of its own, compiled with ``dynamic=False``: it compiles once, is never guarded against another shape, and
 the least recently used of ``FLEX_CACHE_SIZE`` signatures is dropped.  ``create_block_mask`` is compiled the same
 way.
