@@ -82,6 +82,8 @@ def parse_args(argv=None):
         "(simulates an interrupted job; continue it with --resume)",
     )
     args = parser.parse_args(argv)
+    if args.train_only and args.prepare_only:
+        parser.error("--train-only and --prepare-only exclude each other (--prepare-only stops before training)")
     args.overrides = [item for group in args.overrides for item in group]
     return args
 

@@ -202,3 +202,11 @@ def test_global_batch_size_sets_the_per_device_batch(tmp_path):
 def test_expected_parameter_count_is_enforced(tmp_path):
     with pytest.raises(ValueError, match="expected_num_parameters=123"):
         _run(tmp_path / "x", ["model.expected_num_parameters=123", *NO_EXTRAS])
+
+
+def test_train_only_and_prepare_only_are_refused_together():
+    from recipes.pretrain import parse_args
+
+    assert parse_args(["--config", "c.yaml", "--train-only"]).train_only is True
+    with pytest.raises(SystemExit):
+        parse_args(["--config", "c.yaml", "--train-only", "--prepare-only"])
