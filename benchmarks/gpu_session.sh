@@ -25,6 +25,8 @@
 #   staticdecode benchmarks/bench_sorted_static_decode.py (fused vs torch vs dense SDPA per layer step,
 #                8k-1M; STATIC_ARGS appended)                                                                [400]
 #   generate     benchmarks/bench_generate.py (ms per token of every family vs Llama, dynamic and static)      [500]
+#   nonfinite    benchmarks/find_nonfinite_grads.py (where a run's gradients first stop being finite; NONFINITE_ARGS,
+#                default: the 1B rbf recipe, Triton with anomaly detection, then SDPA)                           [300]
 #   deit         tests/test_seed_deit_recipe.py (the timm DeiT ingredients: the image has timm + torchvision)   [120]
 #   science      recipes/science_table.py on SCIENCE_CONFIG (default science/tinystories.yaml), SCIENCE_WORKERS
 #                processes at once (default 6), SCIENCE_ARGS appended (e.g. "--seeds 0 --max-minutes 5"); output in
@@ -61,7 +63,7 @@ for d in .whl wheels; do
 done
 
 declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=120 [profile]=500 [staticdecode]=400 [generate]=500 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
-                  [lm]=560 [multi]=400 [throughput]=150 [scaling]=540)
+                  [lm]=560 [multi]=400 [throughput]=150 [scaling]=540 [nonfinite]=300)
 
 job_env() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -97,6 +99,17 @@ job_profile() {
 }
 job_staticdecode() { python3 benchmarks/bench_sorted_static_decode.py --out "$1" ${STATIC_ARGS:-}; }
 job_generate() { python3 benchmarks/bench_generate.py --out "$1" ${GENERATE_ARGS:-}; }
+job_nonfinite() {
+    if [ -n "${NONFINITE_ARGS:-}" ]; then
+        # shellcheck disable=SC2086
+        python3 benchmarks/find_nonfinite_grads.py --out "$1" $NONFINITE_ARGS
+        return
+    fi
+    python3 benchmarks/find_nonfinite_grads.py --out "$1/anomaly" --config recipes/configs/scale_1b_rbf.yaml --steps 40 \
+        --backends triton --anomaly
+    python3 benchmarks/find_nonfinite_grads.py --out "$1" --config recipes/configs/scale_1b_rbf.yaml --steps 40 \
+        --backends sdpa
+}
 job_deit() { python3 -m pytest -q -p no:cacheprovider -rs tests/test_seed_deit_recipe.py; }
 job_science() {
     local out=${SCIENCE_OUTPUT:-outputs/science_tinystories} rc

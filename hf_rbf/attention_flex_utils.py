@@ -201,7 +201,8 @@ def _flex_callable(q, k, v, mask: MaskArgs, make_score_mod, captured: tuple, ret
         return _flex_call
 
     def desc(t):
-        return (tuple(t.shape), t.dtype, t.requires_grad)
+        # captured tensors may be None (no key log-weights): the score_mod then skips that term
+        return None if t is None else (tuple(t.shape), t.dtype, t.requires_grad)
 
     signature = (
         "flex",

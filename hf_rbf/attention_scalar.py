@@ -55,6 +55,14 @@ def scalar_attention_naive(qs, ks, v, tau, mask: MaskArgs, return_weights: bool 
     return out.to(v.dtype)
 
 
+# Without a window and from this many keys, the padding trick into SDPA-flash runs the scalar score faster than our
+# rank-1 Triton kernel; below it Triton wins.  H200, bf16 causal H16 D64, B = 32768 / N, fwd+bwd ms (Triton / SDPA):
+# 0.90 / 2.01 at N 256, 1.13 / 2.72 at 1024, 1.80 / 2.72 at 2048, 3.19 / 3.09 at 4096, 5.94 / 5.00 at 8192
+# (benchmarks/results/h200x4-2026-11-26b/).  Triton also needs 0.15x SDPA's memory there.  With a window SDPA needs a
+# dense mask and Triton wins at every length.
+SCALAR_SDPA_MIN_KEYS = 8192
+
+
 def _candidates(qs, ks, v, tau, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
     candidates = {
@@ -66,12 +74,7 @@ def _candidates(qs, ks, v, tau, mask, backend):
         ),
         "naive": (scalar_attention_naive, None),
     }
-    if mask.window is None:
-        # Measured on an H200 (benchmarks/results/README.md): without a window the padding trick into SDPA-flash runs
-        # the scalar score about 3x faster than our rank-1 Triton kernel (2.7 ms vs 7.9 ms fwd+bwd at B2 H16 N8192
-        # G4), whose score tile spilled registers; with a window SDPA needs a dense mask and Triton wins by ~10x.
-        # The spills are gone since (kernels_scalar_fwd._mma_anchor, compiled offline for sm_90); this order stays
-        # until a GPU run measures the kernel again (benchmarks/bench_attention.py --tokens 32768).
+    if mask.window is None and mask.nk >= SCALAR_SDPA_MIN_KEYS:
         candidates = {name: candidates[name] for name in ("sdpa", "triton", "flex", "naive")}
     return auto_order(candidates, v.device, mask.nq, split_k_decode=False)
 

@@ -308,19 +308,29 @@ def test_flex_compiles_once_per_call_signature(monkeypatch):
             calls.append(("rbf", n, window, x))
     calls.append(("gka", 24, None, torch.randn(1, 2, 24, 16, generator=g)))
     calls.append(("gka", 40, None, torch.randn(1, 2, 40, 16, generator=g)))
+    # scalar and hybrid capture None for the absent key log-weights (the GPU found that the signature choked on it)
+    calls.append(("scalar", 24, None, torch.randn(1, 2, 24, 16, generator=g)))
+    calls.append(("hybrid", 40, 8, torch.randn(1, 2, 40, 16, generator=g)))
 
     def run(family, window, x, backend):
         if family == "rbf":
             return hf_rbf.rbf_attention(x, x.flip(2), x, causal=True, window=window, backend=backend)
+        if family == "scalar":
+            return hf_rbf.scalar_attention(x[..., 0], x[..., 1], x, 0.5, causal=True, window=window, backend=backend)
+        if family == "hybrid":
+            return hf_rbf.hybrid_attention(
+                x, x.flip(2), x, x[..., 0], x[..., 1], 0.5, causal=True, window=window, backend=backend
+            )
         return hf_rbf.gka_attention(x, log_sigma=torch.zeros(2), causal=True, window=window, backend=backend)
 
     with torch.no_grad():
         for family, n, window, x in calls:
             torch.testing.assert_close(run(family, window, x, "flex"), run(family, window, x, "naive"))
         compiled = counter.frame_count
-        # one flex graph per call signature (12), one block-mask graph per mask (10: GKA's two share rbf's masks)
+        # one flex graph per call signature (14), one block-mask graph per mask (10: GKA's, scalar's and hybrid's
+        # share rbf's masks)
         masks = {(n, window) for _, n, window, _ in calls}
-        assert compiled == len(calls) + len(masks) == 22, compiled
+        assert compiled == len(calls) + len(masks) == 24, compiled
         for family, n, window, x in calls:  # the same signatures again: nothing new is compiled
             run(family, window, x, "flex")
     assert counter.frame_count == compiled
@@ -423,5 +433,15 @@ def test_gpu_auto_order():
     assert hf_rbf.last_backend("rbf_attention") in ("triton", "sdpa")
     qs = torch.randn(1, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     hf_rbf.scalar_attention(qs, qs, q.detach(), 1.0, backend="sdpa")
+    # scalar: Triton below SCALAR_SDPA_MIN_KEYS keys or with a window, the SDPA padding trick from there on
+    hf_rbf.scalar_attention(qs, qs, q.detach(), 1.0)
+    assert hf_rbf.last_backend("scalar_attention") == "triton"
+    n = hf_rbf.attention_scalar.SCALAR_SDPA_MIN_KEYS
+    long_q = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16)
+    long_s = torch.randn(1, 2, n, device="cuda", dtype=torch.bfloat16)
+    hf_rbf.scalar_attention(long_s, long_s, long_q, 1.0)
+    assert hf_rbf.last_backend("scalar_attention") == "sdpa"
+    hf_rbf.scalar_attention(long_s, long_s, long_q, 1.0, window=256)
+    assert hf_rbf.last_backend("scalar_attention") == "triton"
     with pytest.raises(ValueError, match=r"flex cannot differentiate `qs`, `ks`"):
         hf_rbf.scalar_attention(qs, qs, q.detach(), 1.0, backend="flex")
