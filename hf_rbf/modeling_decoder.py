@@ -49,22 +49,29 @@ class DecoderRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor, num_unnormalized_rows: int = 0) -> torch.Tensor:
-        """``num_unnormalized_rows``: the last rows of a flat ``[rows, D]`` input (the register rows, see
-        ``DecoderLayer``) get the learnable scale only; one padded row factor does it without extra launches per row
-        block."""
+    def forward(self, hidden_states: torch.Tensor, num_register_rows: int = 0) -> torch.Tensor:
+        """``num_register_rows``: the last rows of a flat ``[rows, D]`` input (the register rows, see ``DecoderLayer``)
+        get :meth:`capped`'s normalisation instead, in the same launches."""
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        factor = torch.rsqrt(variance + self.variance_epsilon)
-        if num_unnormalized_rows:
-            factor = F.pad(factor[:-num_unnormalized_rows], (0, 0, 0, num_unnormalized_rows), value=1.0)
-        hidden_states = hidden_states * factor
+        if num_register_rows:
+            r = num_register_rows
+            variance = torch.cat([variance[:-r] + self.variance_epsilon, variance[-r:].clamp(min=1.0)])
+        else:
+            variance = variance + self.variance_epsilon
+        hidden_states = hidden_states * torch.rsqrt(variance)
         return self.weight * hidden_states.to(input_dtype)
 
-    def scale_only(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The learnable scale without the normalisation: what the register rows get (see ``DecoderLayer``)."""
-        return self.weight * hidden_states
+    def capped(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The register rows' norm (see ``DecoderLayer``): rows whose RMS exceeds 1 are scaled to RMS 1, smaller ones
+        pass unchanged, then the learnable scale.  Identity near zero, where the registers start (RMS norm is singular
+        there), and bounded like RMS norm for large states (unnormalised, the register stream grew doubly
+        exponentially with depth through the SwiGLU MLPs: a 16-layer model's reached 1e19 and gave NaN gradients)."""
+        input_dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).clamp(min=1.0))
+        return self.weight * x.to(input_dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -330,9 +337,9 @@ class DotAttention(DecoderAttention):
     def _project_qk(self, x: torch.Tensor, registers: bool = False):
         q, k = self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x))
         if self.q_norm is not None:
-            # register rows: the scale only (their zero-initialised states sit where RMS norm is singular)
-            q = self.q_norm.scale_only(q) if registers else self.q_norm(q)
-            k = self.k_norm.scale_only(k) if registers else self.k_norm(k)
+            # register rows: the capped norm (their zero-initialised states sit where RMS norm is singular)
+            q = self.q_norm.capped(q) if registers else self.q_norm(q)
+            k = self.k_norm.capped(k) if registers else self.k_norm(k)
         return q, k
 
     def _values(self, x: torch.Tensor) -> torch.Tensor:
@@ -398,12 +405,16 @@ class DecoderLayer(GradientCheckpointingLayer):
     and registers together, where a separate ``[1, R, D]`` register stream cost as many launches again (a
     host-bound 2x slower training step at d768 with one register: ``benchmarks/results/h100-profile-2026-11-25``).
 
-    The register rows get the norms' learnable scale but not the normalisation.  Their states are learned constants
-    that start at exactly zero (so their keys start at the origin), and RMS normalisation is singular there: its
-    Jacobian at zero is ``1 / sqrt(eps)`` (1000 for eps = 1e-6) and compounds from layer to layer, which gave the
-    zero-initialised registers gradient norms of 1e6 (RBF) to 1e7 (GKA) in a 4-layer model at initialisation: six
-    orders of magnitude above every other parameter, enough to make global gradient clipping freeze the rest of
-    the model.  Unnormalised, the register stream's Jacobian is the norm weight.
+    The register rows get a capped norm (``DecoderRMSNorm.capped``): rows of RMS above 1 are normalised to RMS 1, smaller
+    ones pass unchanged.  Their states are learned constants that start at exactly zero (so their keys start at the
+    origin), and RMS normalisation is singular there: its Jacobian at zero is ``1 / sqrt(eps)`` (1000 for eps = 1e-6)
+    and compounds from layer to layer, which gave the zero-initialised registers gradient norms of 1e6 (RBF) to 1e7
+    (GKA) in a 4-layer model at initialisation: six orders of magnitude above every other parameter, enough to make
+    global gradient clipping freeze the rest of the model.  Left unnormalised instead (until 2026-11-26), the register
+    stream grew doubly exponentially with depth, since a SwiGLU MLP is quadratic in a large input: in the 16-layer 1B
+    rbf recipe its largest entry went 9, 90, 4e3, 6e6, 2e13 over layers 11-15 within 26 steps, and the last layer's
+    MLP weight gradients became NaN (``inf`` activations times the zero gradient of the sliced register row;
+    ``benchmarks/find_nonfinite_grads.py``).  The capped norm is the identity near zero and bounded like RMS norm.
     """
 
     def __init__(self, config: DecoderConfig, layer_idx: int, attention_class: type[DecoderAttention]):

@@ -1012,7 +1012,7 @@ class RegularizedCausalLMMixin:
             hidden = args[0] if args else kwargs["hidden_states"]
             registers = args[1] if len(args) > 1 else kwargs.get("register_states")
             x = layer.input_layernorm(hidden)
-            rx = layer.input_layernorm.scale_only(registers) if registers is not None else None
+            rx = layer.input_layernorm.capped(registers) if registers is not None else None
             terms = attn.regularizer_terms(
                 x,
                 rx,

@@ -251,7 +251,7 @@ def layer_inputs(model, ids: torch.Tensor, chunk: int) -> list[tuple]:
         calls = store[i]
         x = layer.input_layernorm(torch.cat([a[0] for a, _ in calls], dim=1))
         reg = calls[0][0][1]
-        rx = layer.input_layernorm.scale_only(reg) if reg is not None else None
+        rx = layer.input_layernorm.capped(reg) if reg is not None else None
         cos = torch.cat([kw["position_embeddings"][0] for _, kw in calls], dim=1)
         sin = torch.cat([kw["position_embeddings"][1] for _, kw in calls], dim=1)
         out.append((layer, x, rx, (cos, sin)))

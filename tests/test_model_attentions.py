@@ -447,7 +447,7 @@ def test_sort_family_weights_match_the_analysis_helper(case):
     registers = args[1] if len(args) > 1 else kwargs.get("register_states")
     with torch.no_grad():
         x = layer.input_layernorm(hidden)
-        rx = layer.input_layernorm.scale_only(registers) if registers is not None else None
+        rx = layer.input_layernorm.capped(registers) if registers is not None else None
         weights, _, _, p = layer.self_attn.attention_weights(
             x, rx, kwargs["position_embeddings"], torch.arange(ids.shape[1]), attention_mask=mask
         )

@@ -1,6 +1,6 @@
 """The backbone's flat row layout (text rows then register rows in one ``[B * N + R, D]`` buffer, see
 ``DecoderLayer``): the flat path of an attention kind equals its view path, the single-register shortcut equals the
-register call it skips, and the norm leaves register rows unnormalised."""
+register call it skips, and the norm gives register rows its capped form (identity near zero, RMS at most 1)."""
 
 from __future__ import annotations
 
@@ -74,11 +74,11 @@ def test_model_with_registers_matches_the_two_stream_reference():
         pe = inner.position_frequencies(torch.arange(ids.shape[1]).unsqueeze(0))
         for layer in inner.layers:
             a, ra, _ = layer.self_attn(
-                layer.input_layernorm(h), layer.input_layernorm.scale_only(r), position_embeddings=pe
+                layer.input_layernorm(h), layer.input_layernorm.capped(r), position_embeddings=pe
             )
             h, r = h + a, r + ra
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-            r = r + layer.mlp(layer.post_attention_layernorm.scale_only(r))
+            r = r + layer.mlp(layer.post_attention_layernorm.capped(r))
         logits = model.lm_head(inner.norm(h))
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1)), logits
 
@@ -88,11 +88,50 @@ def test_model_with_registers_matches_the_two_stream_reference():
         torch.testing.assert_close(g, p_ref, rtol=1e-5, atol=1e-7)
 
 
-def test_norm_leaves_the_last_rows_unnormalised():
+def test_norm_caps_the_last_rows():
     norm = DecoderRMSNorm(8)
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 2.0, 8))
-    x = torch.randn(5, 8)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    x[3] *= 0.1  # a register row of RMS below 1 passes unchanged, one above 1 is normalised
+    x[4] *= 50.0
     y = norm(x, 2)
     torch.testing.assert_close(y[:3], norm(x[:3]))
-    torch.testing.assert_close(y[3:], norm.scale_only(x[3:]))
+    torch.testing.assert_close(y[3:], norm.capped(x[3:]))
+    torch.testing.assert_close(y[3], norm.weight * x[3])
+    torch.testing.assert_close(y[4], norm(x[4:5])[0])
+    # identity at zero, where the registers start: a finite Jacobian (the weight), not RMS norm's 1 / sqrt(eps)
+    zero = torch.zeros(1, 8, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(norm.capped, zero).reshape(8, 8)
+    torch.testing.assert_close(jac, torch.diag(norm.weight.detach().double()))
+
+
+@pytest.mark.parametrize("family", ["rbf", "gka", "scalar_sort"])
+def test_register_stream_stays_bounded_in_a_deep_model(family):
+    """The register rows' states stay bounded with depth and the gradients finite.  Unnormalised register rows (the
+    backbone until 2026-11-26) grew doubly exponentially through the SwiGLU MLPs: with these weights the last layers'
+    register states overflow and the last MLP's weight gradients are NaN (the 1B rbf recipe's failure on the GPU)."""
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        family, vocab_size=64, hidden_size=32, num_hidden_layers=16, num_attention_heads=2, intermediate_size=64,
+        num_register_tokens=1,
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # MLPs with a gain above 1 for large inputs, and registers off the origin
+        for layer in model.model.layers:
+            for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                proj.weight.normal_(0.0, 0.5)
+        model.model.register_tokens.fill_(2.0)
+    states = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: states.append(out[0] if isinstance(out, tuple) else out))
+             for layer in model.model.layers]
+    ids = torch.randint(0, 64, (2, 9))
+    out = model(input_ids=ids, labels=ids)
+    for h in hooks:
+        h.remove()
+    register_rows = [s.reshape(-1, 32)[-1] for s in states]
+    largest = max(float(r.detach().abs().max()) for r in register_rows)
+    assert largest < 1e4, f"register state reached {largest:.3g}"
+    out.loss.backward()
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert not bad, bad

@@ -68,7 +68,7 @@ def test_attention_weights_are_the_layer_weights(family, overrides):
     for module, args, kwargs in captured:
         attn = module.self_attn
         x = module.input_layernorm(args[0])
-        rx = module.input_layernorm.scale_only(args[1]) if args[1] is not None else None
+        rx = module.input_layernorm.capped(args[1]) if args[1] is not None else None
         w, qs, ks, p = attn.attention_weights(x, rx, kwargs["position_embeddings"], rows, kwargs["attention_mask"])
         # reference: the attention function with identity values returns its weights
         proj = attn.project(x, kwargs["position_embeddings"])

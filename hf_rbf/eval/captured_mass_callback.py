@@ -123,7 +123,7 @@ def batch_captured_mass(
         args, kwargs = captured[idx]
         hidden, registers = layer_call_states(args, kwargs)
         x = layer.input_layernorm(hidden)
-        rx = layer.input_layernorm.scale_only(registers) if registers is not None else None
+        rx = layer.input_layernorm.capped(registers) if registers is not None else None
         weights, qs, ks, p = attn.attention_weights(x, rx, kwargs["position_embeddings"], rows)
         heads = torch.tensor(attn.scalar_head_list, device=weights.device)
         sums = {k: torch.zeros(attn.num_heads, device=weights.device) for k in windows}
