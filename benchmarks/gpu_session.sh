@@ -21,7 +21,7 @@
 #   hostops      benchmarks/probe_triton_launch.py (where a triton launch's host time goes) and
 #                benchmarks/count_host_ops.py --time (launches, aten ops and host ms per fused call; twice)      [120]
 #   profile      benchmarks/profile_training.py, the run-5 command (every family vs Llama, d256 and d768,
-#                best of 3 interleaved rounds; PROFILE_ARGS replaces the defaults)                              [500]
+#                best of 3 interleaved rounds; PROFILE_ARGS replaces the defaults, PROFILE_VARIANTS the variants)                              [500]
 #   staticdecode benchmarks/bench_sorted_static_decode.py (fused vs torch vs dense SDPA per layer step,
 #                8k-1M; STATIC_ARGS appended)                                                                [400]
 #   generate     benchmarks/bench_generate.py (ms per token of every family vs Llama, dynamic and static)      [500]
@@ -94,8 +94,11 @@ job_hostops() {
     python3 benchmarks/count_host_ops.py --time --calls 300 --json "$1/host_ops_2.json"
 }
 job_profile() {
+    # PROFILE_VARIANTS: the --variants list on its own (its names hold spaces, which PROFILE_ARGS would split)
+    local variants=${PROFILE_VARIANTS:-"llama;rbf (1 register, SuSiE);rbf (no registers, RoPE);gka;hybrid_sort;scalar_sort"}
+    # shellcheck disable=SC2086
     python3 benchmarks/profile_training.py --out "$1" ${PROFILE_ARGS:---sizes d256,d768 --no-host --no-kernels \
-        --steps 10 --interleave 3 --variants "llama;rbf (1 register, SuSiE);rbf (no registers, RoPE);gka;hybrid_sort;scalar_sort"}
+        --steps 10 --interleave 3} --variants "$variants"
 }
 job_staticdecode() { python3 benchmarks/bench_sorted_static_decode.py --out "$1" ${STATIC_ARGS:-}; }
 job_generate() { python3 benchmarks/bench_generate.py --out "$1" ${GENERATE_ARGS:-}; }
