@@ -14,6 +14,7 @@ set -uo pipefail
 OUT=${1:?usage: bash benchmarks/gpu_lanes.sh OUT 'GPUS [VAR=VALUE ...] : JOB ...' ...}
 shift
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+SESSION=${GPU_SESSION:-$REPO/benchmarks/gpu_session.sh}  # what runs a lane's jobs (a test substitutes a stub)
 for spec in "$@"; do
     case "$spec" in
         *" : "*) ;;
@@ -23,19 +24,19 @@ for spec in "$@"; do
 done
 mkdir -p "$OUT/lanes"
 # the carried wheels go into gpu_session.sh's site folder once, before the lanes start (not four installs at once)
-bash "$REPO/benchmarks/gpu_session.sh" "$OUT/lanes/setup" > "$OUT/lanes/setup.log" 2>&1
+bash "$SESSION" "$OUT/lanes/setup" > "$OUT/lanes/setup.log" 2>&1
 pids=()
 i=0
 for spec in "$@"; do
-    head=${spec%%:*}
-    jobs=${spec#*:}
+    head=${spec%% : *}  # the first " : " (node ids in GPUTESTS hold "::")
+    jobs=${spec#* : }
     read -r gpus assignments <<< "$head"
     (
         [ -n "${assignments// /}" ] && eval "export $assignments"
         export CUDA_VISIBLE_DEVICES=$gpus WORK=/tmp/hf_rbf_lane$i
         echo "lane $i: GPUs $gpus; $assignments; jobs $jobs"
         # shellcheck disable=SC2086
-        bash "$REPO/benchmarks/gpu_session.sh" "$OUT/lanes/lane$i" $jobs
+        bash "$SESSION" "$OUT/lanes/lane$i" $jobs
     ) > "$OUT/lanes/lane$i.log" 2>&1 &
     pids+=($!)
     i=$((i + 1))

@@ -142,7 +142,7 @@ def report_kernel(name: str, constexprs: dict, kernel) -> dict:
     return row
 
 
-def cases(names, n: int, d: int, dtype):
+def cases(names, n: int, d: int, dtype, prefix_keys: int = 0):
     """Inputs of each family's training call (B1 H4, causal), as CPU tensors: the host code builds the launch."""
     from hf_rbf.kernels_flash_bwd import distance_backward
     from hf_rbf.kernels_flash_fwd import distance_decode, distance_forward
@@ -158,17 +158,19 @@ def cases(names, n: int, d: int, dtype):
     out = {}
     for name in names:
         if name in ("rbf", "gka", "hybrid"):
-            q, k = rnd(b, h, n, d), rnd(b, h, n, d)
-            v = k if name == "gka" else rnd(b, h, n, d)
+            # prefix keys (registers, the sorted families' sink) sit before the text keys, as the models pass them
+            nk = n + prefix_keys
+            q, k = rnd(b, h, n, d), rnd(b, h, nk, d)
+            v = k if name == "gka" else rnd(b, h, nk, d)
             qs = ks = beta = None
             if name == "hybrid":
-                qs, ks, beta = rnd(b, h, n).float(), rnd(b, h, n).float(), torch.ones(b, h, n)
+                qs, ks, beta = rnd(b, h, n).float(), rnd(b, h, nk).float(), torch.ones(b, h, n)
             a = torch.full((h,), 0.125)
             bb = None if name != "hybrid" else torch.zeros(h)
             flags = dict(
                 causal=True,
                 window=None,
-                num_prefix_keys=0,
+                num_prefix_keys=prefix_keys,
                 normalize=True,
                 qnorm=name == "gka",
                 kv_same=name == "gka",
@@ -294,6 +296,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--prefix-keys", type=int, default=0, help="prefix keys before the N text keys (rbf, gka, hybrid)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--config", default="", help="KEY=VALUE,... forced on every kernel that has the parameter")
     ap.add_argument("--out", default=None, help="folder for report.json / report.md")
@@ -329,7 +332,7 @@ def main(argv=None) -> int:
         return 1 if compile_checks(checks) else 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     rows = []
-    for name, run in cases(args.cases.split(","), args.n, args.d, getattr(torch, args.dtype)).items():
+    for name, run in cases(args.cases.split(","), args.n, args.d, getattr(torch, args.dtype), args.prefix_keys).items():
         COMPILED.clear()
         try:
             run()
@@ -342,7 +345,8 @@ def main(argv=None) -> int:
     cols = ["case", "kernel", "tiles", "num_warps", "num_stages", "reg", "stack", "local", "shared_bytes", "mma"]
     cols += ["shared_st", "shared_ld", "ldl_stl", "mufu", "bar", "convert_layout", "total"]
     lines = [
-        f"# Offline compile for sm_{args.arch} (triton {triton.__version__}), N {args.n}, D {args.d}, {args.dtype}",
+        f"# Offline compile for sm_{args.arch} (triton {triton.__version__}), N {args.n}, D {args.d}, {args.dtype}, "
+        f"{args.prefix_keys} prefix keys",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
