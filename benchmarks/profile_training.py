@@ -190,6 +190,10 @@ SIZES = {
     "d768": dict(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048, seq=1024, batch=16
     ),
+    # the scale-out recipes' 1B body (recipes/configs/_scale_1b.yaml: D128 heads), 8 blocks as the scaling runs
+    "d2048": dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, intermediate_size=8192, seq=1024, batch=8
+    ),
 }
 
 
@@ -459,7 +463,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="d256 only, fewer steps")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--sizes", type=lambda x: x.split(","), default=None, help="comma-separated subset of: d256,d768")
+    ap.add_argument(
+        "--sizes", type=lambda x: x.split(","), default=None, help="comma-separated subset of: d256,d768,d2048"
+    )
     ap.add_argument("--profile-all", action="store_true", help="a torch.profiler summary for every variant and size")
     ap.add_argument("--no-host", action="store_true", help="skip the host-cost section")
     ap.add_argument("--interleave", type=int, default=0, help="R rounds of interleaved timing, all models resident")
@@ -480,6 +486,9 @@ def main() -> int:
         "the first step on a warm machine, where the autotuner's choices are cached on disk)",
     )
     args = ap.parse_args()
+    unknown = [name for name in (args.sizes or []) if name not in SIZES]
+    if unknown:
+        ap.error(f"--sizes takes a comma-separated subset of {', '.join(SIZES)}; got {unknown}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.first_steps:
