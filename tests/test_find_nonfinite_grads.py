@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hf_rbf  # noqa: F401  (registers the families)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import find_nonfinite_grads as nf  # noqa: E402
+import find_nonfinite_grads as nf
 
 
 class _NanGradient(torch.autograd.Function):
@@ -33,7 +33,12 @@ class _NanGradient(torch.autograd.Function):
 def _model():
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
-        "rbf", vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=48,
+        "rbf",
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=48,
         num_register_tokens=1,
     )
     return AutoModelForCausalLM.from_config(cfg)
@@ -56,7 +61,11 @@ def test_recorder_names_the_attention_and_parameters_of_a_nan(tmp_path):
     names = [f"model.layers.{i}.self_attn" for i in range(3)]
     assert sorted(clean["attention"]) == names
     for entry in clean["attention"].values():
-        assert entry["output_finite"] and entry["output_grad_finite"] and entry["input_grad_finite"]
+        assert (
+            entry["output_finite"]
+            and entry["output_grad_finite"]
+            and entry["input_grad_finite"]
+        )
         assert entry["input_absmax"] > 0 and entry["output_absmax"] >= 0
     assert "model.register_tokens" in clean["small_parameters"]
 
@@ -69,7 +78,9 @@ def test_recorder_names_the_attention_and_parameters_of_a_nan(tmp_path):
     assert layer1["output_grad_finite"] and not layer1["input_grad_finite"]
     assert bad["attention"]["model.layers.2.self_attn"]["input_grad_finite"]
     assert "model.layers.1.self_attn.q_proj.weight" in bad["nonfinite_grads"]
-    assert not any(name.startswith("model.layers.2.") for name in bad["nonfinite_grads"])
+    assert not any(
+        name.startswith("model.layers.2.") for name in bad["nonfinite_grads"]
+    )
     recorder.remove()
 
     path = tmp_path / "nonfinite.json"
