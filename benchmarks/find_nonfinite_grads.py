@@ -43,9 +43,7 @@ SPEED_OVERRIDES = [
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe YAML")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps at most")
     parser.add_argument(
@@ -96,16 +94,10 @@ class NonFiniteRecorder:
         self.handles = []
         for name, param in model.named_parameters():
             if param.requires_grad:
-                self.handles.append(
-                    param.register_post_accumulate_grad_hook(self._param_hook(name))
-                )
+                self.handles.append(param.register_post_accumulate_grad_hook(self._param_hook(name)))
         for name, module in model.named_modules():
             if name.endswith("self_attn"):
-                self.handles.append(
-                    module.register_forward_pre_hook(
-                        self._attn_pre_hook(name), with_kwargs=True
-                    )
-                )
+                self.handles.append(module.register_forward_pre_hook(self._attn_pre_hook(name), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(self._attn_hook(name)))
         self.small = {n: p for n, p in model.named_parameters() if p.numel() <= 64}
         self._torch = torch
@@ -118,8 +110,7 @@ class NonFiniteRecorder:
         record = self.current
         record["loss"] = loss
         record["small_parameters"] = {
-            n: [float(p.detach().float().min()), float(p.detach().float().max())]
-            for n, p in self.small.items()
+            n: [float(p.detach().float().min()), float(p.detach().float().max())] for n, p in self.small.items()
         }
         self.records.append(record)
         return record
@@ -145,9 +136,7 @@ class NonFiniteRecorder:
             entry = self._layer(name)
             entry["input_absmax"] = float(hidden.detach().abs().max())
             if hidden.requires_grad:
-                hidden.register_hook(
-                    lambda g: entry.__setitem__("input_grad_finite", _finite(g))
-                )
+                hidden.register_hook(lambda g: entry.__setitem__("input_grad_finite", _finite(g)))
 
         return hook
 
@@ -160,9 +149,7 @@ class NonFiniteRecorder:
             entry["output_absmax"] = float(out.detach().abs().max())
             entry["output_finite"] = _finite(out)
             if out.requires_grad:
-                out.register_hook(
-                    lambda g: entry.__setitem__("output_grad_finite", _finite(g))
-                )
+                out.register_hook(lambda g: entry.__setitem__("output_grad_finite", _finite(g)))
 
         return hook
 
@@ -185,10 +172,7 @@ def recorder_callback(out_dir: str):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if self.recorder is None or not logs or "loss" not in logs:
                 return
-            if (
-                self.recorder.records
-                and self.recorder.records[-1]["step"] == state.global_step
-            ):
+            if self.recorder.records and self.recorder.records[-1]["step"] == state.global_step:
                 self.recorder.records[-1]["loss"] = logs["loss"]
                 self.recorder.records[-1]["grad_norm"] = logs.get("grad_norm")
 
@@ -230,8 +214,7 @@ def summarize(path: str) -> str:
         born = [
             n
             for n, v in record["attention"].items()
-            if v.get("output_grad_finite", True)
-            and not v.get("input_grad_finite", True)
+            if v.get("output_grad_finite", True) and not v.get("input_grad_finite", True)
         ]
         lines.append(
             f"step {record['step']}: loss {record.get('loss')} grad_norm {record.get('grad_norm')}; "

@@ -61,11 +61,7 @@ def test_recorder_names_the_attention_and_parameters_of_a_nan(tmp_path):
     names = [f"model.layers.{i}.self_attn" for i in range(3)]
     assert sorted(clean["attention"]) == names
     for entry in clean["attention"].values():
-        assert (
-            entry["output_finite"]
-            and entry["output_grad_finite"]
-            and entry["input_grad_finite"]
-        )
+        assert entry["output_finite"] and entry["output_grad_finite"] and entry["input_grad_finite"]
         assert entry["input_absmax"] > 0 and entry["output_absmax"] >= 0
     assert "model.register_tokens" in clean["small_parameters"]
 
@@ -78,9 +74,7 @@ def test_recorder_names_the_attention_and_parameters_of_a_nan(tmp_path):
     assert layer1["output_grad_finite"] and not layer1["input_grad_finite"]
     assert bad["attention"]["model.layers.2.self_attn"]["input_grad_finite"]
     assert "model.layers.1.self_attn.q_proj.weight" in bad["nonfinite_grads"]
-    assert not any(
-        name.startswith("model.layers.2.") for name in bad["nonfinite_grads"]
-    )
+    assert not any(name.startswith("model.layers.2.") for name in bad["nonfinite_grads"])
     recorder.remove()
 
     path = tmp_path / "nonfinite.json"

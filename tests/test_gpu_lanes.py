@@ -36,9 +36,7 @@ def _run_lanes(tmp_path, *specs):
 def test_lane_spec_splits_at_the_first_spaced_colon(tmp_path):
     """Pytest node ids hold "::" (and brackets): the lane's head ends at the first " : ", not at the first colon."""
     tests = "tests/test_attention_common.py::test_gpu_backends_match_reference[scalar] tests/test_x.py::test_y"
-    proc, out = _run_lanes(
-        tmp_path, f'0,1 GPUTESTS="{tests}" : gputests:150 bench', "2 : profile:300"
-    )
+    proc, out = _run_lanes(tmp_path, f'0,1 GPUTESTS="{tests}" : gputests:150 bench', "2 : profile:300")
     assert proc.returncode == 0, proc.stderr
     with tarfile.open(out / "lanes.tar.gz") as tar:
         logs = {
@@ -48,13 +46,10 @@ def test_lane_spec_splits_at_the_first_spaced_colon(tmp_path):
         }
     assert f"GPUTESTS: {tests}\n" in logs["lane0.log"]
     assert "DEVICES: 0,1\n" in logs["lane0.log"]
-    assert "ARGS: " in logs["lane0.log"] and logs["lane0.log"].split("ARGS: ")[1].split(
-        "\n"
-    )[0].endswith("lanes/lane0 gputests:150 bench")
-    assert (
-        "DEVICES: 2\n" in logs["lane1.log"]
-        and "lanes/lane1 profile:300" in logs["lane1.log"]
+    assert "ARGS: " in logs["lane0.log"] and logs["lane0.log"].split("ARGS: ")[1].split("\n")[0].endswith(
+        "lanes/lane0 gputests:150 bench"
     )
+    assert "DEVICES: 2\n" in logs["lane1.log"] and "lanes/lane1 profile:300" in logs["lane1.log"]
 
 
 @pytest.mark.parametrize("spec", ["0 gputests:100", "0:gputests"])
