@@ -3,6 +3,11 @@ and triton launches per step, for ``LlamaForCausalLM`` with SDPA and every famil
 backend, so the per-layer overhead of each family over Llama is visible without a GPU.
 
     PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/count_model_host_ops.py [--layers 2] [--verbose] [--json PATH]
+    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/count_model_host_ops.py --decode [--layers 2]
+
+``--decode`` counts one generated token instead (batch 1, after a 16-token prefill and one warm-up step, no
+gradients), with the default dynamic cache and with the static cache ``generate(cache_implementation="static")``
+builds; at batch 1 a decode step is bound by exactly this host work.
 
 Counting is ``benchmarks/count_host_ops.py``'s (a ``TorchDispatchMode`` below autograd; triton's ``run`` wrapped).
 On the CPU the kernels run in triton's interpreter (a tiny shape: d=64, 2 heads, B2 T32), whose own tensor work is
@@ -91,12 +96,72 @@ def count_step(model, ids) -> dict:
     }
 
 
+def _static_cache(model, max_len: int):
+    if hasattr(model, "make_static_cache"):
+        return model.make_static_cache(max_len)
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def count_decode_step(model, prompt_len: int = 16) -> dict:
+    """Aten ops and launches of one decode step (B1), dynamic and static cache, after a prefill and one warm-up
+    step: the calls ``generate`` makes per token (minus its logits processing)."""
+    from transformers import DynamicCache
+
+    model.eval()
+    device = next(model.parameters()).device
+    ids = torch.randint(0, 128, (1, prompt_len + 2), device=device, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for kind in ("dynamic", "static"):
+        cache = _static_cache(model, prompt_len + 8) if kind == "static" else DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(prompt_len, device=device))
+            steps = []
+            for t in (prompt_len, prompt_len + 1):  # the first step warms up, the second is counted
+                with counting() as c:
+                    model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True,
+                          cache_position=torch.tensor([t], device=device))
+                steps.append((collections.Counter(c.ops), sum(c.launches.values())))
+        ops, launches = steps[-1]
+        out[f"{kind}_aten_ops"] = sum(ops.values())
+        out[f"{kind}_aten_compute_ops"] = sum(n for op, n in ops.items() if op not in NO_KERNEL_OPS)
+        out[f"{kind}_launches"] = launches
+        out[f"{kind}_aten_ops_by_name"] = dict(ops)
+    return out
+
+
+def main_decode(rows: dict, layers: int, verbose: bool) -> None:
+    base = rows.get("llama (SDPA)")
+    print(f"# torch {torch.__version__}; d=64, 2 heads, {layers} layers, B1, one decode step after a 16-token prompt")
+    print(
+        "| model | dynamic: aten ops | of which compute | triton launches | static: aten ops | of which compute | "
+        "triton launches | extra aten ops per layer vs Llama (dynamic / static) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        extra = ""
+        if base is not None:
+            extra = " / ".join(
+                f"{(r[f'{k}_aten_ops'] - base[f'{k}_aten_ops']) / layers:+.1f}" for k in ("dynamic", "static")
+            )
+        print(
+            f"| {name} | {r['dynamic_aten_ops']} | {r['dynamic_aten_compute_ops']} | {r['dynamic_launches']} | "
+            f"{r['static_aten_ops']} | {r['static_aten_compute_ops']} | {r['static_launches']} | {extra} |"
+        )
+        if verbose:
+            for k in ("dynamic", "static"):
+                print(f"    {k}:", sorted(r[f"{k}_aten_ops_by_name"].items(), key=lambda kv: -kv[1]))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--only", default=None, help="comma-separated substrings of the variant names")
     p.add_argument("--verbose", action="store_true", help="print the forward's aten ops by name")
     p.add_argument("--json", default=None)
+    p.add_argument("--decode", action="store_true", help="one decode step (B1) instead of a training step")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _patch_triton_run()
@@ -106,9 +171,18 @@ def main(argv=None) -> int:
             continue
         torch.manual_seed(0)
         model = build(family, overrides, args.layers, device)
-        ids = torch.randint(0, 128, (2, 32), device=device)
-        rows[name] = count_step(model, ids)
+        if args.decode:
+            rows[name] = count_decode_step(model)
+        else:
+            ids = torch.randint(0, 128, (2, 32), device=device)
+            rows[name] = count_step(model, ids)
         del model
+    if args.decode:
+        main_decode(rows, args.layers, args.verbose)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"layers": args.layers, "device": device, "decode": True, "rows": rows}, f, indent=1)
+        return 0
     base = rows.get("llama (SDPA)")
     print(f"# torch {torch.__version__}, {device}; d=64, 2 heads, {args.layers} layers, B2 T32, one training step")
     print(

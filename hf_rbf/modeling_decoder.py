@@ -821,9 +821,13 @@ class DecoderModel(DecoderPreTrainedModel):
                 problem = layer.self_attn.output_attentions_error(cache)
                 if problem is not None:
                     raise ValueError(problem)
-        past_len = cache.get_seq_length() if cache is not None else 0
-        total = past_len + seq_len
         static = isinstance(cache, StaticDecoderCache)
+        # A static cache's step over a mask of the new tokens only (or no mask) needs no host-side length: its
+        # positions come from the cache, and reading the length would synchronise with the device on every token.
+        step_mask_only = static and attention_mask is not None and attention_mask.shape[-1] == seq_len
+        needs_length = cache is not None and not (static and (attention_mask is None or step_mask_only))
+        past_len = cache.get_seq_length() if needs_length else 0
+        total = past_len + seq_len
         if static and (key_log_weights is not None or output_attentions):
             raise ValueError(
                 "`key_log_weights` and `output_attentions` are not available with the static cache "
@@ -832,7 +836,6 @@ class DecoderModel(DecoderPreTrainedModel):
 
         # A static cache also takes a mask over the new tokens only ([B, N]; generate passes that, so a decode step has
         # the same shapes at every length): it remembers the padding and the positions of the cached tokens.
-        step_mask_only = static and attention_mask is not None and attention_mask.shape[-1] == seq_len
         if attention_mask is not None and (step_mask_only or isinstance(total, torch.Tensor)):
             # (a compiled step over a static cache: the length is a device tensor, checked in eager mode only)
             attention_mask = attention_mask.to(inputs_embeds.device)
@@ -882,8 +885,11 @@ class DecoderModel(DecoderPreTrainedModel):
             step_valid = attention_mask[:, -seq_len:].to(torch.bool) if attention_mask is not None else None
             cache.begin_step(step_valid, batch, seq_len, inputs_embeds.device)
 
-        # A mask with no padding is dropped so the kernels can take their unmasked fast paths.
-        if attention_mask is not None and not torch.compiler.is_compiling() and bool(attention_mask.all()):
+        # A mask with no padding is dropped so the kernels can take their unmasked fast paths.  Not with a static
+        # cache: its layers take the padding from the cache (slot masks), and the check (a device read) would
+        # synchronise every decode step.
+        drop_check = attention_mask is not None and not static and not torch.compiler.is_compiling()
+        if drop_check and bool(attention_mask.all()):
             attention_mask = None
 
         # one flat buffer of text rows then register rows (see DecoderLayer)

@@ -233,6 +233,42 @@ def test_generate_compiles_the_decode_step_into_one_graph(case):
     assert _max_diff(static.logits, dynamic.logits) < TOL
 
 
+class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that copy a tensor's value to the host (``.item()``, ``int()``, ``bool()``): on a GPU each one
+    waits for the device, so the host can no longer queue the next token's work while the GPU runs this one."""
+
+    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal")
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(str(func).startswith(name) for name in self.READS):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_static_decode_step_reads_nothing_back_from_the_device(case):
+    """An eager decode step over the static cache (the new token's mask, as ``generate`` passes it) never reads a
+    device value on the host: the cache's length, positions and padding stay device tensors.  (The model used to read
+    the cache length every step.)"""
+    _, family, overrides = case
+    model = build_model(family, overrides)
+    ids, mask = left_padded(model.config.vocab_size, [7, 4])
+    settings = {"block_size": 4} if family in SORTED_FAMILIES else {}
+    cache = model.make_static_cache(16, **settings)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, **{CACHE_NAME: cache})
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(3):
+            with _DeviceReads() as mode:
+                out = model(input_ids=token, attention_mask=torch.ones_like(token), **{CACHE_NAME: cache})
+            assert mode.reads == [], mode.reads
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+
+
 def test_static_cache_takes_the_full_mask_or_the_new_tokens_mask():
     """Decode steps with the mask over the whole sequence and with the new token's column only give the same logits
     (positions and padding come from the cache), in a left-padded batch."""
