@@ -63,7 +63,7 @@ class HybridSortAttention(ScalarSortAttention):
             return base
         if not any(self._dot_heads):
             return 0.0
-        return torch.tensor([base if dot else 0.0 for dot in self._dot_heads], dtype=torch.float32, device=device)
+        return self._head_constant("scale", [base if dot else 0.0 for dot in self._dot_heads], torch.float32, device)
 
     def decode_scale(self):
         scale = self._scale(self.q_proj.weight.device)

@@ -118,6 +118,8 @@ class ScalarSortAttention(DecoderAttention):
 
     def __init__(self, config: ScalarSortConfig, layer_idx: int):
         super().__init__(config, layer_idx)
+        # per-head constants as device tensors, made once per (device, dtype): see `_head_constant`
+        self._head_constants: dict = {}
         d, h = config.hidden_size, self.num_heads
         self.num_value_groups = config.num_value_groups
         self.value_head_dim = config.value_head_dim
@@ -167,8 +169,20 @@ class ScalarSortAttention(DecoderAttention):
         """Which heads have the scalar term (all of a scalar layer)."""
         return [True] * self.num_heads
 
+    def _head_constant(self, name: str, values: list, dtype: torch.dtype, device) -> torch.Tensor:
+        """A per-head constant of this layer (``values``, one per head) on ``device``, built once per (device, dtype).
+        A tensor made from a Python list is a blocking host-to-device copy, which on CUDA synchronises the stream: at
+        every layer of every forward and decode step the host could no longer run ahead of the GPU."""
+        if torch.compiler.is_compiling():  # a graph constant: nothing is copied when the graph replays
+            return torch.tensor(values, dtype=dtype, device=device)
+        key = (name, torch.device(device), dtype)
+        t = self._head_constants.get(key)
+        if t is None:
+            t = self._head_constants[key] = torch.tensor(values, dtype=dtype, device=device)
+        return t
+
     def _scalar_head_mask(self, device) -> torch.Tensor:
-        return torch.tensor(self.scalar_head_list, dtype=torch.bool, device=device)
+        return self._head_constant("scalar_heads", self.scalar_head_list, torch.bool, device)
 
     def temperature(self, x: torch.Tensor) -> torch.Tensor:
         """``tau``: ``[H]`` (global / per head) or ``[B, H, N]`` (per token, from ``x [B, N, D]``), float32 (float64
@@ -508,7 +522,7 @@ class ScalarSortAttention(DecoderAttention):
             if any(dot_only):
                 # heads without a scalar term cannot be windowed: they read every cached key
                 exact = self._exact_over_cache(layer, proj, tau, prefix, num_prefix)
-                mask = torch.tensor(dot_only, device=out.device).view(1, h, 1, 1)
+                mask = ~self._scalar_head_mask(out.device).view(1, h, 1, 1)
                 out = torch.where(mask, exact, out)
             self.last_backend = "sorted_window"
         layer.end_step(proj.qs, valid, tau=tau, q=proj.q, scale=self.decode_scale())
@@ -536,7 +550,7 @@ class ScalarSortAttention(DecoderAttention):
         if any(dot_only):
             # heads without a scalar term cannot be windowed: they read every cached key
             exact = self._exact_over_static(layer, proj, tau, prefix, num_prefix, n)
-            mask = torch.tensor(dot_only, device=out.device).view(1, h, 1, 1)
+            mask = ~self._scalar_head_mask(out.device).view(1, h, 1, 1)
             out = torch.where(mask, exact, out)
         if not torch.compiler.is_compiling():
             self.last_backend = "sorted_window"

@@ -135,3 +135,46 @@ def test_register_stream_stays_bounded_in_a_deep_model(family):
     out.loss.backward()
     bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     assert not bad, bad
+
+
+class _HostDeviceTransfers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that read a tensor's value on the host or build a tensor from host data: each is a stream
+    synchronisation on CUDA (the host stops running ahead of the GPU)."""
+
+    NAMES = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.lift_fresh")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.NAMES):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("rbf", {}),
+        ("gka", {"num_register_tokens": 1}),
+        ("scalar_sort", {"num_register_tokens": 1}),
+        ("hybrid_sort", {"num_register_tokens": 1}),
+        ("hybrid_sort", {"num_register_tokens": 2, "head_kinds": ["hybrid", "scalar", "dot", "hybrid"]}),
+    ],
+    ids=["rbf", "gka-r1", "scalar-r1", "hybrid-r1", "hybrid-kinds-r2"],
+)
+def test_training_step_makes_no_host_device_round_trip(family, extra):
+    """A training forward and backward (no padding mask, as the pretraining recipes run) neither reads a device value
+    on the host nor builds a tensor from host data: the sorted families made their per-head masks from Python lists
+    at every layer (a blocking copy per layer on CUDA)."""
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        family, vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, **extra
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 64, (2, 9))
+    model(input_ids=ids, labels=ids).loss.backward()  # first call: lazily built constants may be made here
+    with _HostDeviceTransfers() as mode:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert mode.seen == [], mode.seen

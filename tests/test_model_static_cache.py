@@ -234,10 +234,11 @@ def test_generate_compiles_the_decode_step_into_one_graph(case):
 
 
 class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ops that copy a tensor's value to the host (``.item()``, ``int()``, ``bool()``): on a GPU each one
-    waits for the device, so the host can no longer queue the next token's work while the GPU runs this one."""
+    """Counts the ops that copy a tensor's value to the host (``.item()``, ``int()``, ``bool()``) and the tensors made
+    from host data (``torch.tensor(list, device=...)``, a blocking copy to the device): on a GPU each one waits for the
+    device, so the host can no longer queue the next token's work while the GPU runs this one."""
 
-    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal")
+    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.lift_fresh")
 
     def __init__(self):
         super().__init__()
@@ -252,8 +253,9 @@ class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_static_decode_step_reads_nothing_back_from_the_device(case):
     """An eager decode step over the static cache (the new token's mask, as ``generate`` passes it) never reads a
-    device value on the host: the cache's length, positions and padding stay device tensors.  (The model used to read
-    the cache length every step.)"""
+    device value on the host nor copies host data to the device: the cache's length, positions and padding stay
+    device tensors, per-head constants are made once.  (The model used to read the cache length and check the mask
+    every step, and the sorted families built their per-head masks from Python lists at every layer.)"""
     _, family, overrides = case
     model = build_model(family, overrides)
     ids, mask = left_padded(model.config.vocab_size, [7, 4])
