@@ -33,13 +33,12 @@ import warnings
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SPEED_OVERRIDES = [
-    "training.eval_strategy='no'",
-    "training.save_strategy='no'",
-    "training.logging_steps=1",
-    "model.expected_num_parameters=null",
-]
+from bench_scaling import BENCH_OVERRIDES  # noqa: E402
+
+# the scaling benchmark's training-only overrides (no evaluation, no saving), logging every step
+SPEED_OVERRIDES = [*BENCH_OVERRIDES, "training.logging_steps=1"]
 
 
 def parse_args(argv=None):
