@@ -7,7 +7,9 @@ backend, so the per-layer overhead of each family over Llama is visible without 
 
 ``--decode`` counts one generated token instead (batch 1, after a 16-token prefill and one warm-up step, no
 gradients), with the default dynamic cache and with the static cache ``generate(cache_implementation="static")``
-builds; at batch 1 a decode step is bound by exactly this host work.
+builds (256 slots); at batch 1 a decode step is bound by exactly this host work.  The sorted families decode through
+a window of 8 (``decode_window``, shorter than the cached tokens, as at long context) and their static layers take
+the fused step (``static_decode_backend="triton"``, here in the interpreter).
 
 Counting is ``benchmarks/count_host_ops.py``'s (a ``TorchDispatchMode`` below autograd; triton's ``run`` wrapped).
 On the CPU the kernels run in triton's interpreter (a tiny shape: d=64, 2 heads, B2 T32), whose own tensor work is
@@ -96,9 +98,16 @@ def count_step(model, ids) -> dict:
     }
 
 
+SORTED_DECODE_WINDOW = 8  # the sorted families decode through their window (k < the cached tokens), as at long context
+
+
 def _static_cache(model, max_len: int):
     if hasattr(model, "make_static_cache"):
-        return model.make_static_cache(max_len)
+        settings = {}
+        if getattr(model.config, "decode_window", None) is not None:
+            # the fused sorted step, as on CUDA (here in the Triton interpreter): "auto" keeps it to CUDA
+            settings["static_decode_backend"] = "triton"
+        return model.make_static_cache(max_len, **settings)
     from transformers import StaticCache
 
     return StaticCache(config=model.config, max_cache_len=max_len)
@@ -114,7 +123,8 @@ def count_decode_step(model, prompt_len: int = 16) -> dict:
     ids = torch.randint(0, 128, (1, prompt_len + 2), device=device, generator=torch.Generator().manual_seed(0))
     out = {}
     for kind in ("dynamic", "static"):
-        cache = _static_cache(model, prompt_len + 8) if kind == "static" else DynamicCache(config=model.config)
+        # capacity beyond the window, so that the sorted layers take their windowed step
+        cache = _static_cache(model, 256) if kind == "static" else DynamicCache(config=model.config)
         with torch.no_grad():
             model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True,
                   cache_position=torch.arange(prompt_len, device=device))
@@ -170,6 +180,8 @@ def main(argv=None) -> int:
         if args.only and not any(s in name for s in args.only.split(",")):
             continue
         torch.manual_seed(0)
+        if args.decode and family.endswith("_sort"):
+            overrides = {**overrides, "decode_window": SORTED_DECODE_WINDOW}
         model = build(family, overrides, args.layers, device)
         if args.decode:
             rows[name] = count_decode_step(model)
