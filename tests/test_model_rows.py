@@ -161,8 +161,11 @@ class _HostDeviceTransfers(torch.utils._python_dispatch.TorchDispatchMode):
         ("scalar_sort", {"num_register_tokens": 1}),
         ("hybrid_sort", {"num_register_tokens": 1}),
         ("hybrid_sort", {"num_register_tokens": 2, "head_kinds": ["hybrid", "scalar", "dot", "hybrid"]}),
+        ("gka", {"window_pattern": "SL", "sliding_window": 4, "position_embedding_type": "rope"}),
+        ("rbf", {"attention_layers": ["rbf", "dot"], "window_pattern": "SL", "sliding_window": 4, "qk_norm": True}),
+        ("scalar_sort", {"tau_mode": "per_token", "num_value_groups": 2, "window_pattern": "SL", "sliding_window": 4}),
     ],
-    ids=["rbf", "gka-r1", "scalar-r1", "hybrid-r1", "hybrid-kinds-r2"],
+    ids=["rbf", "gka-r1", "scalar-r1", "hybrid-r1", "hybrid-kinds-r2", "gka-sl", "rbf-dot-sl-qknorm", "scalar-token-sl"],
 )
 def test_training_step_makes_no_host_device_round_trip(family, extra):
     """A training forward and backward (no padding mask, as the pretraining recipes run) neither reads a device value
