@@ -352,8 +352,9 @@ def main(argv=None):
     exact = parse_exact_backends(args.exact_backends or preset["exact_backends"])
     os.makedirs(args.output, exist_ok=True)
     # a discarded pass first: kernel compilation and autotuning (the sorted step's buffer merge included) stay out
-    # of the timings
-    bench_layer(preset["layer_contexts"][0], device, preset["dtype"], args.warmup_steps, exact)
+    # of the timings (none with --warmup-steps 0: the first timed steps then include them)
+    if args.warmup_steps > 0:
+        bench_layer(preset["layer_contexts"][0], device, preset["dtype"], args.warmup_steps, exact)
     rows = []
     for n in preset["layer_contexts"]:
         rows += bench_layer(n, device, preset["dtype"], preset["steps"], exact)

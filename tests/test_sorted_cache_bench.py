@@ -14,7 +14,7 @@ from recipes import bench_sorted_decode as bench
 def test_bench_writes_a_row_per_backend_and_variant(tmp_path):
     out = tmp_path / "bench"
     bench.main(["--device", "cpu", "--output", str(out), "--layer-contexts", "48", "--model-contexts", "40",
-                "--steps", "2", "--warmup-steps", "1", "--exact-backends", "auto,naive,sdpa:math"])  # fmt: skip
+                "--steps", "1", "--warmup-steps", "0", "--exact-backends", "auto,naive,sdpa:math"])  # fmt: skip
     with open(out / "bench_sorted_decode.csv") as f:
         rows = list(csv.DictReader(f))
     layer = {r["method"] for r in rows if r["bench"] == "layer"}
