@@ -71,7 +71,11 @@ def parse_args(argv=None):
         help="recipe overrides",
     )
     parser.add_argument("--out", required=True, help="output folder")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("steps", "global_batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    return args
 
 
 def _finite(t) -> bool:

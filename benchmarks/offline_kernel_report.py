@@ -315,6 +315,8 @@ def main(argv=None) -> int:
     unknown = [c for c in args.cases.split(",") if c not in known]
     if unknown:
         ap.error(f"--cases takes {', '.join(known)}; got {unknown}")
+    if args.prefix_keys < 0:
+        ap.error(f"--prefix-keys takes a count of keys >= 0; got {args.prefix_keys}")
     checks = args.checks.split(",") if args.checks else []
     if any(f not in ("rbf", "gka", "hybrid", "scalar") for f in checks):
         ap.error(f"--checks takes families of rbf, gka, hybrid, scalar; got {args.checks!r}")

@@ -199,8 +199,8 @@ def test_compare_runs_table_and_plot(tmp_path):
 
 
 def test_kernel_benchmarks_refuse_bad_arguments():
-    """benchmarks/offline_kernel_report.py and bench_attention.py name the argument and what it takes before they
-    compile or time anything."""
+    """benchmarks/offline_kernel_report.py, find_nonfinite_grads.py and bench_attention.py name the argument and what
+    it takes before they compile, train or time anything."""
     import subprocess
     import sys
 
@@ -210,6 +210,8 @@ def test_kernel_benchmarks_refuse_bad_arguments():
         ("offline_kernel_report.py", ["--cases", "rbf,nope"], "--cases takes"),
         ("offline_kernel_report.py", ["--checks", "rbf,dot"], "--checks takes families"),
         ("offline_kernel_report.py", ["--config", "BLOCK_M128"], "--config takes KEY=INT"),
+        ("offline_kernel_report.py", ["--prefix-keys", "-2"], "--prefix-keys takes a count"),
+        ("find_nonfinite_grads.py", ["--config", "c.yaml", "--out", "unused", "--steps", "0"], "--steps must be >= 1"),
         ("bench_attention.py", ["--out", "unused", "--tokens", "0"], "--tokens must be a positive number"),
     ):
         cmd = [sys.executable, os.path.join(repo, "benchmarks", script), *args]
