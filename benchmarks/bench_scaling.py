@@ -59,6 +59,7 @@ if REPO not in sys.path:
 
 ACCELERATE_CONFIGS = {"ddp": "recipes/accelerate/ddp.yaml", "fsdp2": "recipes/accelerate/fsdp2.yaml"}
 SINGLE = "single"  # one plain process on one GPU: the baseline of every strategy
+WARMUP_STEPS = 5  # the steps ThroughputCallback leaves out of tokens/s; --profile-steps profiles the last of them
 SIZES = ("d768", "1b")
 FAMILIES = ("llama", "rbf", "gka", "scalar_sort", "hybrid_sort")
 DEFAULT_CONFIGS = [f"recipes/configs/scale_{size}_{family}.yaml" for size in SIZES for family in FAMILIES]
@@ -88,9 +89,20 @@ def parse_args(argv=None):
         "--concurrent", action="store_true", help="run launches on disjoint GPUs at the same time (GPUs only)"
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch before it counts as failed")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help=f"torch.profiler on rank 0 over the last N (1-{WARMUP_STEPS - 1}) of the untimed warm-up steps; the "
+        "summary (step wall time, compute and NCCL kernel time, top kernels and CPU ops) goes into scaling.md",
+    )
     args = parser.parse_args(argv)
     if args.steps < 6:
         parser.error(f"--steps must be at least 6 (the first 5 steps are not timed); got {args.steps}")
+    if not 0 <= args.profile_steps < WARMUP_STEPS:
+        parser.error(
+            f"--profile-steps must be in 0..{WARMUP_STEPS - 1} (the untimed warm-up steps); got {args.profile_steps}"
+        )
     if args.blocks_per_gpu < 1:
         parser.error(f"--blocks-per-gpu must be a positive int; got {args.blocks_per_gpu}")
     if args.cpu and "fsdp2" in args.strategies:
@@ -206,7 +218,7 @@ def launch_command(launch: dict, args, prepared: dict) -> list[str]:
         if args.cpu:  # gloo: Trainer sets it up for several CPU processes; bf16 autocast is the GPU recipes' setting
             cmd += ["--mixed_precision", "no"]
     cmd += [os.path.abspath(__file__), "worker", "--root", os.path.join(os.path.abspath(args.output), "runs")]
-    cmd += ["--strategy", strategy, "--processes", str(processes)]
+    cmd += ["--strategy", strategy, "--processes", str(processes), "--profile-steps", str(args.profile_steps)]
     common = [*BENCH_OVERRIDES, f"training.max_steps={args.steps}"]
     common += [f"global_batch_size={args.blocks_per_gpu * processes}", *args.overrides]
     if args.cpu:
@@ -222,6 +234,7 @@ def worker_runs(argv) -> tuple[argparse.Namespace, list[tuple[str, list[str]]]]:
     parser.add_argument("--root", required=True)
     parser.add_argument("--strategy", required=True)
     parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--profile-steps", type=int, default=0)
     head, runs, current = [], [], None
     for item in argv:
         if item == "--config":
@@ -239,14 +252,71 @@ def worker_runs(argv) -> tuple[argparse.Namespace, list[tuple[str, list[str]]]]:
     return args, [(c, o) for c, o in runs]
 
 
-def bench_callback(output_dir: str):
+def summarise_step_profile(prof, steps: int, wall_ms: float, top: int = 8) -> dict:
+    """What one rank's GPU did per step: wall time, compute kernel time and NCCL kernel time (NCCL runs on its own
+    streams and may overlap compute: compute + NCCL > wall means overlap, wall > compute means the compute stream waited
+    for the host or for communication), launches, and the top kernels and CPU ops."""
+    import torch
+
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    is_nccl = lambda e: "nccl" in e.key.lower()
+    per_step = lambda us: us / 1e3 / steps
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_ms / steps,
+        "compute_kernel_ms_per_step": per_step(sum(e.self_device_time_total for e in kernels if not is_nccl(e))),
+        "nccl_kernel_ms_per_step": per_step(sum(e.self_device_time_total for e in kernels if is_nccl(e))),
+        "kernel_launches_per_step": sum(e.count for e in kernels) / steps,
+        "gpu_top": [
+            {"name": e.key[:80], "calls_per_step": e.count / steps, "ms_per_step": per_step(e.self_device_time_total)}
+            for e in sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+        ],
+        "cpu_top": [
+            {"name": e.key[:80], "calls_per_step": e.count / steps, "ms_per_step": per_step(e.self_cpu_time_total)}
+            for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        ],
+    }
+
+
+def bench_callback(output_dir: str, profile_steps: int = 0):
     """A ``TrainerCallback`` that writes this process's peak memory of the training loop and the FSDP units of the
-    prepared model to ``<output_dir>/peak_memory_rank<RANK>.json``."""
+    prepared model to ``<output_dir>/peak_memory_rank<RANK>.json``; with ``profile_steps``, rank 0 also runs
+    torch.profiler over the last ``profile_steps`` untimed warm-up steps and writes :func:`summarise_step_profile` to
+    ``<output_dir>/profile_rank0.json`` (inside the warm-up, so the profiler does not slow the measured steps)."""
     import torch
     from transformers import TrainerCallback
 
+    rank = int(os.environ.get("RANK", "0"))
+
     class BenchCallback(TrainerCallback):
         fsdp_units = None
+        _profiler = None
+        _t0 = 0.0
+
+        @staticmethod
+        def _now() -> float:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if profile_steps and rank == 0 and state.global_step == WARMUP_STEPS - profile_steps:
+                from torch.profiler import ProfilerActivity, profile
+
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                self._profiler = profile(activities=activities)
+                self._profiler.__enter__()
+                self._t0 = self._now()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self._profiler is not None and state.global_step >= WARMUP_STEPS:
+                wall_ms = 1e3 * (self._now() - self._t0)
+                self._profiler.__exit__(None, None, None)
+                summary = summarise_step_profile(self._profiler, profile_steps, wall_ms)
+                self._profiler = None
+                with open(os.path.join(output_dir, "profile_rank0.json"), "w") as f:
+                    json.dump(summary, f, indent=2)
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if torch.cuda.is_available():
@@ -264,7 +334,6 @@ def bench_callback(output_dir: str):
             else:  # Linux reports ru_maxrss in KiB
                 peak = {"kind": "rss", "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
             peak["fsdp_units"] = self.fsdp_units
-            rank = int(os.environ.get("RANK", "0"))
             with open(os.path.join(output_dir, f"peak_memory_rank{rank}.json"), "w") as f:
                 json.dump(peak, f)
 
@@ -313,7 +382,7 @@ def worker(argv) -> int:
         reset_fsdp_wrap_policy(AcceleratorState._shared_state.get("fsdp_plugin"))
         try:
             cfg = load_config(os.path.join(REPO, config), overrides, output_dir=out)
-            run(cfg, train_only=True, callbacks=[bench_callback(out)])
+            run(cfg, train_only=True, callbacks=[bench_callback(out, args.profile_steps)])
         except Exception as exc:  # noqa: BLE001 (keep the launch going: the other recipes still run)
             failures += 1
             with open(os.path.join(out, f"failure_rank{os.environ.get('RANK', '0')}.json"), "w") as f:
@@ -366,6 +435,10 @@ def read_row(config: str, launch: dict, root: str, returncode, wall_seconds: flo
         device=s["device"],
         versions=s["versions"],
     )
+    profile_path = os.path.join(run_dir, "profile_rank0.json")
+    if os.path.exists(profile_path):
+        with open(profile_path) as f:
+            row["profile"] = json.load(f)
     if s["world_size"] != processes:
         row["error"] = f"the recipe ran on {s['world_size']} processes, not {processes}"
     elif len(peaks) != processes:
@@ -456,7 +529,44 @@ def markdown_table(rows: list[dict], title: str, concurrent: bool = False) -> st
                 "Launches on disjoint GPUs ran at the same time (--concurrent): the single-GPU runs one per GPU, the "
                 "2-process launches two at once; the host's CPUs were shared."
             )
+    lines += profile_section(rows)
     return "\n".join(lines) + "\n"
+
+
+def profile_section(rows: list[dict]) -> list[str]:
+    """The ``--profile-steps`` summaries: one line per profiled run, then each run's top GPU kernels."""
+    profiled = [r for r in _order(rows) if r.get("profile")]
+    if not profiled:
+        return []
+    lines = [
+        "",
+        "## Per-step profile (rank 0, torch.profiler over the last untimed warm-up steps)",
+        "",
+        "Compute / NCCL: kernel time per step on any stream.  NCCL kernels may overlap compute; a wall time above the "
+        "compute time is time the GPU's compute waited for the host or for communication.",
+        "",
+        "| recipe | strategy | processes | wall ms/step | compute kernel ms | NCCL kernel ms | wall - compute | launches |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in profiled:
+        p = r["profile"]
+        recipe = os.path.splitext(os.path.basename(r["config"]))[0]
+        lines.append(
+            f"| {recipe} | {r['strategy']} | {r['processes']} | {p['wall_ms_per_step']:.1f} | "
+            f"{p['compute_kernel_ms_per_step']:.1f} | {p['nccl_kernel_ms_per_step']:.1f} | "
+            f"{p['wall_ms_per_step'] - p['compute_kernel_ms_per_step']:.1f} | {p['kernel_launches_per_step']:.0f} |"
+        )
+    for r in profiled:
+        recipe = os.path.splitext(os.path.basename(r["config"]))[0]
+        lines += ["", f"{recipe} {r['strategy']} x{r['processes']}, top GPU kernels (ms/step, calls/step):"]
+        lines += [
+            f"- {k['ms_per_step']:.2f} ms, {k['calls_per_step']:.0f}x `{k['name']}`" for k in r["profile"]["gpu_top"]
+        ]
+        lines += [
+            "  top CPU ops (self ms/step): "
+            + "; ".join(f"`{k['name']}` {k['ms_per_step']:.1f}" for k in r["profile"]["cpu_top"][:5])
+        ]
+    return lines
 
 
 def write_results(rows: list[dict], args) -> str:

@@ -267,7 +267,7 @@ def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
     llama = _llama_test_config(tmp_path)
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_scaling.py"), "--cpu", "--strategies", "ddp"]
     cmd += ["--configs", "recipes/configs/cpu_test.yaml", llama, "--processes", "1", "2", "--steps", "8"]
-    cmd += ["--blocks-per-gpu", "4", "--output", str(out)]
+    cmd += ["--blocks-per-gpu", "4", "--profile-steps", "2", "--output", str(out)]
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -292,6 +292,10 @@ def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
         # train_only: no evaluation, no saved model
         assert summary["train_only"] is True and "eval_loss" not in summary and not (run_dir / "final").exists()
         assert (run_dir / f"peak_memory_rank{r['processes'] - 1}.json").exists()
+        # --profile-steps 2: rank 0 profiled warm-up steps 3 and 4 (on the CPU: no kernels, only host ops)
+        profile = r["profile"]
+        assert profile["steps"] == 2 and profile["wall_ms_per_step"] > 0 and profile["cpu_top"]
+        assert profile["compute_kernel_ms_per_step"] == 0 and not (run_dir / "profile_rank1.json").exists()
     launches = sorted(p.name for p in (out / "runs").glob("launch-*.log"))
     assert launches == ["launch-ddp-2-gpucpu.log", "launch-single-1-gpucpu.log"]
     for name in launches:  # one launch per process count serves both recipes, on the data prepared once
@@ -307,6 +311,7 @@ def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
     table = (out / "scaling.md").read_text()
     two = next(r for r in rows if r["family"] == "rbf" and r["processes"] == 2)
     assert f"| cpu_test | rbf | 30,336 | ddp | 2 | {two['tokens_per_second_per_gpu']:,.0f} |" in table
+    assert "## Per-step profile" in table and f"| cpu_test | ddp | 2 | {two['profile']['wall_ms_per_step']:.1f} |" in table
 
 
 def _bench_module():
@@ -326,6 +331,8 @@ def test_scaling_benchmark_arguments(tmp_path):
         bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--steps", "5"])
     with pytest.raises(SystemExit):
         bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--concurrent"])
+    with pytest.raises(SystemExit):  # only the untimed warm-up steps are profiled
+        bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--profile-steps", "5"])
     args = bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp"])
     assert args.processes == [1, 2] and len(args.configs) == 10
     args.strategies = ["ddp", "fsdp2"]
