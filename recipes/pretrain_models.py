@@ -15,12 +15,19 @@
 Parameter matching (``model.match_parameters``): a family with fewer parameters by construction (GKA has no W_Q, W_K,
 W_V) can be widened to the budget of a reference model: the SwiGLU width is solved so that the total parameter count
 is as close as possible to the reference's (each unit of ``intermediate_size`` adds ``3 * hidden_size`` parameters per
-layer without MLP biases).
+layer without MLP biases), rounded to a multiple of ``match_parameters.multiple_of`` (default 8: an unaligned width
+makes every MLP GEMM several times slower on tensor cores; 1 matches exactly).
 """
 
 from __future__ import annotations
 
 import torch
+
+# match_parameters rounds the SwiGLU width to a multiple of this: bf16 / fp16 GEMMs run on tensor cores only with
+# 16-byte aligned rows, and cuBLAS falls back to "align1" kernels for any other width.  Measured on an H100 (1B
+# scaling run, benchmarks/results/h100x4-2026-11-26c): widths 10,059 and 8,181 made every MLP GEMM of scalar_sort /
+# hybrid_sort a cutlass sm75 align1 kernel, 340 ms of a 490 ms step against 60 ms for Llama's aligned 8,192.
+DEFAULT_MULTIPLE_OF = 8
 
 # The keys that every model of the recipes shares (and that the "llama" family maps onto LlamaConfig).
 SHARED_KEYS = (
@@ -147,12 +154,16 @@ def parameter_count(family: str, config_kwargs: dict) -> dict:
     return count_parameters(build_model(build_config(family, config_kwargs), device="meta"))
 
 
-def match_intermediate_size(family: str, config_kwargs: dict, reference: dict, multiple_of: int = 1) -> dict:
+def match_intermediate_size(
+    family: str, config_kwargs: dict, reference: dict, multiple_of: int = DEFAULT_MULTIPLE_OF
+) -> dict:
     """The ``intermediate_size`` (a multiple of ``multiple_of``) that brings ``family`` closest to the parameter count
     of ``reference = {"family": ..., "config": {...}}`` (its config defaults to the shared keys of ``config_kwargs``).
 
     Returns ``{"intermediate_size", "num_parameters", "reference_num_parameters", "reference_family"}``.
     """
+    if int(multiple_of) != multiple_of or multiple_of < 1:
+        raise ValueError(f"match_parameters.multiple_of must be a positive int; got {multiple_of!r}")
     ref_family = reference.get("family", "dot")
     ref_kwargs = {k: v for k, v in config_kwargs.items() if k in SHARED_KEYS}
     ref_kwargs.update(reference.get("config") or {})
@@ -160,12 +171,10 @@ def match_intermediate_size(family: str, config_kwargs: dict, reference: dict, m
     base = dict(config_kwargs)
     i0 = int(base.get("intermediate_size", ref_kwargs.get("intermediate_size", 4 * base["hidden_size"])))
     p0 = parameter_count(family, dict(base, intermediate_size=i0))["total"]
-    p1 = parameter_count(family, dict(base, intermediate_size=i0 + multiple_of))["total"]
-    per_step = p1 - p0
-    if per_step <= 0:
+    per_unit = parameter_count(family, dict(base, intermediate_size=i0 + 1))["total"] - p0
+    if per_unit <= 0:
         raise ValueError(f"{family}: intermediate_size does not change the parameter count; cannot match")
-    steps = round((target - p0) / per_step)
-    size = i0 + steps * multiple_of
+    size = round((i0 + (target - p0) / per_unit) / multiple_of) * multiple_of
     if size < multiple_of:
         raise ValueError(f"{family}: matching {ref_family}'s {target} parameters needs intermediate_size {size} < 1")
     got = parameter_count(family, dict(base, intermediate_size=size))["total"]
@@ -189,7 +198,7 @@ def resolve_model_config(model_cfg: dict, vocab_size: int, block_size: int, spec
     match = {}
     if model_cfg.get("match_parameters"):
         spec = dict(model_cfg["match_parameters"])
-        multiple_of = int(spec.pop("multiple_of", 1))
+        multiple_of = spec.pop("multiple_of", DEFAULT_MULTIPLE_OF)
         match = match_intermediate_size(model_cfg["family"], kwargs, spec, multiple_of)
         kwargs["intermediate_size"] = match["intermediate_size"]
     return kwargs, match

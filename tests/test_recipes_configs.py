@@ -70,7 +70,9 @@ def test_tinystories_recipes_share_budgets(path):
     family = _needs_family(cfg)
     ours = parameter_count(family, _model_kwargs(cfg))["total"]
     dot = parameter_count("dot", _model_kwargs(ref))["total"]
-    assert abs(ours - dot) / dot < 1e-3, (ours, dot)
+    # matched to the nearest SwiGLU width that is a multiple of 8: one step of 8 is 8 * 3 * 256 * 4 = 24,576 parameters
+    # (0.46% of the budget), so the match is within half of it
+    assert abs(ours - dot) / dot < 2.5e-3, (ours, dot)
     if family in hf_rbf_families() and family != "gka" and "window_pattern" not in cfg["model"]["config"]:
         # the blog's setup: one register where the family has registers (dot and llama have none)
         assert cfg["model"]["config"]["num_register_tokens"] == 1
@@ -81,6 +83,34 @@ def test_gka_is_widened_by_exactly_its_missing_projections():
     kwargs = _model_kwargs(cfg)
     # W_Q, W_K, W_V: 3 d^2 per layer = 3 d per unit of SwiGLU width -> d more units
     assert kwargs["intermediate_size"] == 704 + 256
+
+
+MATCHED = [p for p in RECIPES if load_config(p)["model"].get("match_parameters")]
+
+
+@pytest.mark.parametrize("path", MATCHED, ids=lambda p: os.path.basename(p))
+def test_matched_widths_are_tensor_core_aligned(path):
+    """An unaligned SwiGLU width (10,059 in the 1B scalar_sort recipe) made every MLP GEMM a cutlass align1 kernel, 5x
+    slower on an H100: matched widths are multiples of 8 unless a recipe asks for exact matching."""
+    cfg = load_config(path)
+    spec = cfg["model"]["match_parameters"]
+    assert _model_kwargs(cfg)["intermediate_size"] % spec.get("multiple_of", 8) == 0
+
+
+def test_match_intermediate_size_rounds_to_the_asked_multiple():
+    from recipes.pretrain_models import match_intermediate_size
+
+    kwargs = dict(vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16)
+    kwargs.update(num_register_tokens=1, max_position_embeddings=1024)
+    exact = match_intermediate_size("scalar_sort", kwargs, {"family": "dot"}, multiple_of=1)
+    aligned = match_intermediate_size("scalar_sort", kwargs, {"family": "dot"})
+    assert exact["intermediate_size"] == 10059 and aligned["intermediate_size"] == 10056
+    # each unit of width is 3 * 2048 * 16 parameters: the aligned width is the multiple of 8 nearest the exact one
+    assert abs(aligned["num_parameters"] - aligned["reference_num_parameters"]) <= 4 * 3 * 2048 * 16
+    wide = match_intermediate_size("scalar_sort", kwargs, {"family": "dot"}, multiple_of=256)
+    assert wide["intermediate_size"] == 9984  # 39 * 256, the multiple nearest 10,059
+    with pytest.raises(ValueError, match="match_parameters.multiple_of must be a positive int"):
+        match_intermediate_size("scalar_sort", kwargs, {"family": "dot"}, multiple_of=0)
 
 
 def test_dot_is_our_backbone_and_llama_has_the_same_parameters():
