@@ -92,14 +92,19 @@ class GkaAttention(DecoderAttention):
         return gka_attention_random_features(keys, self.log_sigma, self.feature_projection, eps=self.eps, **mask_args)
 
     def features(self, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
-        """Text features ``[B, H, N, head_dim]`` from the normalised hidden states ``[B, N, D]``."""
-        x = self._split_heads(hidden_states)
+        """Text features ``[B, H, N, head_dim]`` (a transposed view) from the normalised hidden states ``[B, N, D]``.
+
+        The norm and RoPE run in the ``[B, N, H, head_dim]`` layout of the hidden states, where memory is contiguous:
+        on the head-major view every elementwise kernel took PyTorch's strided path (an H100 profile of the 1B recipe,
+        benchmarks/results/h100x4-2026-11-26c: 24 strided elementwise kernels per GKA layer and step against Llama's
+        12).  The fused kernels read the transposed view as it is."""
+        x = hidden_states.unflatten(-1, (self.num_heads, -1))
         if self.feature_norm:
             x = rms_normalize(x, self.norm_eps)
         if self.use_rope:
             cos, sin = position_embeddings
-            x = apply_rotary(x, cos, sin)
-        return x
+            x = apply_rotary(x, cos, sin, head_dim=2)
+        return x.transpose(1, 2)
 
     def forward(
         self,

@@ -123,3 +123,29 @@ def test_eps_is_the_papers_denominator():
         with torch.no_grad():
             out = hf_rbf.gka_attention(x, log_sigma, query=query, eps=0.25, backend=backend)
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("feature_norm, rope", [(True, True), (True, False), (False, True)])
+def test_layer_features_are_the_head_major_norm_and_rope_as_a_view(feature_norm, rope):
+    """GKA's features (per-head RMS norm, then RoPE) are computed in the hidden states' ``[B, N, H, d]`` layout and
+    returned as a transposed view (no copy for the fused kernel); they equal the head-major float64 computation."""
+    from conftest import build_model
+
+    from hf_rbf.modeling_decoder import SinusoidFrequencies
+
+    model = build_model("gka", dict(gka_feature_norm=feature_norm, position_embedding_type="rope" if rope else "none"))
+    attn = model.model.layers[0].self_attn
+    assert attn.feature_norm == feature_norm and attn.use_rope == rope
+    b, n, h = 2, 7, model.config.num_attention_heads
+    hidden = torch.randn(b, n, model.config.hidden_size)
+    cos, sin = SinusoidFrequencies(model.config.hidden_size // h, model.config.rope_theta)(torch.arange(n)[None])
+    feats = attn.features(hidden, (cos, sin))
+    assert feats.shape == (b, h, n, hidden.shape[-1] // h) and feats.transpose(1, 2).is_contiguous()
+    x = hidden.double().view(b, n, h, -1).transpose(1, 2)
+    if feature_norm:
+        x = x / x.pow(2).mean(-1, keepdim=True).add(attn.norm_eps).sqrt()
+    if rope:
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos.double()[:, None], sin.double()[:, None]
+        x = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    torch.testing.assert_close(feats.double(), x, rtol=0, atol=1e-5)
