@@ -542,8 +542,10 @@ def profile_section(rows: list[dict]) -> list[str]:
         "",
         "## Per-step profile (rank 0, torch.profiler over the last untimed warm-up steps)",
         "",
-        "Compute / NCCL: kernel time per step on any stream.  NCCL kernels may overlap compute; a wall time above the "
-        "compute time is time the GPU's compute waited for the host or for communication.",
+        (
+            "Compute / NCCL: kernel time per step on any stream.  NCCL kernels may overlap compute; a wall time above "
+            "the compute time is time the GPU's compute waited for the host or for communication."
+        ),
         "",
         "| recipe | strategy | processes | wall ms/step | compute kernel ms | NCCL kernel ms | wall - compute | launches |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
