@@ -100,8 +100,8 @@ def test_matched_widths_are_tensor_core_aligned(path):
 def test_match_intermediate_size_rounds_to_the_asked_multiple():
     from recipes.pretrain_models import match_intermediate_size
 
-    kwargs = dict(vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16)
-    kwargs.update(num_register_tokens=1, max_position_embeddings=1024)
+    kwargs = {"vocab_size": 8192, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16}
+    kwargs.update(num_attention_heads=16, num_register_tokens=1, max_position_embeddings=1024)
     exact = match_intermediate_size("scalar_sort", kwargs, {"family": "dot"}, multiple_of=1)
     aligned = match_intermediate_size("scalar_sort", kwargs, {"family": "dot"})
     assert exact["intermediate_size"] == 10059 and aligned["intermediate_size"] == 10056
