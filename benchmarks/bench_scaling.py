@@ -547,8 +547,8 @@ def profile_section(rows: list[dict]) -> list[str]:
             "the compute time is time the GPU's compute waited for the host or for communication."
         ),
         "",
-        "| recipe | strategy | processes | wall ms/step | compute kernel ms | NCCL kernel ms | wall - compute "
-        "| launches |",
+        "| recipe | strategy | processes | wall ms/step | compute kernel ms | NCCL kernel ms | wall - compute | "
+        + "launches |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in profiled:
