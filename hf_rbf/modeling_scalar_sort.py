@@ -74,9 +74,10 @@ def _split_row_heads(t: torch.Tensor | None, text_shape: tuple[int, int]):
     if t is None:
         return None, None
     b, n = text_shape
-    text = t[:, :, : b * n].unflatten(2, (b, n)).squeeze(0).movedim(1, 0)
-    registers = t[:, :, b * n :] if t.shape[2] > b * n else None
-    return text, registers
+    registers = None
+    if t.shape[2] > b * n:  # one split, not two slices (see split_rows: its backward is one cat)
+        t, registers = t.split([b * n, t.shape[2] - b * n], dim=2)
+    return t.unflatten(2, (b, n)).squeeze(0).movedim(1, 0), registers
 
 
 @dataclass

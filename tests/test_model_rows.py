@@ -113,7 +113,12 @@ def test_register_stream_stays_bounded_in_a_deep_model(family):
     register states overflow and the last MLP's weight gradients are NaN (the 1B rbf recipe's failure on the GPU)."""
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
-        family, vocab_size=64, hidden_size=32, num_hidden_layers=16, num_attention_heads=2, intermediate_size=64,
+        family,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=16,
+        num_attention_heads=2,
+        intermediate_size=64,
         num_register_tokens=1,
     )
     model = AutoModelForCausalLM.from_config(cfg)
@@ -123,8 +128,10 @@ def test_register_stream_stays_bounded_in_a_deep_model(family):
                 proj.weight.normal_(0.0, 0.5)
         model.model.register_tokens.fill_(2.0)
     states = []
-    hooks = [layer.register_forward_hook(lambda m, a, out: states.append(out[0] if isinstance(out, tuple) else out))
-             for layer in model.model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, a, out: states.append(out[0] if isinstance(out, tuple) else out))
+        for layer in model.model.layers
+    ]
     ids = torch.randint(0, 64, (2, 9))
     out = model(input_ids=ids, labels=ids)
     for h in hooks:
@@ -165,7 +172,16 @@ class _HostDeviceTransfers(torch.utils._python_dispatch.TorchDispatchMode):
         ("rbf", {"attention_layers": ["rbf", "dot"], "window_pattern": "SL", "sliding_window": 4, "qk_norm": True}),
         ("scalar_sort", {"tau_mode": "per_token", "num_value_groups": 2, "window_pattern": "SL", "sliding_window": 4}),
     ],
-    ids=["rbf", "gka-r1", "scalar-r1", "hybrid-r1", "hybrid-kinds-r2", "gka-sl", "rbf-dot-sl-qknorm", "scalar-token-sl"],
+    ids=[
+        "rbf",
+        "gka-r1",
+        "scalar-r1",
+        "hybrid-r1",
+        "hybrid-kinds-r2",
+        "gka-sl",
+        "rbf-dot-sl-qknorm",
+        "scalar-token-sl",
+    ],
 )
 def test_training_step_makes_no_host_device_round_trip(family, extra):
     """A training forward and backward (no padding mask, as the pretraining recipes run) neither reads a device value
@@ -181,3 +197,38 @@ def test_training_step_makes_no_host_device_round_trip(family, extra):
     with _HostDeviceTransfers() as mode:
         model(input_ids=ids, labels=ids).loss.backward()
     assert mode.seen == [], mode.seen
+
+
+class _AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["rbf", "gka", "scalar_sort", "hybrid_sort"])
+def test_register_rows_split_off_without_slice_backward(family):
+    """The text and register rows are split off the flat buffers (rows, projections, norms) by one ``split`` each:
+    two slices cost a zero-filled full-size gradient and a copy per slice plus an add in the backward (hybrid_sort
+    with one register: 15 ``slice_backward`` per layer and step), a split one ``cat``."""
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        family,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=48,
+        num_register_tokens=1,
+        attention_backend="naive",
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 64, (2, 9))
+    loss = model(input_ids=ids, labels=ids).loss
+    with _AtenOps() as ops:
+        loss.backward()
+    assert "split_with_sizes" not in ops.names and ops.names.count("slice_backward") == 0, sorted(set(ops.names))
+    assert model.model.register_tokens.grad is not None and model.model.register_tokens.grad.abs().sum() > 0
