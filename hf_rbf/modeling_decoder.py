@@ -239,14 +239,14 @@ class DecoderAttention(nn.Module):
 
     def _heads_to_rows(self, out: torch.Tensor, register_out: torch.Tensor | None) -> torch.Tensor:
         """Text ``[B, H, N, Dv]`` and register ``[1, H, R, Dv]`` outputs as flat rows ``[B * N + R, H * Dv]``: one
-        copy of each into a fresh buffer (merging the heads copies anyway)."""
+        ``cat`` (merging the heads copies anyway, unless the kernel wrote ``out`` row-major).  Not ``copy_`` into
+        slices of a fresh buffer: autograd's ``CopySlices`` backward clones the full gradient and zero-fills each
+        slice."""
         b, h, n, dv = out.shape
+        text = out.transpose(1, 2).reshape(b * n, h * dv)
         if register_out is None:
-            return self._merge_heads(out).view(b * n, h * dv)
-        rows = out.new_empty(b * n + register_out.shape[2], h, dv)
-        rows[: b * n].view(b, n, h, dv).copy_(out.transpose(1, 2))
-        rows[b * n :].copy_(register_out[0].transpose(0, 1))
-        return rows.view(rows.shape[0], h * dv)
+            return text
+        return torch.cat([text, register_out[0].transpose(0, 1).reshape(-1, h * dv)])
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _init_own_parameters(self) -> None:

@@ -209,11 +209,24 @@ class _AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _graph_nodes(grad_fn) -> list[str]:
+    seen, names, stack = set(), [], [grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return names
+
+
 @pytest.mark.parametrize("family", ["rbf", "gka", "scalar_sort", "hybrid_sort"])
-def test_register_rows_split_off_without_slice_backward(family):
-    """The text and register rows are split off the flat buffers (rows, projections, norms) by one ``split`` each:
-    two slices cost a zero-filled full-size gradient and a copy per slice plus an add in the backward (hybrid_sort
-    with one register: 15 ``slice_backward`` per layer and step), a split one ``cat``."""
+def test_register_rows_split_off_and_joined_without_slices(family):
+    """Text and register rows are split off the flat buffers (rows, head-major projections, norm variances) by one
+    ``split`` each and joined by one ``cat``.  Two slices cost, in the backward, a zero-filled full-size gradient and a
+    copy per slice plus an add (hybrid_sort with one register: 15 ``slice_backward`` per layer and step); ``copy_``
+    into slices of a fresh buffer a ``CopySlices`` node that clones the full gradient and zero-fills each slice."""
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
         family,
@@ -228,7 +241,9 @@ def test_register_rows_split_off_without_slice_backward(family):
     model = AutoModelForCausalLM.from_config(cfg)
     ids = torch.randint(0, 64, (2, 9))
     loss = model(input_ids=ids, labels=ids).loss
+    nodes = _graph_nodes(loss.grad_fn)
+    assert "SliceBackward0" not in nodes and "CopySlices" not in nodes, sorted(set(nodes))
     with _AtenOps() as ops:
         loss.backward()
-    assert "split_with_sizes" not in ops.names and ops.names.count("slice_backward") == 0, sorted(set(ops.names))
+    assert ops.names.count("slice_backward") == 0, sorted(set(ops.names))
     assert model.model.register_tokens.grad is not None and model.model.register_tokens.grad.abs().sum() > 0
