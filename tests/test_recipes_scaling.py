@@ -311,7 +311,9 @@ def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
     table = (out / "scaling.md").read_text()
     two = next(r for r in rows if r["family"] == "rbf" and r["processes"] == 2)
     assert f"| cpu_test | rbf | 30,336 | ddp | 2 | {two['tokens_per_second_per_gpu']:,.0f} |" in table
-    assert "## Per-step profile" in table and f"| cpu_test | ddp | 2 | {two['profile']['wall_ms_per_step']:.1f} |" in table
+    assert (
+        "## Per-step profile" in table and f"| cpu_test | ddp | 2 | {two['profile']['wall_ms_per_step']:.1f} |" in table
+    )
 
 
 def _bench_module():
@@ -394,3 +396,33 @@ def test_scaling_benchmark_waves():
     ]
     with pytest.raises(ValueError, match="needs 4 GPUs"):
         plan(configs, [4], ["ddp"], 2, True)
+
+
+def test_step_profile_summary_splits_nccl_from_compute():
+    """``--profile-steps``' summary on CUDA-like events: NCCL kernels counted apart from compute kernels, per step."""
+    from types import SimpleNamespace
+
+    bench_scaling = _bench_module()
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(key, device_type, device_us=0.0, cpu_us=0.0, count=1):
+        return SimpleNamespace(
+            key=key, device_type=device_type, self_device_time_total=device_us, self_cpu_time_total=cpu_us, count=count
+        )
+
+    events = [
+        event("nvjet_sm90_gemm", cuda, device_us=6000.0, count=10),
+        event("ncclDevKernel_AllGather_RING_LL", cuda, device_us=2000.0, count=4),
+        event("_distance_fwd_kernel", cuda, device_us=1000.0, count=2),
+        event("cudaLaunchKernel", cpu, cpu_us=800.0, count=16),
+    ]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    s = bench_scaling.summarise_step_profile(prof, steps=2, wall_ms=10.0)
+    assert s["wall_ms_per_step"] == 5.0 and s["kernel_launches_per_step"] == 8.0
+    assert s["compute_kernel_ms_per_step"] == pytest.approx(3.5) and s["nccl_kernel_ms_per_step"] == pytest.approx(1.0)
+    assert [k["name"] for k in s["gpu_top"]] == [
+        "nvjet_sm90_gemm",
+        "ncclDevKernel_AllGather_RING_LL",
+        "_distance_fwd_kernel",
+    ]
+    assert s["cpu_top"][0] == {"name": "cudaLaunchKernel", "calls_per_step": 8.0, "ms_per_step": 0.4}
