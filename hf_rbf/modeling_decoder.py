@@ -124,7 +124,8 @@ class SinusoidFrequencies(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int = 1) -> torch.Tensor:
     """RoPE in the rotate-half convention: ``x [B, H, N, D]`` (``head_dim=1``) or ``[B, N, H, D]`` (``head_dim=2``: a
-    projection's own layout, contiguous, where the elementwise kernels run vectorised), ``cos/sin [B|1, N, D/2]``."""
+    projection's own layout, whose transposed result the fused kernels read without a copy); ``cos/sin [B|1, N, D/2]``.
+    """
     cos = cos.unsqueeze(head_dim).to(x.dtype)
     sin = sin.unsqueeze(head_dim).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
