@@ -287,18 +287,15 @@ def bench_callback(output_dir: str, profile_steps: int = 0):
     import torch
     from transformers import TrainerCallback
 
+    from recipes.pretrain_callbacks import ThroughputCallback
+
     rank = int(os.environ.get("RANK", "0"))
 
     class BenchCallback(TrainerCallback):
         fsdp_units = None
         _profiler = None
         _t0 = 0.0
-
-        @staticmethod
-        def _now() -> float:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-            return time.perf_counter()
+        _now = staticmethod(ThroughputCallback._now)  # CUDA-synchronised wall clock, as the recipe's own measure
 
         def on_step_begin(self, args, state, control, **kwargs):
             if profile_steps and rank == 0 and state.global_step == WARMUP_STEPS - profile_steps:

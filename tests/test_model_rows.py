@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_rbf
+from conftest import build_model
 from hf_rbf.modeling_decoder import DecoderRMSNorm, join_rows, split_rows
 
 
@@ -227,19 +228,8 @@ def test_register_rows_split_off_and_joined_without_slices(family):
     ``split`` each and joined by one ``cat``.  Two slices cost, in the backward, a zero-filled full-size gradient and a
     copy per slice plus an add (hybrid_sort with one register: 15 ``slice_backward`` per layer and step); ``copy_``
     into slices of a fresh buffer a ``CopySlices`` node that clones the full gradient and zero-fills each slice."""
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        family,
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=48,
-        num_register_tokens=1,
-        attention_backend="naive",
-    )
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 64, (2, 9))
+    model = build_model(family, {"num_register_tokens": 1}).train()  # a training step: no cache
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
     loss = model(input_ids=ids, labels=ids).loss
     nodes = _graph_nodes(loss.grad_fn)
     assert "SliceBackward0" not in nodes and "CopySlices" not in nodes, sorted(set(nodes))
