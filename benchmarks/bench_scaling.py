@@ -57,9 +57,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from recipes.pretrain_callbacks import THROUGHPUT_WARMUP_STEPS as WARMUP_STEPS  # noqa: E402 (after the path)
+
 ACCELERATE_CONFIGS = {"ddp": "recipes/accelerate/ddp.yaml", "fsdp2": "recipes/accelerate/fsdp2.yaml"}
 SINGLE = "single"  # one plain process on one GPU: the baseline of every strategy
-WARMUP_STEPS = 5  # the steps ThroughputCallback leaves out of tokens/s; --profile-steps profiles the last of them
 SIZES = ("d768", "1b")
 FAMILIES = ("llama", "rbf", "gka", "scalar_sort", "hybrid_sort")
 DEFAULT_CONFIGS = [f"recipes/configs/scale_{size}_{family}.yaml" for size in SIZES for family in FAMILIES]
@@ -97,8 +98,10 @@ def parse_args(argv=None):
         "summary (step wall time, compute and NCCL kernel time, top kernels and CPU ops) goes into scaling.md",
     )
     args = parser.parse_args(argv)
-    if args.steps < 6:
-        parser.error(f"--steps must be at least 6 (the first 5 steps are not timed); got {args.steps}")
+    if args.steps <= WARMUP_STEPS:
+        parser.error(
+            f"--steps must be at least {WARMUP_STEPS + 1} (the first {WARMUP_STEPS} steps are not timed); got {args.steps}"
+        )
     if not 0 <= args.profile_steps < WARMUP_STEPS:
         parser.error(
             f"--profile-steps must be in 0..{WARMUP_STEPS - 1} (the untimed warm-up steps); got {args.profile_steps}"

@@ -12,6 +12,10 @@ from transformers import TrainerCallback
 
 from .plotting import plot_loss_curves
 
+# optimizer steps left out of tokens/s (compilation, autotuning and allocator warm-up); bench_scaling.py profiles the
+# last of them
+THROUGHPUT_WARMUP_STEPS = 5
+
 CSV_FIELDS = ("step", "epoch", "tokens_seen", "loss", "grad_norm", "learning_rate", "eval_loss", "eval_runtime")
 
 
@@ -83,7 +87,7 @@ class ThroughputCallback(TrainerCallback):
     warm-up excluded), with evaluation and checkpoint saving excluded too: time is taken (CUDA-synchronised) only
     where a measured stretch of steps starts or ends, around each evaluation / save, so steps run unsynchronised."""
 
-    def __init__(self, tokens_per_step: int, warmup_steps: int = 5):
+    def __init__(self, tokens_per_step: int, warmup_steps: int = THROUGHPUT_WARMUP_STEPS):
         self.tokens_per_step = tokens_per_step
         self.warmup_steps = warmup_steps
         self.seconds = 0.0
@@ -135,4 +139,4 @@ class StopAtStepCallback(TrainerCallback):
         return control
 
 
-__all__ = ["MetricsCallback", "StopAtStepCallback", "ThroughputCallback"]
+__all__ = ["THROUGHPUT_WARMUP_STEPS", "MetricsCallback", "StopAtStepCallback", "ThroughputCallback"]
