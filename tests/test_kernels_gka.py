@@ -69,3 +69,31 @@ def test_matches_float64_reference(case):
 def test_full_shapes_on_gpu(case):
     res = kc.check_case(case, "cuda")
     assert res.ok, f"{case.name}: {res.summary()} {res.errors}"
+
+
+def test_features_as_a_transposed_view_match_contiguous_features():
+    """The GKA layer hands the kernels its features as a transposed view of ``[B, N, H, d]`` (no copy): the output and
+    the gradients (features, per-head log-bandwidth) equal those of the same features made contiguous, and the float64
+    naive reference to float32 rounding."""
+    from hf_rbf.attention_gka import gka_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, n, h, d = 2, 37, 2, 16
+    base = torch.randn(b, n, h * d, generator=g, dtype=torch.float64)
+    upstream = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    results = {}
+    for name, backend, dtype, layout in [
+        ("view", "triton", torch.float32, lambda t: t.unflatten(-1, (h, d)).transpose(1, 2)),
+        ("contiguous", "triton", torch.float32, lambda t: t.unflatten(-1, (h, d)).transpose(1, 2).contiguous()),
+        ("reference", "naive", torch.float64, lambda t: t.unflatten(-1, (h, d)).transpose(1, 2)),
+    ]:
+        x = base.to(DEVICE, dtype).requires_grad_()
+        log_sigma = torch.tensor([0.1, -0.2], device=DEVICE, dtype=torch.float64).requires_grad_()
+        features = layout(x)
+        assert features.is_contiguous() == (name == "contiguous")
+        out = gka_attention(features, log_sigma, causal=True, eps=1e-6, backend=backend)
+        (out.double() * upstream.to(DEVICE)).sum().backward()
+        results[name] = [out.detach().double().cpu(), x.grad.double().cpu(), log_sigma.grad.double().cpu()]
+    for got, same, ref in zip(results["view"], results["contiguous"], results["reference"]):
+        torch.testing.assert_close(got, same, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
