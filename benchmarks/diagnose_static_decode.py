@@ -1,0 +1,157 @@
+"""Why a family's ``generate(..., cache_implementation="static")`` is (or is not) faster than its dynamic cache on the
+GPU: compile counters, CUDA-graph skips and a profile of the decode steps, every family beside Llama, one process.
+
+    PYTHONPATH=. TORCH_LOGS=recompiles,graph_breaks,cudagraphs,perf_hints \\
+        python benchmarks/diagnose_static_decode.py --out DIR [--variants "llama;rbf;gka;scalar_sort;hybrid_sort"]
+
+Per variant (the d768 L12 H12 model of ``bench_generate.py``, batch 1, a 512-token prompt):
+
+* ms per generated token of ``generate`` with the dynamic and the static cache (``(t(33) - t(1)) / 32``, after a
+  warm-up call of each);
+* ``torch._dynamo.utils.counters`` after the static calls (graphs, graph breaks, recompiles, inductor's CUDA-graph
+  skips and their reasons);
+* a ``torch.profiler`` trace of one static ``generate`` of 9 new tokens: CUDA graph launches, kernel launches and the
+  CPU ops that took the most host time (where the step's host time goes when no graph replays);
+* ms per step of a hand-compiled decode step (``torch.compile(model.forward, mode="reduce-overhead",
+  fullgraph=True)`` over ``model.make_static_cache``), the floor ``generate`` could reach: hf_rbf families only.
+
+Writes ``diagnose.json`` and ``diagnose.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_generate import build, timed_generate  # noqa: E402
+
+PROMPT = 512
+NEW = 33
+
+
+def ms_per_token(model, ids, mode: str) -> float:
+    t1, _ = timed_generate(model, ids, 1, mode)
+    tn, _ = timed_generate(model, ids, NEW, mode)
+    return 1e3 * (tn - t1) / (NEW - 1)
+
+
+def counters_snapshot() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {k: dict(v) for k, v in counters.items() if v}
+
+
+def profile_static(model, ids) -> dict:
+    """Launch counts and the top host ops of one static ``generate`` of 9 new tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.bench_generate import generate_kwargs
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, 9, "static", None))
+        torch.cuda.synchronize()
+    names = Counter()
+    for e in prof.events():
+        if e.name.startswith(("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpy", "cudaStreamSync")):
+            names[e.name] += 1
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return dict(launches=dict(names), top_cpu=table)
+
+
+def manual_step_ms(model, ids) -> float:
+    """ms per decode step of ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` over the
+    family's own static cache (prompt prefilled eagerly), after 3 warm-up steps, 30 timed."""
+    from hf_rbf.cache_names import CACHE_NAME
+
+    cache = model.make_static_cache(max_cache_len=PROMPT + 64)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), **{CACHE_NAME: cache})
+        token = out.logits[:, -1:].argmax(-1)
+        step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        one = torch.ones_like(token)
+        for _ in range(3):
+            token = step(input_ids=token, attention_mask=one, **{CACHE_NAME: cache}).logits[:, -1:].argmax(-1).clone()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(30):
+            token = step(input_ids=token, attention_mask=one, **{CACHE_NAME: cache}).logits[:, -1:].argmax(-1).clone()
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / 30
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default="llama;rbf;gka;scalar_sort;hybrid_sort")
+    ap.add_argument("--no-manual", action="store_true", help="skip the hand-compiled decode step")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = torch.randint(2, 8192, (1, PROMPT), generator=torch.Generator().manual_seed(0)).cuda()
+    rows = []
+    for variant in args.variants.split(";"):
+        row = dict(variant=variant)
+        rows.append(row)
+        model = None
+        try:
+            torch._dynamo.reset()
+            from torch._dynamo.utils import counters
+
+            counters.clear()
+            model = build(variant, PROMPT + 128)
+            ms_per_token(model, ids, "dynamic")  # warm-up
+            row["dynamic_ms"] = ms_per_token(model, ids, "dynamic")
+            t0 = time.perf_counter()
+            timed_generate(model, ids, 2, "static")  # compiles
+            row["first_static_s"] = time.perf_counter() - t0
+            ms_per_token(model, ids, "static")
+            row["static_ms"] = ms_per_token(model, ids, "static")
+            row["counters"] = counters_snapshot()
+            row.update(profile_static(model, ids))
+            if variant != "llama" and not args.no_manual:
+                torch._dynamo.reset()
+                row["manual_step_ms"] = manual_step_ms(model, ids)
+        except Exception as err:  # noqa: BLE001  (one family's failure must not hide the others)
+            row["error"] = f"{type(err).__name__}: {err}"[:2000]
+            row["traceback"] = traceback.format_exc()[-4000:]
+        print(json.dumps({k: v for k, v in row.items() if k not in ("top_cpu", "traceback")}, default=str), flush=True)
+        print(row.get("top_cpu", ""), row.get("traceback", ""), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    (out / "diagnose.json").write_text(json.dumps(rows, indent=1, default=str))
+    lines = [
+        f"# static-cache decode diagnosis ({torch.cuda.get_device_name(0)}, torch {torch.__version__}; d768 L12 H12 "
+        f"bf16, batch 1, {PROMPT}-token prompt)",
+        "",
+        "| model | dynamic ms/token | static ms/token | hand-compiled step ms | first static generate s | "
+        "graphs | graph breaks | cudagraph skips | launches in a 9-token static generate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r.get("counters", {})
+        lines.append(
+            f"| {r['variant']} | {r.get('dynamic_ms', float('nan')):.2f} | {r.get('static_ms', float('nan')):.2f} | "
+            f"{r.get('manual_step_ms', float('nan')):.2f} | {r.get('first_static_s', float('nan')):.1f} | "
+            f"{c.get('stats', {}).get('unique_graphs', '')} | {sum(c.get('graph_break', {}).values())} | "
+            f"{c.get('inductor', {}).get('cudagraph_skips', 0)} | {r.get('launches', r.get('error', ''))} |"
+        )
+    for r in rows:
+        lines += ["", f"## {r['variant']}", "", "```", json.dumps(r.get("counters", {}), default=str)[:3000]]
+        lines += [r.get("top_cpu", ""), r.get("traceback", ""), "```"]
+    (out / "diagnose.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
