@@ -7,7 +7,8 @@ cache and with ``cache_implementation="static"`` (where transformers compiles th
 d768 L12 H12 (110M parameters with the 8192-token vocabulary), bf16 weights, greedy, random prompt tokens, no EOS.
 The time per token is ``(t(new_tokens) - t(1)) / (new_tokens - 1)``: the prefill and the first token cancel.  Every
 (model, case, mode) runs once as a warm-up (compilation, autotuning), then ``--rounds`` interleaved rounds, the
-best kept.  Writes ``generate.json`` and ``generate.md``.
+best kept; one case after the other (a model's static cache, and the CUDA graphs recorded for its buffers, serve
+every call of one batch size, as transformers' own static cache does).  Writes ``generate.json`` and ``generate.md``.
 
 The column "cache bytes/token" is computed, not measured: the bytes one more cached token takes in the cache of the
 mode, per batch row, summed over the layers (:func:`hf_rbf.cache_static.cache_bytes_per_token` for the hf_rbf
@@ -150,8 +151,10 @@ def main() -> int:
             res["rows"].append(dict(variant=variant, error=f"{type(err).__name__}: {err}"))
     best: dict = {}
     peak: dict = {}
-    for rnd in range(args.rounds + 1):  # round 0 is the warm-up
-        for case in cases:
+    # cases outermost: a model's static cache (and the CUDA graphs recorded for its buffers) serves every call of one
+    # batch size, as transformers' own static cache does; alternating cases would rebuild it at every call
+    for case in cases:
+        for rnd in range(args.rounds + 1):  # round 0 is the warm-up
             for mode in args.modes.split(","):
                 for variant, model in models.items():
                     key = (variant, case, mode)

@@ -251,7 +251,7 @@ def train_steps(model, size, steps: int, warmup: int, profile_steps: int = 0):
     if profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             for _ in range(profile_steps):
                 step()
             _sync()
@@ -328,6 +328,7 @@ def summarise_profile(prof, steps: int, step_ms: float) -> dict:
     cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
     gpu_top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:20]
     return dict(
+        op_top=ops_by_device_time(prof, steps),
         gpu_busy_ms_per_step=gpu_us / 1e3 / steps,
         step_ms=step_ms,
         kernel_launches_per_step=launches / steps,
@@ -344,6 +345,27 @@ def summarise_profile(prof, steps: int, step_ms: float) -> dict:
             for e in gpu_top
         ],
     )
+
+
+def ops_by_device_time(prof, steps: int, top: int = 30) -> list[dict]:
+    """The aten ops (with their input shapes) whose kernels took the most GPU time per step: which elementwise ops,
+    copies and casts on which tensors a step pays for, where the kernel names alone (``elementwise_kernel<...>``) do
+    not say.  Needs ``record_shapes=True``; empty when the profile has no shapes."""
+    try:
+        events = prof.key_averages(group_by_input_shape=True)
+    except Exception:  # noqa: BLE001  (a profile without shapes: nothing to group)
+        return []
+    ops = [e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [
+        dict(
+            name=e.key,
+            shapes=str(e.input_shapes)[:120],
+            calls_per_step=e.count / steps,
+            ms_per_step=e.self_device_time_total / 1e3 / steps,
+        )
+        for e in ops[:top]
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -446,6 +468,18 @@ def write_markdown(res: dict, path: Path) -> None:
                 "|---|---|---|",
             ]
             lines += [f"| `{e['name']}` | {e['calls_per_step']:.0f} | {e['ms_per_step']:.2f} |" for e in p["gpu_top"]]
+            if p.get("op_top"):
+                lines += [
+                    "",
+                    f"### {size} {name}: aten ops by the GPU time of their own kernels, per step",
+                    "",
+                    "| op | input shapes | calls/step | ms/step |",
+                    "|---|---|---|---|",
+                ]
+                lines += [
+                    f"| `{e['name']}` | `{e['shapes']}` | {e['calls_per_step']:.0f} | {e['ms_per_step']:.2f} |"
+                    for e in p["op_top"]
+                ]
     lines += [
         "",
         "## Kernel time per pass (fwd+bwd, B = 32768/N, H16, D64, bf16, causal)",

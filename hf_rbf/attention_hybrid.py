@@ -20,6 +20,7 @@ from .attention_utils import (
     allowed_mask,
     autocast_inputs,
     check_dim,
+    check_prefix,
     check_return_weights,
     check_same,
     check_tensor,
@@ -32,6 +33,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_head_param,
     per_query_param,
+    with_prefix,
 )
 from .kernels_common import auto_order
 
@@ -83,6 +85,8 @@ def hybrid_attention(
     num_prefix_keys: int = 0,
     backend: str = "auto",
     return_weights: bool = False,
+    prefix_keys: torch.Tensor | None = None,
+    prefix_values: torch.Tensor | None = None,
 ):
     """Hybrid attention: scaled dot product minus the scalar Gaussian penalty.
 
@@ -97,6 +101,11 @@ def hybrid_attention(
         backend: "auto", "naive", "sdpa", "flex" or "triton".
         return_weights: also return the attention weights, computed by the materialised reference: ``backend`` must
             be "auto" (which then serves with "naive") or "naive".
+        prefix_keys, prefix_values: ``R`` vector keys ``[B or 1, H, R, D]`` and values ``[B or 1, G, R, Dv]`` in front
+            of ``k`` / ``v`` (a sink, register tokens), as separate tensors: the result is that of ``k =
+            torch.cat([prefix_keys.expand(B, ...), k], 2)`` (``v`` alike) with ``num_prefix_keys=R`` (0 or R).  The
+            fused kernels read them in place (no copy of the keys and values per call); the other backends
+            concatenate.  ``ks`` and the mask arguments then cover all ``R + Nk`` keys.
 
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; with ``return_weights`` ``(out, weights)``, ``weights``
@@ -109,7 +118,7 @@ def hybrid_attention(
     check_tensor(OP, "v", v, 4, "[B, G, Nk, Dv]")
     check_tensor(OP, "qs", qs, 3, "[B, H, Nq]")
     check_tensor(OP, "ks", ks, 3, "[B, H, Nk]")
-    q, k, v, qs, ks = autocast_inputs(q, k, v, qs, ks)
+    q, k, v, qs, ks, prefix_keys, prefix_values = autocast_inputs(q, k, v, qs, ks, prefix_keys, prefix_values)
     check_same(OP, {"q": q, "k": k, "v": v, "qs": qs, "ks": ks})
     b, h, nq, d = q.shape
     nk = k.shape[2]
@@ -117,6 +126,9 @@ def hybrid_attention(
     check_dim(OP, "k", k, 1, h, "head count")
     check_dim(OP, "k", k, 3, d, "head dim")
     check_grouped_values(OP, v, b, h, nk)
+    if prefix_keys is not None or prefix_values is not None:
+        num_prefix_keys = check_prefix(OP, q, k, v, prefix_keys, prefix_values, num_prefix_keys)
+        nk += num_prefix_keys
     for name, t, n in (("qs", qs, nq), ("ks", ks, nk)):
         check_dim(OP, name, t, 0, b, "batch size")
         check_dim(OP, name, t, 1, h, "head count")
@@ -141,8 +153,14 @@ def hybrid_attention(
     )
     if return_weights:
         choose_weights_backend(OP, backend, q.device)
+        if prefix_keys is not None:
+            k, v = with_prefix(k, v, prefix_keys, prefix_values)
         return hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, qs, ks, tau, scale, mask, backend))
+    if prefix_keys is not None:
+        if fn is hybrid_attention_triton:
+            return hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask, prefix=(prefix_keys, prefix_values))
+        k, v = with_prefix(k, v, prefix_keys, prefix_values)
     return fn(q, k, v, qs, ks, tau, scale, mask)
 
 
@@ -211,8 +229,9 @@ def hybrid_flex_reason(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> str | Non
 # in the forward and their gradient is summed over the group's heads inside the dK/dV program.
 
 
-def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch.Tensor:
-    """Fused hybrid attention; same arguments and result as ``hybrid_attention_naive``."""
+def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs, prefix=None) -> torch.Tensor:
+    """Fused hybrid attention; same arguments and result as ``hybrid_attention_naive`` (``prefix``: the separate
+    ``(prefix_keys, prefix_values)`` of :func:`hf_rbf.hybrid_attention`, read in place)."""
     heads = q.shape[1]
     if isinstance(scale, torch.Tensor):
         a = scale.float()
@@ -237,6 +256,7 @@ def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torc
         knorm=False,
         kv_same=False,
         eps=0.0,
+        prefix=prefix,
     )
 
 

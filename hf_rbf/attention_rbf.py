@@ -21,6 +21,7 @@ from .attention_utils import (
     allowed_mask,
     autocast_inputs,
     check_dim,
+    check_prefix,
     check_return_weights,
     check_same,
     check_tensor,
@@ -31,6 +32,7 @@ from .attention_utils import (
     masked_kernel_average,
     normalize_mask_args,
     per_head_param,
+    with_prefix,
 )
 from .kernels_common import auto_order
 
@@ -139,7 +141,7 @@ def rbf_attention(
     check_dim(OP, "k", k, 3, d, "head dim")
     check_dim(OP, "v", v, 2, nk, "key length")
     if prefix_keys is not None or prefix_values is not None:
-        num_prefix_keys = _check_prefix(q, k, v, prefix_keys, prefix_values, num_prefix_keys)
+        num_prefix_keys = check_prefix(OP, q, k, v, prefix_keys, prefix_values, num_prefix_keys)
         nk += num_prefix_keys
     if not isinstance(normalize, bool):
         raise TypeError(f"{OP}: `normalize` must be True or False; got {normalize!r}")
@@ -160,45 +162,14 @@ def rbf_attention(
     if return_weights:
         choose_weights_backend(OP, backend, q.device)
         if prefix_keys is not None:
-            k, v = _with_prefix(k, v, prefix_keys, prefix_values)
+            k, v = with_prefix(k, v, prefix_keys, prefix_values)
         return rbf_attention_naive(q, k, v, gamma, normalize, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, q.device, _candidates(q, k, v, gamma, normalize, mask, backend))
     if prefix_keys is not None:
         if fn is rbf_attention_triton:
             return rbf_attention_triton(q, k, v, gamma, normalize, mask, prefix=(prefix_keys, prefix_values))
-        k, v = _with_prefix(k, v, prefix_keys, prefix_values)
+        k, v = with_prefix(k, v, prefix_keys, prefix_values)
     return fn(q, k, v, gamma, normalize, mask)
-
-
-def _check_prefix(q, k, v, prefix_keys, prefix_values, num_prefix_keys) -> int:
-    """Validate ``prefix_keys`` / ``prefix_values`` against ``q``/``k``/``v``; returns their count ``R``."""
-    if prefix_keys is None or prefix_values is None:
-        raise ValueError(f"{OP}: `prefix_keys` and `prefix_values` go together; got only one of them")
-    check_tensor(OP, "prefix_keys", prefix_keys, 4, "[B or 1, H, R, D]")
-    check_tensor(OP, "prefix_values", prefix_values, 4, "[B or 1, H, R, Dv]")
-    check_same(OP, {"q": q, "prefix_keys": prefix_keys, "prefix_values": prefix_values})
-    b, h, _, d = q.shape
-    r = prefix_keys.shape[2]
-    for name, t, last in (("prefix_keys", prefix_keys, d), ("prefix_values", prefix_values, v.shape[3])):
-        if t.shape[0] not in (1, b) or t.shape[1] != h or t.shape[2] != r or t.shape[3] != last:
-            raise ValueError(
-                f"{OP}: `{name}` must have shape [{b} or 1, {h}, R, {last}] with the same R as `prefix_keys`; "
-                f"got {tuple(t.shape)}"
-            )
-    if num_prefix_keys not in (0, r):
-        raise ValueError(
-            f"{OP}: with `prefix_keys` the prefix is its R = {r} keys; `num_prefix_keys` must be 0 or {r}, got "
-            f"{num_prefix_keys!r}"
-        )
-    return r
-
-
-def _with_prefix(k, v, prefix_keys, prefix_values):
-    """The prefix concatenated in front of the keys / values (every backend but "triton")."""
-    b = k.shape[0]
-    k = torch.cat([prefix_keys.expand(b, -1, -1, -1), k], dim=2)
-    v = torch.cat([prefix_values.expand(b, -1, -1, -1), v], dim=2)
-    return k, v
 
 
 # --------------------------------------------------------------------------------------------------------------------

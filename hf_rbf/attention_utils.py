@@ -144,6 +144,38 @@ def check_return_weights(op: str, return_weights, backend) -> bool:
     return return_weights
 
 
+def check_prefix(op: str, q, k, v, prefix_keys, prefix_values, num_prefix_keys) -> int:
+    """Validate separate prefix keys ``[B or 1, H, R, D]`` and values ``[B or 1, G, R, Dv]`` (``G`` = the value heads of
+    ``v``) against ``q`` / ``k`` / ``v``; returns their count ``R`` (``num_prefix_keys`` must be 0 or ``R``)."""
+    if prefix_keys is None or prefix_values is None:
+        raise ValueError(f"{op}: `prefix_keys` and `prefix_values` go together; got only one of them")
+    check_tensor(op, "prefix_keys", prefix_keys, 4, "[B or 1, H, R, D]")
+    check_tensor(op, "prefix_values", prefix_values, 4, "[B or 1, G, R, Dv]")
+    check_same(op, {"q": q, "prefix_keys": prefix_keys, "prefix_values": prefix_values})
+    b = q.shape[0]
+    r = prefix_keys.shape[2]
+    for name, t, ref in (("prefix_keys", prefix_keys, k), ("prefix_values", prefix_values, v)):
+        if t.shape[0] not in (1, b) or t.shape[1] != ref.shape[1] or t.shape[2] != r or t.shape[3] != ref.shape[3]:
+            raise ValueError(
+                f"{op}: `{name}` must have shape [{b} or 1, {ref.shape[1]}, R, {ref.shape[3]}] with the same R as "
+                f"`prefix_keys`; got {tuple(t.shape)}"
+            )
+    if num_prefix_keys not in (0, r):
+        raise ValueError(
+            f"{op}: with `prefix_keys` the prefix is its R = {r} keys; `num_prefix_keys` must be 0 or {r}, got "
+            f"{num_prefix_keys!r}"
+        )
+    return r
+
+
+def with_prefix(k: torch.Tensor, v: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor):
+    """The prefix concatenated in front of the keys / values (the backends that take no separate prefix)."""
+    b = k.shape[0]
+    k = torch.cat([prefix_keys.expand(b, -1, -1, -1), k], dim=2)
+    v = torch.cat([prefix_values.expand(b, -1, -1, -1), v], dim=2)
+    return k, v
+
+
 def normalize_mask_args(
     op: str,
     *,

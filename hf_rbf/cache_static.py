@@ -216,7 +216,7 @@ class StaticDecoderCache(Cache):
     def begin_step(self, step_valid: torch.Tensor | None, batch: int, seq_len: int, device) -> None:
         """``step_valid [B, N]`` bool (False = padding) or None (all real) for the tokens of the coming forward."""
         self._step_valid = step_valid
-        if self.row_tokens is None:
+        if self.row_tokens is None or self.row_tokens.shape[0] != batch:
             self.row_tokens = torch.zeros(batch, dtype=torch.long, device=device)
             if not _compiling():
                 torch._dynamo.mark_static_address(self.row_tokens)
@@ -237,9 +237,19 @@ class StaticDecoderCache(Cache):
         if self.row_tokens is not None:
             self.row_tokens = self.row_tokens[indices].contiguous()
 
+    def buffer_batch_size(self) -> int | None:
+        """The batch size the layers' buffers were allocated for (None before the first write)."""
+        for layer in self.layers:
+            keys = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
+            if keys is not None:
+                return keys.shape[0]
+        return None
+
     def reset(self) -> None:
+        """Empty the cache in place (its buffers keep their addresses, which a compiled step's CUDA graphs read)."""
         super().reset()
-        self.row_tokens = None
+        if self.row_tokens is not None:
+            self.row_tokens.zero_()
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs: dict | None = None, *args, **kwargs):
         kwargs_ = dict(cache_kwargs or {})

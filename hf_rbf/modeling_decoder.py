@@ -83,8 +83,46 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def _plain_linear(m: nn.Module, like: nn.Linear) -> bool:
+    """An ``nn.Linear`` itself (not a subclass: PEFT's LoRA layers, quantised linears) whose forward nothing wraps or
+    hooks (accelerate's offloading replaces ``forward``), with ``like``'s weight dtype and device."""
+    return (
+        type(m) is nn.Linear
+        and "forward" not in m.__dict__
+        and not m._forward_hooks
+        and not m._forward_pre_hooks
+        and m.weight.dtype == like.weight.dtype
+        and m.weight.device == like.weight.device
+    )
+
+
+def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """``tuple(m(x) for m in linears)``, computed as one GEMM over the modules' concatenated weights when every one is
+    a plain ``nn.Linear`` (see ``_plain_linear``); otherwise every module is called, so that wrapped or hooked modules
+    (a LoRA adapter on ``q_proj``) keep working.  The outputs are one ``split`` of the product (views).
+
+    Why: several projections of the same input (an attention layer's q / k / v and scalar keys, SwiGLU's gate and up)
+    otherwise cost a GEMM, an autocast weight cast and a ``dx`` GEMM each, plus a sum of the ``dx`` parts in the
+    backward; the small scalar projections (``hidden -> heads``) are badly shaped GEMMs that read the whole input
+    for a few outputs.  Together: one cast, one GEMM forward, two backward (the split's backward is one ``cat`` of the
+    output gradients), and the parameters stay separate (checkpoints, PEFT target names, weight decay groups).
+    ``torch.cat`` of the weights is a parameter-sized copy per call, small next to the activations it saves.
+    """
+    if len(linears) == 1 or not (
+        torch.nn.modules.module._global_forward_hooks == {}
+        and torch.nn.modules.module._global_forward_pre_hooks == {}
+        and all(_plain_linear(m, linears[0]) for m in linears)
+    ):
+        return tuple(m(x) for m in linears)
+    weight = torch.cat([m.weight for m in linears])
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
+    return F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1)
+
+
 class DecoderMLP(nn.Module):
-    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (gate and up as one GEMM: :func:`project_together`)."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -93,7 +131,8 @@ class DecoderMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project_together(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class SinusoidFrequencies(nn.Module):
@@ -333,19 +372,18 @@ class DotAttention(DecoderAttention):
         return dot_backend_for(self.config)
 
     def _project(self, x: torch.Tensor, registers: bool = False):
-        q, k = self._project_qk(x, registers)
-        return q, k, self._values(x)
+        if self.v_proj is None:  # the values are the rows themselves (GKA's "vlt" layers)
+            q, k = (self._split_heads(t) for t in project_together(x, (self.q_proj, self.k_proj)))
+            return (*self._normalize_qk(q, k, registers), self._split_heads(x))
+        q, k, v = (self._split_heads(t) for t in project_together(x, (self.q_proj, self.k_proj, self.v_proj)))
+        return (*self._normalize_qk(q, k, registers), v)
 
-    def _project_qk(self, x: torch.Tensor, registers: bool = False):
-        q, k = self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x))
+    def _normalize_qk(self, q: torch.Tensor, k: torch.Tensor, registers: bool = False):
         if self.q_norm is not None:
             # register rows: the capped norm (their zero-initialised states sit where RMS norm is singular)
             q = self.q_norm.capped(q) if registers else self.q_norm(q)
             k = self.k_norm.capped(k) if registers else self.k_norm(k)
         return q, k
-
-    def _values(self, x: torch.Tensor) -> torch.Tensor:
-        return self._split_heads(self.v_proj(x))
 
     def forward(
         self,
@@ -981,8 +1019,11 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         compiles it on the GPU) does not recompile as the sequence grows."""
         cache = kwargs.get(CACHE_NAME, kwargs.get("cache", kwargs.get("past_key_values")))
         if isinstance(cache, StaticDecoderCache) and attention_mask is not None and inputs_embeds is not None:
-            # contiguous: a strided view's strides change with the sequence length, and a compiled step guards on them
-            return attention_mask[:, -inputs_embeds.shape[1] :].contiguous()
+            # A copy with canonical strides: the slice's strides grow with the sequence, and a compiled step guards on
+            # them.  `.contiguous()` is not enough: at batch 1 the [1, N] slice already counts as contiguous and keeps
+            # its stride, so every decode step failed the guard, recompiled with a dynamic stride, and CUDA graphs
+            # then recorded a new graph per step (measured on an H100: 18-22 ms per token instead of about 1).
+            return attention_mask[:, -inputs_embeds.shape[1] :].clone(memory_format=torch.contiguous_format)
         return attention_mask
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
@@ -1040,7 +1081,18 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         self._previous_max_cache_length = max_len
         # `generate(..., cache_config={...})`: the sorted families' static settings (e.g. "block_size", "decode_window")
         settings = dict(generation_config.cache_config or {})
-        return self.make_static_cache(max_len, **settings)
+        # As transformers' own static cache: the same cache object (its buffers reset in place) serves every generate
+        # call with the same batch size, capacity and settings.  A new cache means new buffer addresses, and the CUDA
+        # graphs of a compiled decode step are recorded for the addresses they saw (a new cache: a re-recording).
+        batch = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
+        key = (batch, max_len, repr(sorted(settings.items())), self.dtype, self.device)
+        reusable = getattr(self, "_generation_static_cache", None)
+        if reusable is not None and reusable[0] == key and reusable[1].buffer_batch_size() in (None, batch):
+            reusable[1].reset()
+            return reusable[1]
+        cache = self.make_static_cache(max_len, **settings)
+        self._generation_static_cache = (key, cache)
+        return cache
 
     def forward(
         self,

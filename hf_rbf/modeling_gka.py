@@ -168,10 +168,7 @@ class ValueLessAttention(DotAttention):
 
     def __init__(self, config: GkaConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        del self.v_proj
-
-    def _values(self, x: torch.Tensor) -> torch.Tensor:
-        return self._split_heads(x)
+        self.v_proj = None  # the values are the layer's input rows (see DecoderAttention._project)
 
 
 class GkaPreTrainedModel(DecoderPreTrainedModel):

@@ -49,12 +49,12 @@ class HybridSortAttention(ScalarSortAttention):
         self.k_proj = nn.Linear(d, hd, bias=config.attention_bias)
         self.use_rope = config.position_embedding_type == "rope"
         self.head_kinds = list(config.head_kinds)
-        self._scalar_heads = [kind != "dot" for kind in self.head_kinds]
+        self._scalar_head_flags = [kind != "dot" for kind in self.head_kinds]
         self._dot_heads = [kind != "scalar" for kind in self.head_kinds]
 
     @property
     def scalar_head_list(self) -> list[bool]:
-        return list(self._scalar_heads)
+        return list(self._scalar_head_flags)
 
     def _scale(self, device):
         """``1 / sqrt(head_dim)`` for heads with the dot term, 0 for pure scalar heads (float when uniform)."""
@@ -69,16 +69,19 @@ class HybridSortAttention(ScalarSortAttention):
         scale = self._scale(self.q_proj.weight.device)
         return None if isinstance(scale, float) and scale == 0.0 else scale
 
-    def scalar_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        qs, ks = super().scalar_qk(x)
-        if not all(self._scalar_heads):
-            mask = self._scalar_head_mask(x.device).view(1, -1, 1).to(qs.dtype)
+    def _scalar_heads(self, qs: torch.Tensor, ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qs, ks = super()._scalar_heads(qs, ks)
+        if not all(self._scalar_head_flags):
+            mask = self._scalar_head_mask(qs.device).view(1, -1, 1).to(qs.dtype)
             qs, ks = qs * mask, ks * mask
         return qs, ks
 
-    def _row_projections(self, x: torch.Tensor) -> _Projections:
-        proj = super()._row_projections(x)
-        proj.q, proj.k = self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x))
+    def _input_projections(self) -> tuple[nn.Linear, ...]:
+        return (*super()._input_projections(), self.q_proj, self.k_proj)
+
+    def _projections_of(self, outputs: tuple[torch.Tensor, ...]) -> _Projections:
+        proj = super()._projections_of(outputs[:3])
+        proj.q, proj.k = self._split_heads(outputs[3]), self._split_heads(outputs[4])
         return proj
 
     def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:
@@ -107,12 +110,31 @@ class HybridSortAttention(ScalarSortAttention):
         scale = scale if isinstance(scale, float) else scale.to(ct).view(1, -1, 1)
         return scores + scale * dot
 
+    def attend_with_prefix(
+        self, queries: _Projections, prefix: _Projections | None, keys: _Projections, tau, **mask_args
+    ) -> torch.Tensor:
+        """The prefix's vector keys and values go to ``hybrid_attention`` as separate tensors (the fused kernels read
+        them in place: no copy of the layer's keys and values per call); only the scalar keys are concatenated."""
+        if prefix is None:
+            return self.attention_function(queries, keys, tau, **mask_args)
+        ks = torch.cat([prefix.ks.expand(keys.ks.shape[0], -1, -1), keys.ks], dim=2)
+        return self.attention_function(
+            queries, _Projections(qs=None, ks=ks, v=keys.v, k=keys.k), tau, prefix=prefix, **mask_args
+        )
+
     def attention_function(
-        self, queries: _Projections, keys: _Projections, tau, backend: str | None = None, **mask_args
+        self,
+        queries: _Projections,
+        keys: _Projections,
+        tau,
+        backend: str | None = None,
+        prefix: _Projections | None = None,
+        **mask_args,
     ) -> torch.Tensor:
         """The layer's exact attention over ``keys`` (``hybrid_attention``); returns ``[B, H, Nq, Dv]``.
 
-        ``backend`` overrides ``config.attention_backend`` (the register rows use ``register_backend``).
+        ``backend`` overrides ``config.attention_backend`` (the register rows use ``register_backend``); ``prefix``:
+        vector keys and values in front of ``keys`` (see :meth:`attend_with_prefix`).
         """
         out = hybrid_attention(
             queries.q,
@@ -123,6 +145,8 @@ class HybridSortAttention(ScalarSortAttention):
             tau,
             scale=self._scale(queries.qs.device),
             backend=self.backend if backend is None else backend,
+            prefix_keys=None if prefix is None else prefix.k,
+            prefix_values=None if prefix is None else prefix.v,
             **mask_args,
         )
         self._note_backend("hybrid_attention")

@@ -26,6 +26,7 @@ from .modeling_decoder import (
     DecoderPreTrainedModel,
     DotAttention,
     apply_rotary,
+    project_together,
     susie_embedding,
 )
 
@@ -67,7 +68,7 @@ class RbfAttention(DecoderAttention):
             init.constant_(self.susie_weight, self.config.susie_init)
 
     def _project(self, x: torch.Tensor):
-        return self._split_heads(self.q_proj(x)), self._split_heads(self.k_proj(x)), self._split_heads(self.v_proj(x))
+        return tuple(self._split_heads(t) for t in project_together(x, (self.q_proj, self.k_proj, self.v_proj)))
 
     def _gamma(self):
         return self.gamma_init if self.log_gamma is None else self.log_gamma.exp()
@@ -94,8 +95,8 @@ class RbfAttention(DecoderAttention):
         """
         if rows is not None:
             text_shape = tuple(hidden_states.shape[:2])
-            projections = (self.q_proj, self.k_proj, self.v_proj)
-            (q, qr), (k, kr), (v, vr) = (self._row_heads(p(rows), text_shape) for p in projections)
+            projected = project_together(rows, (self.q_proj, self.k_proj, self.v_proj))
+            (q, qr), (k, kr), (v, vr) = (self._row_heads(t, text_shape) for t in projected)
             out, register_out, weights = self._attend(
                 q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions
             )

@@ -34,6 +34,7 @@ from .modeling_decoder import (
     DecoderModel,
     DecoderPreTrainedModel,
     DotAttention,
+    project_together,
 )
 from .scalar_regularizers import align_moment_values, align_rows, masked_sum, spread_loss, tau_loss
 
@@ -201,16 +202,29 @@ class ScalarSortAttention(DecoderAttention):
     # -- projections ---------------------------------------------------------------------------------------------
     def scalar_qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scalar queries and keys ``[B, H, N]`` of ``x [B, N, D]``."""
-        return self.qs_proj(x).transpose(1, 2), self.ks_proj(x).transpose(1, 2)
+        qs, ks = project_together(x, (self.qs_proj, self.ks_proj))
+        return self._scalar_heads(qs, ks)
 
-    def _values(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        return self.v_proj(x).view(b, n, self.num_value_groups, self.value_head_dim).transpose(1, 2)
+    def _scalar_heads(self, qs: torch.Tensor, ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qs_proj`` / ``ks_proj`` outputs ``[B, N, H]`` as scalar queries and keys ``[B, H, N]``."""
+        return qs.transpose(1, 2), ks.transpose(1, 2)
+
+    def _value_heads(self, v: torch.Tensor) -> torch.Tensor:
+        b, n, _ = v.shape
+        return v.view(b, n, self.num_value_groups, self.value_head_dim).transpose(1, 2)
+
+    def _input_projections(self) -> tuple[nn.Linear, ...]:
+        """The projections of a row, in the order :meth:`_projections_of` takes their outputs."""
+        return (self.qs_proj, self.ks_proj, self.v_proj)
+
+    def _projections_of(self, outputs: tuple[torch.Tensor, ...]) -> _Projections:
+        qs, ks = self._scalar_heads(*outputs[:2])
+        return _Projections(qs=qs, ks=ks, v=self._value_heads(outputs[2]))
 
     def _row_projections(self, x: torch.Tensor) -> _Projections:
-        """The projections of rows ``x [B, N, D]``, head-major, before positions or register offsets."""
-        qs, ks = self.scalar_qk(x)
-        return _Projections(qs=qs, ks=ks, v=self._values(x))
+        """The projections of rows ``x [B, N, D]``, head-major, before positions or register offsets: one GEMM for
+        all of them (:func:`~hf_rbf.modeling_decoder.project_together`)."""
+        return self._projections_of(project_together(x, self._input_projections()))
 
     def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:
         """Positions of the text rows (none in scalar layers)."""
@@ -281,6 +295,13 @@ class ScalarSortAttention(DecoderAttention):
         out = scalar_attention(queries.qs, keys.ks, keys.v, tau, backend=backend, **mask_args)
         self._note_backend("scalar_attention")
         return out
+
+    def attend_with_prefix(
+        self, queries: _Projections, prefix: _Projections | None, keys: _Projections, tau, **mask_args
+    ) -> torch.Tensor:
+        """:meth:`attention_function` over the ``prefix`` keys (sink, registers; batch 1, or None) followed by
+        ``keys``: here concatenated (the scalar kernels read one key sequence)."""
+        return self.attention_function(queries, self._cat_keys([prefix, keys], queries.qs.shape[0]), tau, **mask_args)
 
     def decode_scale(self):
         """The dot-product scale passed to the windowed decode step (None: no dot term)."""
@@ -439,9 +460,10 @@ class ScalarSortAttention(DecoderAttention):
                 am = layer.slot_mask
                 if num_prefix:
                     am = torch.cat([am.new_ones(b, num_prefix), am], dim=1)
-            out = self.attention_function(
+            out = self.attend_with_prefix(
                 proj,
-                self._cat_keys([prefix, keys], b),
+                prefix,
+                keys,
                 tau,
                 causal=True,
                 window=self.window,

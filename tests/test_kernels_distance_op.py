@@ -465,6 +465,56 @@ def test_rbf_attention_prefix_arguments(dtype):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_hybrid_attention_prefix_arguments(dtype):
+    """``hybrid_attention(prefix_keys=, prefix_values=)`` (the hybrid layer's sink and register keys): the triton
+    backend reads the prefix in place, the float64 naive reference of the same call concatenates; grouped values, a
+    window, odd lengths, per-head scale, per-query tau and scalar keys over all ``R + N`` keys; gradients of every
+    input, the prefix's included."""
+    gen = torch.Generator().manual_seed(11)
+    b, h, g, n, r, d, dv = 2, 4, 2, 19, 2, 16, 8
+    t = {
+        "q": torch.randn(b, h, n, d, generator=gen),
+        "k": torch.randn(b, h, n, d, generator=gen),
+        "v": torch.randn(b, g, n, dv, generator=gen),
+        "qs": torch.randn(b, h, n, generator=gen),
+        "ks": torch.randn(b, h, r + n, generator=gen),
+        "prefix_keys": torch.randn(1, h, r, d, generator=gen),
+        "prefix_values": torch.randn(1, g, r, dv, generator=gen),
+        "tau": 0.5 + torch.rand(b, h, n, generator=gen),
+        "scale": torch.tensor([0.25, 0.0, 0.3, 0.2]),  # one pure scalar head
+    }
+    dout = torch.randn(b, h, n, dv, generator=gen)
+
+    def run(backend, cast):
+        leaves = {name: cast(name, x).detach().clone().to(DEVICE).requires_grad_(True) for name, x in t.items()}
+        out = hf_rbf.hybrid_attention(
+            *(leaves[name] for name in ("q", "k", "v", "qs", "ks", "tau")),
+            scale=leaves["scale"].detach(),
+            window=7,
+            prefix_keys=leaves["prefix_keys"],
+            prefix_values=leaves["prefix_values"],
+            backend=backend,
+        )
+        assert hf_rbf.last_backend("hybrid_attention") == backend
+        out.backward(dout.to(DEVICE, out.dtype))
+        return out.detach(), {name: x.grad for name, x in leaves.items() if name != "scale"}
+
+    out, grads = run("triton", lambda name, x: x if name in ("tau", "scale") else x.to(dtype))
+    out_ref, grads_ref = run("naive", lambda name, x: x.double() if name != "scale" else x)
+    tol_out, tol_grad = TOL[dtype]
+    assert rel_err(out, out_ref) <= tol_out
+    for name, ref in grads_ref.items():
+        assert grads[name].shape == t[name].shape, name
+        assert rel_err(grads[name], ref) <= tol_grad, (name, rel_err(grads[name], ref))
+    with pytest.raises(ValueError, match="prefix_values. must have shape"):  # one value per head, not per group
+        hf_rbf.hybrid_attention(
+            *(t[name] for name in ("q", "k", "v", "qs", "ks", "tau")),
+            prefix_keys=t["prefix_keys"],
+            prefix_values=t["prefix_values"].repeat_interleave(h // g, dim=1),
+        )
+
+
 def test_rbf_attention_host_path_has_no_elementwise_ops():
     """One forward+backward of ``rbf_attention`` (triton, per-head gamma): three launches, and besides them only
     allocations, views and the one sum of the per-head gradient: no torch op builds or reduces a coefficient."""

@@ -1,0 +1,86 @@
+"""``project_together``: several projections of one input as one GEMM, with the separate modules' results and
+gradients, and the modules themselves called wherever something wraps or hooks them (PEFT, accelerate)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model
+from torch import nn
+
+from hf_rbf.modeling_decoder import project_together
+
+
+def _linears(bias_pattern=(True, False, True)):
+    torch.manual_seed(0)
+    return [nn.Linear(16, width, bias=b).double() for width, b in zip((16, 3, 8), bias_pattern)]
+
+
+@pytest.mark.parametrize("bias_pattern", [(True, False, True), (False, False, False)])
+def test_outputs_and_gradients_equal_separate_calls(bias_pattern):
+    linears = _linears(bias_pattern)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    together = project_together(x, linears)
+    separate = [m(x) for m in linears]
+    for a, b in zip(together, separate):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    weights = [torch.randn_like(t) for t in separate]
+    grads_together = torch.autograd.grad(
+        sum((t * w).sum() for t, w in zip(together, weights)), [x, *(p for m in linears for p in m.parameters())]
+    )
+    grads_separate = torch.autograd.grad(
+        sum((t * w).sum() for t, w in zip(separate, weights)), [x, *(p for m in linears for p in m.parameters())]
+    )
+    for a, b in zip(grads_together, grads_separate):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_one_gemm_when_plain(monkeypatch):
+    linears = _linears()
+    calls = []
+    monkeypatch.setattr(
+        torch.nn.functional, "linear", lambda *a, **k: calls.append(a[1].shape) or torch._C._nn.linear(*a, **k)
+    )
+    project_together(torch.randn(4, 16, dtype=torch.float64), linears)
+    assert calls == [torch.Size([27, 16])]
+
+
+def test_hooked_or_wrapped_modules_are_called():
+    """A forward hook (what accelerate and many tools use), a replaced ``forward`` and an ``nn.Linear`` subclass
+    (PEFT's LoRA layer, quantised linears) each make every module run on its own, so they still take effect."""
+    x = torch.randn(4, 16, dtype=torch.float64)
+    linears = _linears()
+    seen = []
+    handle = linears[1].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    project_together(x, linears)
+    handle.remove()
+    assert seen == [torch.Size([4, 3])]
+
+    linears = _linears()
+    linears[0].forward = lambda inp: torch.zeros(inp.shape[0], 16, dtype=inp.dtype)
+    assert project_together(x, linears)[0].abs().sum() == 0
+
+    class Scaled(nn.Linear):
+        def forward(self, inp):
+            return 2 * super().forward(inp)
+
+    linears = _linears()
+    scaled = Scaled(16, 3, bias=False).double()
+    scaled.load_state_dict(linears[1].state_dict())
+    torch.testing.assert_close(project_together(x, [linears[0], scaled, linears[2]])[1], 2 * linears[1](x))
+
+
+def test_lora_on_q_proj_changes_the_model_output():
+    """PEFT LoRA on ``q_proj`` / ``v_proj`` of an rbf model: the adapter's contribution reaches the output (the fused
+    projection steps aside for the wrapped modules)."""
+    peft = pytest.importorskip("peft")
+    model = build_model("rbf", {}).double()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    base = model(input_ids=ids).logits
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    adapted = lora(input_ids=ids).logits
+    assert (adapted - base).abs().max() > 1e-6
+    with lora.disable_adapter():
+        torch.testing.assert_close(lora(input_ids=ids).logits, base, rtol=1e-10, atol=1e-10)
