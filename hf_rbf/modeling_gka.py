@@ -168,7 +168,9 @@ class ValueLessAttention(DotAttention):
 
     def __init__(self, config: GkaConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.v_proj = None  # the values are the layer's input rows (see DecoderAttention._project)
+        del self.v_proj  # the values are the layer's input rows (`projects_values`, see DecoderAttention._project)
+
+    projects_values = False
 
 
 class GkaPreTrainedModel(DecoderPreTrainedModel):

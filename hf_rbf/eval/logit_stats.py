@@ -72,6 +72,15 @@ def _head_view(p, ct):
     return p if isinstance(p, float) else p.to(ct).view(1, -1, 1, 1)
 
 
+def _keys(args: dict, ct) -> torch.Tensor:
+    """The call's keys, with separate ``prefix_keys`` (rbf / hybrid: sink and registers read in place) in front."""
+    k = args["k"].to(ct)
+    prefix = args.get("prefix_keys")
+    if prefix is not None:
+        k = torch.cat([prefix.to(ct).expand(k.shape[0], -1, -1, -1), k], dim=2)
+    return k
+
+
 def call_logits(name: str, args: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits [B, H, Nq, Nk] float64, allowed [B|1, 1|H, Nq, Nk])`` of one call of attention function ``name``
     with its bound arguments ``args`` (the definitions in the module docstring)."""
@@ -81,7 +90,7 @@ def call_logits(name: str, args: dict) -> tuple[torch.Tensor, torch.Tensor]:
         scale = args.get("scale") or 1.0 / math.sqrt(q.shape[-1])
         logits = scale * (q @ k.transpose(-1, -2))
     elif name == "rbf_attention":
-        q, k = args["q"].to(ct), args["k"].to(ct)
+        q, k = args["q"].to(ct), _keys(args, ct)
         gamma = args.get("gamma")
         gamma = per_head_param(
             name, "gamma", 1.0 / math.sqrt(q.shape[-1]) if gamma is None else gamma, q.shape[1], q.device
@@ -105,7 +114,7 @@ def call_logits(name: str, args: dict) -> tuple[torch.Tensor, torch.Tensor]:
         tau = per_query_param(name, "tau", args["tau"], b, h, nq, qs.device)
         logits = scalar_scores(qs, ks, tau, ct)
         if name == "hybrid_attention":
-            q, k = args["q"].to(ct), args["k"].to(ct)
+            q, k = args["q"].to(ct), _keys(args, ct)
             scale = args.get("scale")
             scale = per_head_param(name, "scale", 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, h, q.device)
             logits = logits + _head_view(scale, ct) * (q @ k.transpose(-1, -2))
