@@ -206,8 +206,11 @@ class ScalarSortAttention(DecoderAttention):
         return self._scalar_heads(qs, ks)
 
     def _scalar_heads(self, qs: torch.Tensor, ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``qs_proj`` / ``ks_proj`` outputs ``[B, N, H]`` as scalar queries and keys ``[B, H, N]``."""
-        return qs.transpose(1, 2), ks.transpose(1, 2)
+        """``qs_proj`` / ``ks_proj`` outputs ``[B, N, H]`` as scalar queries and keys ``[B, H, N]``, copied to that
+        layout: the kernels read them along ``N``, and as views of the projection (a row of ``H`` values, or of all
+        the layer's projections together) each of those reads would touch its own memory sector.  The copies are
+        ``H`` values per token."""
+        return qs.transpose(1, 2).contiguous(), ks.transpose(1, 2).contiguous()
 
     def _value_heads(self, v: torch.Tensor) -> torch.Tensor:
         b, n, _ = v.shape
