@@ -18,6 +18,7 @@ token embedding -> N x DecoderLayer [RMSNorm -> attention -> residual, RMSNorm -
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 
 import torch
@@ -34,6 +35,9 @@ from .attention_utils import last_backend
 from .cache_names import CACHE_NAME, cache_field, generation_cache, output_cache, resolve_cache_argument
 from .cache_static import StaticDecoderCache, StaticKeyValueLayer, static_cache_len_for_bytes
 from .configuration_decoder import DecoderConfig
+from .kernels_rotary import rotary_fused, rotary_reason
+
+logger = logging.getLogger("hf_rbf")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -175,10 +179,51 @@ class SinusoidFrequencies(nn.Module):
         return angles.cos(), angles.sin()
 
 
+# Which RoPE implementation `apply_rotary` uses: "auto" (the fused kernel of `kernels_rotary` on CUDA, the torch
+# reference elsewhere, the Triton interpreter included: it would make every CPU model test crawl), "triton" (the
+# kernel wherever it can run, the interpreter too: what the CPU tests of the fused path set) or "torch".
+ROTARY_BACKENDS = ("auto", "triton", "torch")
+rotary_backend = "auto"
+_ROTARY_LOGGED: set = set()
+
+
+def _rotary_uses_kernel(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    if rotary_backend not in ROTARY_BACKENDS:
+        raise ValueError(
+            f"hf_rbf.modeling_decoder.rotary_backend must be one of {ROTARY_BACKENDS}; got {rotary_backend!r}"
+        )
+    if rotary_backend == "torch" or (rotary_backend == "auto" and x.device.type != "cuda"):
+        use, reason = False, f"rotary_backend={rotary_backend!r} on {x.device.type}"
+    else:
+        reason = rotary_reason(x, cos)
+        use = reason is None
+        if not use and rotary_backend == "triton":
+            raise ValueError(f"rotary_backend='triton' cannot serve this call: {reason}")
+    if not torch.compiler.is_compiling() and (x.device.type, use) not in _ROTARY_LOGGED:
+        _ROTARY_LOGGED.add((x.device.type, use))
+        logger.info("RoPE on %s: %s", x.device.type, "fused Triton kernel" if use else f"torch ({reason})")
+    return use
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int = 1) -> torch.Tensor:
     """RoPE in the rotate-half convention: ``x [B, H, N, D]`` (``head_dim=1``) or ``[B, N, H, D]`` (``head_dim=2``: a
     projection's own layout, whose transposed result the fused kernels read without a copy); ``cos/sin [B|1, N, D/2]``.
-    """
+    On CUDA one fused kernel each way (``kernels_rotary``; see ``rotary_backend``), else
+    :func:`apply_rotary_reference`."""
+    if _rotary_uses_kernel(x, cos):
+        return rotary_fused(x, None, cos, sin, head_dim)[0]
+    return apply_rotary_reference(x, cos, sin, head_dim)
+
+
+def apply_rotary_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int = 1):
+    """:func:`apply_rotary` of a layer's queries and keys, one launch for both on the fused path."""
+    if _rotary_uses_kernel(q, cos):
+        return rotary_fused(q, k, cos, sin, head_dim)
+    return apply_rotary_reference(q, cos, sin, head_dim), apply_rotary_reference(k, cos, sin, head_dim)
+
+
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int = 1) -> torch.Tensor:
+    """RoPE in plain torch (the reference of the fused kernel; arguments as :func:`apply_rotary`)."""
     cos = cos.unsqueeze(head_dim).to(x.dtype)
     sin = sin.unsqueeze(head_dim).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
@@ -415,7 +460,7 @@ class DotAttention(DecoderAttention):
         b = hidden_states.shape[0]
         q, k, v = self._project(hidden_states)
         cos, sin = position_embeddings
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_pair(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights, cache)
@@ -1178,6 +1223,9 @@ __all__ = [
     "DotAttention",
     "SinusoidFrequencies",
     "apply_rotary",
+    "apply_rotary_pair",
+    "apply_rotary_reference",
+    "project_together",
     "rms_normalize",
     "susie_embedding",
 ]

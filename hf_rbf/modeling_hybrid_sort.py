@@ -20,7 +20,13 @@ from .attention_hybrid import hybrid_attention
 from .cache_sorted_scalar import SortedScalarCache
 from .cache_static import StaticDecoderCache
 from .configuration_hybrid_sort import HybridSortConfig
-from .modeling_decoder import DecoderForCausalLM, DecoderModel, DecoderPreTrainedModel, DotAttention, apply_rotary
+from .modeling_decoder import (
+    DecoderForCausalLM,
+    DecoderModel,
+    DecoderPreTrainedModel,
+    DotAttention,
+    apply_rotary_pair,
+)
 from .modeling_scalar_sort import (
     RegularizedCausalLMMixin,
     ScalarSortAttention,
@@ -87,7 +93,7 @@ class HybridSortAttention(ScalarSortAttention):
     def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:
         if self.use_rope:
             cos, sin = position_embeddings
-            proj.q, proj.k = apply_rotary(proj.q, cos, sin), apply_rotary(proj.k, cos, sin)
+            proj.q, proj.k = apply_rotary_pair(proj.q, proj.k, cos, sin)
         return proj
 
     def _register_offsets(self, proj: _Projections, detach_offsets: bool = False) -> _Projections:

@@ -25,7 +25,7 @@ from .modeling_decoder import (
     DecoderModel,
     DecoderPreTrainedModel,
     DotAttention,
-    apply_rotary,
+    apply_rotary_pair,
     project_together,
     susie_embedding,
 )
@@ -122,7 +122,7 @@ class RbfAttention(DecoderAttention):
             pos = susie_embedding(cos, sin, self.susie_weight, q.dtype)
             q, k = q + pos, k + pos
         elif self.position_embedding_type == "rope":
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary_pair(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         am, klw = self._key_arguments(k.shape[2], attention_mask, key_log_weights, cache)
