@@ -183,7 +183,17 @@ VARIANTS = {
     # the recipes' setting (recipes/configs/tinystories_*_sort.yaml, scale_*_sort.yaml): one register
     "scalar_sort (1 register)": ("scalar_sort", dict(num_register_tokens=1)),
     "hybrid_sort (1 register)": ("hybrid_sort", dict(num_register_tokens=1)),
+    # the same models with RoPE through the torch reference instead of the fused kernel (hf_rbf.kernels_rotary): an
+    # A/B of the kernel in one process (the step sets `modeling_decoder.rotary_backend` while it runs)
+    "rbf (no registers, RoPE, torch RoPE)": ("rbf", dict(num_register_tokens=0, position_embedding_type="rope")),
+    "hybrid_sort (1 register, torch RoPE)": ("hybrid_sort", dict(num_register_tokens=1)),
 }
+TORCH_ROPE_SUFFIX = ", torch RoPE)"
+
+
+def rotary_backend_of(variant: str) -> str:
+    """The ``modeling_decoder.rotary_backend`` a variant's steps run with."""
+    return "torch" if variant.endswith(TORCH_ROPE_SUFFIX) else "auto"
 
 SIZES = {
     "d256": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=688, seq=256, batch=64),
@@ -273,12 +283,16 @@ def interleaved_steps(variants, size: dict, steps: int, rounds: int, compile_mod
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             forward = torch.compile(model) if compile_model else model
 
-            def step(model=forward, opt=opt):
+            def step(model=forward, opt=opt, rotary=rotary_backend_of(variant)):
+                from hf_rbf import modeling_decoder
+
+                modeling_decoder.rotary_backend = rotary
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                modeling_decoder.rotary_backend = "auto"
 
             t0 = time.perf_counter()
             step()
@@ -561,8 +575,12 @@ def main() -> int:
             profiled = ("llama", "rbf (1 register, SuSiE)", "gka")
             profile = 3 if args.profile_all or (size_name == "d256" and variant in profiled) else 0
             try:
+                from hf_rbf import modeling_decoder
+
                 model = build(variant, size)
+                modeling_decoder.rotary_backend = rotary_backend_of(variant)
                 rows[variant] = train_steps(model, size, steps=args.steps, warmup=5, profile_steps=profile)
+                modeling_decoder.rotary_backend = "auto"
                 del model
             except Exception as err:  # a failing family must not hide the others' numbers
                 rows[variant] = dict(error=f"{type(err).__name__}: {err}")

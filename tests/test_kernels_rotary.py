@@ -84,8 +84,8 @@ def test_matches_float64_reference(dtype, head_dim, d, hq, hk, table_batch):
 
 
 def test_reason_names_what_cannot_run():
-    x = torch.randn(1, 2, 3, 5)
-    assert "odd" in rotary_reason(x, torch.randn(1, 3, 2))
+    x = torch.randn(1, 2, 3, 5, device=DEVICE)
+    assert "odd" in rotary_reason(x, torch.randn(1, 3, 2, device=DEVICE))
 
 
 def test_torch_compile_traces_the_custom_op():
@@ -146,7 +146,9 @@ def test_models_with_the_fused_rope_equal_the_torch_path(family, overrides, monk
     torch.testing.assert_close(loss_f, loss_t, rtol=1e-5, atol=1e-6)
     assert grads_f.keys() == grads_t.keys()
     for name, g in grads_t.items():
-        torch.testing.assert_close(grads_f[name], g, rtol=1e-4, atol=1e-6, msg=name)
+        # norm-wise: the kernel rounds once (fused multiply-adds on a GPU), the torch path after every op, and the
+        # difference of a few float32 ulps grows through the model; elementwise, near-zero entries would dominate
+        assert rel_err(grads_f[name], g.double()) <= 1e-5, (name, rel_err(grads_f[name], g.double()))
     monkeypatch.setattr(modeling_decoder, "rotary_backend", "fast")
     with pytest.raises(ValueError, match="rotary_backend must be one of"):
         model(input_ids=ids)

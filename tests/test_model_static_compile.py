@@ -160,7 +160,9 @@ def test_batch_one_generate_compiles_once_and_reuses_its_cache(family):
     ids = torch.randint(2, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
     config = CompileConfig(backend="aot_eager", fullgraph=True)
     config._compile_all_devices = True
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+    )
     with torch.no_grad():
         expected = model.generate(ids, **kwargs)
     torch._dynamo.reset()
