@@ -278,11 +278,15 @@ class ScalarSortAttention(DecoderAttention):
         if self.sink_value is None:
             return None
         h = self.num_heads
-        ks = torch.full((1, h, 1), self.sink_key, dtype=dtype, device=device) * self._scalar_head_mask(device).view(
-            1, h, 1
-        )
+        # the key parts are constants of the layer (made once per device and dtype, see `_head_constant`)
+        keys = [self.sink_key if scalar else 0.0 for scalar in self.scalar_head_list]
+        ks = self._head_constant("sink_key", keys, dtype, device).view(1, h, 1)
         v = self.sink_value.to(dtype).view(1, self.num_value_groups, 1, self.value_head_dim)
-        k = torch.zeros(1, h, 1, self.head_dim, dtype=dtype, device=device) if self.has_vector_term else None
+        k = None
+        if self.has_vector_term:
+            k = self._head_constant("sink_vector_key", [[0.0] * self.head_dim] * h, dtype, device).view(
+                1, h, 1, self.head_dim
+            )
         return _Projections(qs=ks, ks=ks, v=v, q=k, k=k)
 
     # -- attention -----------------------------------------------------------------------------------------------
@@ -330,10 +334,14 @@ class ScalarSortAttention(DecoderAttention):
                 num_prefix_keys=self.num_sink,
             )
         heads_per_group = self.num_heads // self.num_value_groups
-        v_self = registers.v.repeat_interleave(heads_per_group, dim=1)  # [1, H, 1, Dv]
+
+        def per_head(v):  # [1, G, 1, Dv] -> [1, H, 1, Dv] (no op with one head per group)
+            return v if heads_per_group == 1 else v.repeat_interleave(heads_per_group, dim=1)
+
+        v_self = per_head(registers.v)
         if sink is None:
             return v_self
-        v_sink = sink.v.repeat_interleave(heads_per_group, dim=1)
+        v_sink = per_head(sink.v)
         w_self = self._one_register_self_weight(registers, sink, tau).unsqueeze(-1)  # [1, H, 1, 1]
         ct = w_self.dtype
         return (v_sink.to(ct) + w_self * (v_self.to(ct) - v_sink.to(ct))).to(v_self.dtype)

@@ -147,8 +147,10 @@ def test_models_with_the_fused_rope_equal_the_torch_path(family, overrides, monk
     assert grads_f.keys() == grads_t.keys()
     for name, g in grads_t.items():
         # norm-wise: the kernel rounds once (fused multiply-adds on a GPU), the torch path after every op, and the
-        # difference of a few float32 ulps grows through the model; elementwise, near-zero entries would dominate
-        assert rel_err(grads_f[name], g.double()) <= 1e-5, (name, rel_err(grads_f[name], g.double()))
+        # difference of a few float32 ulps grows through the model (on an H100 up to 2.3e-5 for hybrid_sort's
+        # temperature, a sum over every score); elementwise, near-zero entries would dominate.  A wrong rotation
+        # or layout is an O(1) error.
+        assert rel_err(grads_f[name], g.double()) <= 1e-4, (name, rel_err(grads_f[name], g.double()))
     monkeypatch.setattr(modeling_decoder, "rotary_backend", "fast")
     with pytest.raises(ValueError, match="rotary_backend must be one of"):
         model(input_ids=ids)
