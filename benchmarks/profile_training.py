@@ -541,7 +541,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.first_steps:
         firsts = {}
-        for variant in VARIANTS:
+        for variant in args.variants or VARIANTS:
             model = build(variant, SIZES["d256"])
             firsts[variant] = train_steps(model, SIZES["d256"], steps=1, warmup=0)["first_step_s"]
             print(f"[first step, warm machine] {variant:26s} {firsts[variant]:.1f} s", flush=True)

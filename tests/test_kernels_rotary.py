@@ -43,9 +43,10 @@ def tables(batch, n, half, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("head_dim", [1, 2])
-@pytest.mark.parametrize("d,hq,hk,table_batch", [(16, 3, 3, 1), (64, 4, 2, 2), (6, 2, 1, 1)])
-def test_matches_float64_reference(dtype, head_dim, d, hq, hk, table_batch):
+@pytest.mark.parametrize(
+    "d,hq,hk,table_batch,head_dim", [(16, 3, 3, 1, 1), (64, 4, 2, 2, 2), (6, 2, 1, 1, 1), (32, 3, 1, 2, 2)]
+)
+def test_matches_float64_reference(dtype, d, hq, hk, table_batch, head_dim):
     gen = torch.Generator().manual_seed(d + hq)
     b, n = 2, 7
     # q and k as views of one joint projection [B, N, (HQ + HK + 1) * D], as the layers make them
