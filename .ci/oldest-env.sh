@@ -17,7 +17,7 @@ case "${1:-}" in
     ;;
   test)
     "$venv/bin/python" -c "import torch, transformers, accelerate, peft, datasets; print('oldest versions: torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| peft', peft.__version__, '| datasets', datasets.__version__)"
-    "$venv/bin/python" -m pytest -q -m "contract and not gpu"
+    "$venv/bin/python" -m pytest -q -n 2 -m "contract and not gpu"
     ;;
   *)
     echo "usage: bash .ci/oldest-env.sh install|test" >&2

@@ -20,6 +20,7 @@ Writes ``profile.md`` (tables and the summary) and ``profile.json`` to ``--out``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -187,13 +188,38 @@ VARIANTS = {
     # A/B of the kernel in one process (the step sets `modeling_decoder.rotary_backend` while it runs)
     "rbf (no registers, RoPE, torch RoPE)": ("rbf", dict(num_register_tokens=0, position_embedding_type="rope")),
     "hybrid_sort (1 register, torch RoPE)": ("hybrid_sort", dict(num_register_tokens=1)),
+    # the register rows in the flat [B * N + R, D] buffer (`modeling_decoder.register_path = "rows"`, the default
+    # until 2026-11-26) instead of the compiled register stream that "auto" picks on CUDA: an A/B in one process
+    "rbf (1 register, SuSiE, rows)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
+    "scalar_sort (1 register, rows)": ("scalar_sort", dict(num_register_tokens=1)),
+    "hybrid_sort (1 register, rows)": ("hybrid_sort", dict(num_register_tokens=1)),
 }
-TORCH_ROPE_SUFFIX = ", torch RoPE)"
+# variant-name suffix -> the `hf_rbf.modeling_decoder` settings its steps run with (restored after each step)
+SETTING_SUFFIXES = {", torch RoPE)": {"rotary_backend": "torch"}, ", rows)": {"register_path": "rows"}}
 
 
-def rotary_backend_of(variant: str) -> str:
-    """The ``modeling_decoder.rotary_backend`` a variant's steps run with."""
-    return "torch" if variant.endswith(TORCH_ROPE_SUFFIX) else "auto"
+def module_settings_of(variant: str) -> dict:
+    """The ``hf_rbf.modeling_decoder`` settings a variant's steps run with (the defaults unless its name says so)."""
+    for suffix, settings in SETTING_SUFFIXES.items():
+        if variant.endswith(suffix):
+            return settings
+    return {}
+
+
+@contextlib.contextmanager
+def module_settings(variant: str):
+    """``module_settings_of(variant)`` applied to ``hf_rbf.modeling_decoder`` while the block runs."""
+    from hf_rbf import modeling_decoder
+
+    settings = module_settings_of(variant)
+    saved = {k: getattr(modeling_decoder, k) for k in settings}
+    for k, v in settings.items():
+        setattr(modeling_decoder, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(modeling_decoder, k, v)
 
 SIZES = {
     "d256": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=688, seq=256, batch=64),
@@ -283,16 +309,12 @@ def interleaved_steps(variants, size: dict, steps: int, rounds: int, compile_mod
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             forward = torch.compile(model) if compile_model else model
 
-            def step(model=forward, opt=opt, rotary=rotary_backend_of(variant)):
-                from hf_rbf import modeling_decoder
-
-                modeling_decoder.rotary_backend = rotary
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+            def step(model=forward, opt=opt, variant=variant):
+                with module_settings(variant), torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
+                    loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                modeling_decoder.rotary_backend = "auto"
 
             t0 = time.perf_counter()
             step()
@@ -575,12 +597,9 @@ def main() -> int:
             profiled = ("llama", "rbf (1 register, SuSiE)", "gka")
             profile = 3 if args.profile_all or (size_name == "d256" and variant in profiled) else 0
             try:
-                from hf_rbf import modeling_decoder
-
                 model = build(variant, size)
-                modeling_decoder.rotary_backend = rotary_backend_of(variant)
-                rows[variant] = train_steps(model, size, steps=args.steps, warmup=5, profile_steps=profile)
-                modeling_decoder.rotary_backend = "auto"
+                with module_settings(variant):
+                    rows[variant] = train_steps(model, size, steps=args.steps, warmup=5, profile_steps=profile)
                 del model
             except Exception as err:  # a failing family must not hide the others' numbers
                 rows[variant] = dict(error=f"{type(err).__name__}: {err}")

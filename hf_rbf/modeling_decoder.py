@@ -446,6 +446,14 @@ class DotAttention(DecoderAttention):
             k = self.k_norm.capped(k) if registers else self.k_norm(k)
         return q, k
 
+    def register_forward(self, register_states: torch.Tensor):
+        """The register rows' attention (over the registers, causally): ``(out [1, R, D] after o_proj, prefix)``, with
+        ``prefix = (keys, values)`` ``[1, H, R, head_dim]``, what the text rows see in front of their keys."""
+        qr, kr, vr = self._project(register_states, registers=True)
+        qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
+        register_out = dot_attention(qr, kr, vr, causal=True, backend=self.register_backend)
+        return self.o_proj(self._merge_heads(register_out)), (kr, vr)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -456,6 +464,7 @@ class DotAttention(DecoderAttention):
         attention_mask: torch.Tensor | None = None,
         key_log_weights: torch.Tensor | None = None,
         output_attentions: bool = False,
+        register_prefix: tuple | None = None,
     ):
         b = hidden_states.shape[0]
         q, k, v = self._project(hidden_states)
@@ -467,10 +476,9 @@ class DotAttention(DecoderAttention):
 
         register_out = None
         if self.num_registers > 0:
-            qr, kr, vr = self._project(register_states, registers=True)
-            qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
-            register_out = dot_attention(qr, kr, vr, causal=True, backend=self.register_backend)
-            register_out = self.o_proj(self._merge_heads(register_out))
+            if register_prefix is None:
+                register_out, register_prefix = self.register_forward(register_states)
+            kr, vr = register_prefix
             k = torch.cat([kr.expand(b, -1, -1, -1), k], dim=2)
             v = torch.cat([vr.expand(b, -1, -1, -1), v], dim=2)
 
@@ -541,29 +549,122 @@ class DecoderLayer(GradientCheckpointingLayer):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns ``(rows [B * N + R, D], attention weights or None)``.
+        """Returns ``(rows, attention weights or None, register states or None)``.
 
         ``rows`` is the flat buffer that ``hidden_states [B, N, D]`` and ``register_states [1, R, D]`` are views of
         (``DecoderModel`` passes all three: the views are what forward pre-hooks read, e.g. the scalar-sort
         regularizers and the captured-mass tools; the layer computes on ``rows``).  Without it, the views are joined.
         Positional, so that a (re-entrant) gradient checkpoint sees it as an input.
+
+        Where ``rows`` holds the text rows alone (``[B * N, D]``) while the layer has registers, the registers travel
+        beside it (the register stream, see :func:`register_path_for`): :func:`register_layer_step` gives the
+        registers' next states and the prefix keys the text attends to, and those states are returned third.  A
+        ``register_memo`` dict (``DecoderModel`` passes one per cache in inference) keeps that step's result per layer:
+        the registers depend on the weights alone, so the steps of one generation compute them once.
         """
+        text_shape = tuple(hidden_states.shape[:2])
         if rows is None:
             rows = join_rows(hidden_states, register_states)
         r = self.num_registers
-        normed = self.input_layernorm(rows, r)
-        attn_rows, weights = self.self_attn.forward_rows(
-            normed,
-            tuple(hidden_states.shape[:2]),
+        call = dict(
             position_embeddings=position_embeddings,
             cache=cache,
             attention_mask=attention_mask,
             key_log_weights=key_log_weights,
             output_attentions=output_attentions,
         )
+        if r and rows.shape[0] == text_shape[0] * text_shape[1]:  # the register stream
+            memo = kwargs.get("register_memo")
+            step = None if memo is None else memo.get(self.self_attn.layer_idx)
+            if step is None:
+                step = register_step_function(rows.device)(self, register_states)
+                if memo is not None:
+                    memo[self.self_attn.layer_idx] = step
+            register_states, prefix = step
+            attn_rows, weights = self.self_attn.forward_rows(
+                self.input_layernorm(rows), text_shape, register_prefix=prefix, **call
+            )
+            rows = rows + attn_rows
+            rows = rows + self.mlp(self.post_attention_layernorm(rows))
+            return rows, weights, register_states
+        normed = self.input_layernorm(rows, r)
+        attn_rows, weights = self.self_attn.forward_rows(normed, text_shape, **call)
         rows = rows + attn_rows
         rows = rows + self.mlp(self.post_attention_layernorm(rows, r))
-        return rows, weights
+        return rows, weights, None
+
+
+def register_layer_step(layer: DecoderLayer, register_states: torch.Tensor):
+    """One layer for the register rows alone (``[1, R, D]``; they attend only to each other, so they never depend on
+    the text): ``(next register states, prefix)``, where ``prefix`` is what the layer's text rows attend to in front
+    of their own keys (``DecoderAttention.register_forward``).  The same values as the register rows of the flat
+    ``[B * N + R, D]`` path; a function of the parameters alone, of one shape per model."""
+    x = layer.input_layernorm.capped(register_states)
+    attn_out, prefix = layer.self_attn.register_forward(x)
+    h = register_states + attn_out
+    h = h + layer.mlp(layer.post_attention_layernorm.capped(h))
+    return h, prefix
+
+
+# How the register rows travel through the layers (see ``DecoderLayer``):
+#   "rows"      one flat ``[B * N + R, D]`` buffer of text and register rows: the projections, MLP and residual adds
+#               serve both in one launch, but every layer pays the register rows' own ops beside them (their capped
+#               norms, offsets, attention, the split and cat of the buffer): about 100-230 aten ops per layer and
+#               training step (``benchmarks/count_model_host_ops.py``), which is what makes a model with registers
+#               host-bound on a GPU;
+#   "stream"    the register rows as a separate ``[1, R, D]`` stream, one ``register_layer_step`` per layer, eagerly;
+#   "compiled"  the stream, each layer's ``register_layer_step`` one ``torch.compile`` graph (``fullgraph``, backend
+#               ``register_compile_backend``): a handful of fused kernels forward and backward in place of those ops.
+#               The graph depends on the model's shapes and settings only: every layer of a model shares it, and the
+#               compiled code is cached on disk like any ``torch.compile`` graph;
+#   "auto"      "compiled" on CUDA, "rows" elsewhere (on a CPU the host is not the bottleneck) and inside a graph
+#               being compiled (``torch.compile`` of the model, the static decode step: the whole graph fuses anyway).
+# On the stream, a forward with a cache and without gradients (``generate``, a chat loop) computes the registers' steps
+# once per cache and reuses them in every later call with that cache (``DecoderModel._register_memo``): the registers
+# depend on the weights alone.  On CUDA "auto" runs those steps eagerly ("stream": once per generation, not worth a
+# compilation).  On a CPU "auto" keeps the rows path throughout, so that a forward gives the same bits with and
+# without gradients or a cache (the two paths differ by float rounding: their matmuls have other shapes).
+REGISTER_PATHS = ("auto", "rows", "stream", "compiled")
+register_path = "auto"
+register_compile_backend = "inductor"
+# every family's register step on one function: more graphs than dynamo's default limit of 8 per function (models of
+# several families in one process, training and no-grad) must not silently turn it back into eager code
+REGISTER_STEP_RECOMPILE_LIMIT = 64
+_REGISTER_PATH_LOGGED: set = set()
+_COMPILED_REGISTER_STEPS: dict = {}
+
+
+def register_path_for(device: torch.device, memoised: bool = False) -> str:
+    """The register path (``register_path``) of a forward on ``device``: "rows", "stream" or "compiled";
+    ``memoised``: the forward reuses the registers' steps of an earlier call (a cached forward without gradients)."""
+    if register_path not in REGISTER_PATHS:
+        raise ValueError(
+            f"hf_rbf.modeling_decoder.register_path must be one of {REGISTER_PATHS}; got {register_path!r}"
+        )
+    if torch.compiler.is_compiling():
+        return "rows" if register_path == "auto" else "stream" if register_path == "compiled" else register_path
+    path = register_path
+    if path == "auto":
+        path = ("stream" if memoised else "compiled") if device.type == "cuda" else "rows"
+    if (device.type, path) not in _REGISTER_PATH_LOGGED:
+        _REGISTER_PATH_LOGGED.add((device.type, path))
+        detail = f", torch.compile backend {register_compile_backend!r}" if path == "compiled" else ""
+        logger.info("register rows on %s: the %r path (register_path=%r%s)", device.type, path, register_path, detail)
+    return path
+
+
+def register_step_function(device: torch.device):
+    """``register_layer_step`` as the register path runs it: compiled (once per backend) or as it is."""
+    if torch.compiler.is_compiling() or register_path_for(device) != "compiled":
+        return register_layer_step
+    fn = _COMPILED_REGISTER_STEPS.get(register_compile_backend)
+    if fn is None:
+        import torch._dynamo as dynamo
+
+        compiled = torch.compile(register_layer_step, backend=register_compile_backend, fullgraph=True, dynamic=False)
+        fn = dynamo.config.patch(recompile_limit=REGISTER_STEP_RECOMPILE_LIMIT)(compiled)
+        _COMPILED_REGISTER_STEPS[register_compile_backend] = fn
+    return fn
 
 
 def split_rows(rows: torch.Tensor, text_shape: tuple[int, int]):
@@ -755,6 +856,21 @@ def _check_key_tensor(name: str, t, batch: int, total: int, heads: int, layout: 
 
 class DecoderModel(DecoderPreTrainedModel):
     """The backbone without the LM head: returns the final (RMS-normalised) hidden states of the text tokens."""
+
+    def _register_memo(self, cache, registers: torch.Tensor) -> dict | None:
+        """The per-layer register steps kept on ``cache`` for the forwards of one generation (see ``register_path``):
+        a dict ``layer index -> (next register states, prefix)``, fresh whenever the model, the registers' dtype or
+        device, or the register tokens' version (an optimiser step or a ``load_state_dict`` bumps it) differ from
+        what the cache saw last.  None for a cache object that takes no attributes."""
+        key = (id(self), registers.dtype, registers.device, self.register_tokens._version)
+        memo = getattr(cache, "_hf_rbf_register_memo", None)
+        if memo is None or memo[0] != key:
+            memo = (key, {})
+            try:
+                cache._hf_rbf_register_memo = memo
+            except AttributeError:
+                return None
+        return memo[1]
 
     def __init__(self, config: DecoderConfig):
         super().__init__(config)
@@ -997,20 +1113,27 @@ class DecoderModel(DecoderPreTrainedModel):
         if drop_check and bool(attention_mask.all()):
             attention_mask = None
 
-        # one flat buffer of text rows then register rows (see DecoderLayer)
+        # one flat buffer of text rows then register rows, or the text rows with the registers beside them (the
+        # register stream; see DecoderLayer and `register_path`)
         text_shape = (batch, seq_len)
         registers = None
         if self.register_tokens is not None:
             registers = self.register_tokens.to(inputs_embeds.dtype).unsqueeze(0)
-        rows = join_rows(inputs_embeds, registers)
+        memoised = registers is not None and cache is not None and not torch.is_grad_enabled()
+        stream = registers is not None and register_path_for(inputs_embeds.device, memoised) != "rows"
+        rows = inputs_embeds.reshape(-1, inputs_embeds.shape[-1]) if stream else join_rows(inputs_embeds, registers)
+        register_memo = self._register_memo(cache, registers) if stream and memoised else None
 
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for layer in self.layers:
-            hidden_states, register_states = split_rows(rows, text_shape)
+            if stream:
+                hidden_states, register_states = rows.view(*text_shape, -1), registers
+            else:
+                hidden_states, register_states = split_rows(rows, text_shape)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            rows, weights = layer(
+            rows, weights, registers = layer(
                 hidden_states,
                 register_states,
                 rows,
@@ -1020,10 +1143,11 @@ class DecoderModel(DecoderPreTrainedModel):
                 key_log_weights=key_log_weights,
                 use_cache=use_cache,
                 output_attentions=output_attentions,
+                register_memo=register_memo,
             )
             if output_attentions:
                 all_attentions += (weights,)
-        hidden_states = self.norm(split_rows(rows, text_shape)[0])
+        hidden_states = self.norm(rows.view(*text_shape, -1) if stream else split_rows(rows, text_shape)[0])
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
 

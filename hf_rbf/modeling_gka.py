@@ -106,6 +106,14 @@ class GkaAttention(DecoderAttention):
             x = apply_rotary(x, cos, sin, head_dim=2)
         return x.transpose(1, 2)
 
+    def register_forward(self, register_states: torch.Tensor):
+        """The register rows' attention (over the registers, causally): ``(out [1, R, D] after o_proj, prefix)``, with
+        ``prefix = (features,)`` ``[1, H, R, head_dim]`` (the register states with their positions: keys and values),
+        what the text rows see in front of their keys."""
+        reg = self._split_heads(register_states) + self.register_position.to(register_states.dtype)
+        register_out = gka_attention(reg, self.log_sigma, causal=True, eps=self.eps, backend=self.register_backend)
+        return self.o_proj(self._merge_heads(register_out)), (reg,)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -116,6 +124,7 @@ class GkaAttention(DecoderAttention):
         attention_mask: torch.Tensor | None = None,
         key_log_weights: torch.Tensor | None = None,
         output_attentions: bool = False,
+        register_prefix: tuple | None = None,
     ):
         b = hidden_states.shape[0]
         feats = self.features(hidden_states, position_embeddings)
@@ -128,9 +137,9 @@ class GkaAttention(DecoderAttention):
         register_out = None
         query = None if keys is feats else feats
         if self.num_registers > 0:
-            reg = self._split_heads(register_states) + self.register_position.to(register_states.dtype)
-            register_out = gka_attention(reg, self.log_sigma, causal=True, eps=self.eps, backend=self.register_backend)
-            register_out = self.o_proj(self._merge_heads(register_out))
+            if register_prefix is None:
+                register_out, register_prefix = self.register_forward(register_states)
+            (reg,) = register_prefix
             keys = torch.cat([reg.expand(b, -1, -1, -1), keys], dim=2)
             query = feats
 

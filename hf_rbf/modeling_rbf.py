@@ -75,6 +75,25 @@ class RbfAttention(DecoderAttention):
 
     takes_rows = True
 
+    def register_forward(self, register_states: torch.Tensor):
+        """The register rows' attention (over the registers, causally): ``(out [1, R, D] after o_proj, prefix)``, with
+        ``prefix = (keys, values)`` ``[1, H, R, head_dim]``, what the text rows see in front of their keys."""
+        qr, kr, vr = self._project(register_states)
+        register_out, kr, vr = self._register_attention(qr, kr, vr)
+        return self.o_proj(self._merge_heads(register_out)), (kr, vr)
+
+    def _register_attention(self, qr, kr, vr):
+        """``(out [1, H, R, Dv], keys, values)`` of the register rows' projections: their positions added, then their
+        attention over the registers (causal)."""
+        qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
+        if self.num_registers == 1 and self.normalize:
+            # One register attends (causally) to itself alone: its softmax weight is exactly 1.
+            return vr, kr, vr
+        out = rbf_attention(
+            qr, kr, vr, gamma=self._gamma(), causal=True, normalize=self.normalize, backend=self.register_backend
+        )
+        return out, kr, vr
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -86,37 +105,53 @@ class RbfAttention(DecoderAttention):
         key_log_weights: torch.Tensor | None = None,
         output_attentions: bool = False,
         rows: torch.Tensor | None = None,
+        register_prefix: tuple | None = None,
     ):
         """Text ``[B, N, D]`` and register ``[1, R, D]`` rows -> ``(text out, register out or None, weights)``.
 
         With ``rows`` (the flat ``[B * N + R, D]`` buffer the two are views of; what ``DecoderLayer`` passes), one
         projection and one ``o_proj`` matmul serve text and registers together and the result is ``(out rows
-        [B * N + R, D], None, weights)``.
+        [B * N + R, D], None, weights)``.  With ``register_prefix`` (``register_forward``'s prefix, computed by the
+        register stream) the registers are not computed here: ``rows`` / ``register_states`` hold no register rows.
         """
         if rows is not None:
             text_shape = tuple(hidden_states.shape[:2])
             projected = project_together(rows, (self.q_proj, self.k_proj, self.v_proj))
             (q, qr), (k, kr), (v, vr) = (self._row_heads(t, text_shape) for t in projected)
             out, register_out, weights = self._attend(
-                q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions
+                q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions,
+                register_prefix,
             )
             return self.o_proj(self._heads_to_rows(out, register_out)), None, weights
         q, k, v = self._project(hidden_states)
         qr = kr = vr = None
-        if self.num_registers > 0:
+        if self.num_registers > 0 and register_prefix is None:
             qr, kr, vr = self._project(register_states)
         out, register_out, weights = self._attend(
-            q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions
+            q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions,
+            register_prefix,
         )
         if register_out is not None:
             register_out = self.o_proj(self._merge_heads(register_out))
         return self.o_proj(self._merge_heads(out)), register_out, weights
 
     def _attend(
-        self, q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions
+        self,
+        q,
+        k,
+        v,
+        qr,
+        kr,
+        vr,
+        position_embeddings,
+        cache,
+        attention_mask,
+        key_log_weights,
+        output_attentions,
+        register_prefix=None,
     ):
-        """Positions, cache, the register rows' attention and the text call: ``(out [B, H, N, Dv], register out
-        [1, H, R, Dv] or None, weights or None)``."""
+        """Positions, cache, the register rows' attention (unless ``register_prefix`` brings their keys and values)
+        and the text call: ``(out [B, H, N, Dv], register out [1, H, R, Dv] or None, weights or None)``."""
         cos, sin = position_embeddings
         if self.position_embedding_type == "susie":
             pos = susie_embedding(cos, sin, self.susie_weight, q.dtype)
@@ -131,14 +166,10 @@ class RbfAttention(DecoderAttention):
         register_out = None
         prefix = {}
         if self.num_registers > 0:
-            qr, kr = qr + self.register_position.to(qr.dtype), kr + self.register_position.to(kr.dtype)
-            if self.num_registers == 1 and self.normalize:
-                # One register attends (causally) to itself alone: its softmax weight is exactly 1.
-                register_out = vr
+            if register_prefix is None:
+                register_out, kr, vr = self._register_attention(qr, kr, vr)
             else:
-                register_out = rbf_attention(
-                    qr, kr, vr, gamma=gamma, causal=True, normalize=self.normalize, backend=self.register_backend
-                )
+                kr, vr = register_prefix
             # the registers reach the kernels as separate prefix tensors (no copy of k / v per layer)
             prefix = {"prefix_keys": kr, "prefix_values": vr}
 

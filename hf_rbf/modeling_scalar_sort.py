@@ -404,6 +404,16 @@ class ScalarSortAttention(DecoderAttention):
                 klw = torch.cat([klw.new_zeros(*klw.shape[:-1], num_prefix), klw], dim=-1)
         return am, klw
 
+    def register_forward(self, register_states: torch.Tensor):
+        """The register rows' attention (over the sink and the registers, causally): ``(out [1, R, D] after o_proj,
+        prefix)``, with ``prefix = (ks, v, k)`` the keys the text rows see in front of theirs (the sink, then the
+        registers; ``k`` None without a vector term), as :meth:`_prefix_of` makes them."""
+        register_keys = self.project_registers(register_states)
+        sink = self.sink_entries(register_keys.ks.dtype, register_keys.ks.device)
+        register_out = self.register_attention(register_keys, sink, self.temperature(register_states))
+        prefix, _ = self._prefix_of(sink, register_keys)
+        return self.o_proj(self._merge_heads(register_out)), (prefix.ks, prefix.v, prefix.k)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -415,28 +425,35 @@ class ScalarSortAttention(DecoderAttention):
         key_log_weights: torch.Tensor | None = None,
         output_attentions: bool = False,
         rows: torch.Tensor | None = None,
+        register_prefix: tuple | None = None,
     ):
         """Text ``[B, N, D]`` and register ``[1, R, D]`` rows -> ``(text out, register out or None, weights)``; with
         ``rows`` (the flat ``[B * N + R, D]`` buffer the two are views of, as ``DecoderLayer`` passes it) one matmul
         per projection and one ``o_proj`` serve both, and the result is ``(out rows [B * N + R, D], None,
-        weights)``."""
+        weights)``.  With ``register_prefix`` (:meth:`register_forward`'s prefix, computed by the register stream)
+        the registers are not computed here: ``rows`` / ``register_states`` hold no register rows."""
         b, n, _ = hidden_states.shape
         register_keys = tau_registers = None
+        own_registers = self.num_registers > 0 and register_prefix is None
         if rows is not None:
             proj, register_keys, tau, tau_registers = self.project_rows(rows, (b, n), position_embeddings)
         else:
             proj = self.project(hidden_states, position_embeddings)
             tau = self.temperature(hidden_states)
-            if self.num_registers > 0:
+            if own_registers:
                 register_keys = self.project_registers(register_states)
                 tau_registers = self.temperature(register_states)
         dtype, device = proj.ks.dtype, proj.ks.device
 
-        sink = self.sink_entries(dtype, device)
         register_out = None
-        if self.num_registers > 0:
-            register_out = self.register_attention(register_keys, sink, tau_registers)
-        prefix, num_prefix = self._prefix_of(sink, register_keys)
+        if register_prefix is not None:
+            ks, v, k = register_prefix
+            prefix, num_prefix = _Projections(qs=None, ks=ks, v=v, k=k), ks.shape[-1]
+        else:
+            sink = self.sink_entries(dtype, device)
+            if own_registers:
+                register_out = self.register_attention(register_keys, sink, tau_registers)
+            prefix, num_prefix = self._prefix_of(sink, register_keys)
 
         layer = None if cache is None else cache.layers[self.layer_idx]
         weights = None

@@ -39,7 +39,9 @@ if not torch.cuda.is_available():
 
 
 # The model tests compare float32 results to 1e-5 and time themselves in a few minutes on 2 cores.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (``-n``) every worker is a process of its own: one thread each, so that N workers on N cores do
+# not oversubscribe them.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 TINY = dict(
     vocab_size=128,

@@ -26,7 +26,7 @@ def test_readme_starts_with_the_two_commands():
     )
     assert main_job.startswith(setup) and tests.startswith(setup)  # own venv, CPU torch from the CPU wheel index
     assert main_job.endswith("python recipes/pretrain.py --config recipes/configs/cpu_quick.yaml")
-    assert tests.endswith("python -m pytest -q")
+    assert tests.endswith("python -m pytest -q -n 2")  # two pytest-xdist workers (one thread each)
     assert os.path.exists(os.path.join(REPO, "recipes", "configs", "cpu_quick.yaml"))
 
 

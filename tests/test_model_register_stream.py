@@ -1,0 +1,244 @@
+"""The register rows as a stream of their own beside the text (``hf_rbf.modeling_decoder.register_path``): the "stream"
+path (``register_layer_step`` per layer, eager) and the "compiled" path (the same step as one ``torch.compile`` graph;
+here with the ``aot_eager`` backend, which runs the same captured forward and backward graphs as inductor without
+generating code) give the flat-rows path's logits and gradients, in training, with padding, under gradient
+checkpointing, with LoRA adapters and the scalar-sort regularizers, and in cached generation; the compiled step is one
+graph for every layer of a kind; "auto" picks the compiled stream on CUDA only."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import build_model, enable_activation_checkpointing
+from hf_rbf import modeling_decoder
+
+# (id, family, overrides): every attention kind with registers, one and several, with and without a sink / softmax
+CASES = [
+    ("rbf-susie-r1", "rbf", dict(num_register_tokens=1)),
+    ("rbf-none-nonorm-r2", "rbf", dict(position_embedding_type="none", rbf_normalize=False, num_register_tokens=2)),
+    (
+        "rbf-mixed-window-r2",
+        "rbf",
+        dict(num_hidden_layers=3, attention_layers=["rbf", "dot"], window_pattern="SL", sliding_window=3,
+             num_register_tokens=2),
+    ),
+    ("gka-vlt-dot-r2", "gka", dict(num_hidden_layers=3, attention_layers=["gka", "vlt", "dot"], num_register_tokens=2)),
+    ("scalar-r1", "scalar_sort", dict(num_register_tokens=1)),
+    ("scalar-per-token-r3", "scalar_sort", dict(num_register_tokens=3, tau_mode="per_token")),
+    ("hybrid-r1", "hybrid_sort", dict(num_register_tokens=1)),
+    ("hybrid-dot-r2", "hybrid_sort", dict(num_register_tokens=2, attention_layers=["hybrid", "dot"])),
+]
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """Sets ``register_path`` (restored after the test); the compiled path on the ``aot_eager`` backend."""
+    monkeypatch.setattr(modeling_decoder, "register_compile_backend", "aot_eager")
+
+    def use(path: str) -> None:
+        monkeypatch.setattr(modeling_decoder, "register_path", path)
+
+    return use
+
+
+def _step(model, ids, mask=None, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids, **kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def _assert_same(ref, got, rtol=1e-9):
+    logits, loss, grads = got
+    torch.testing.assert_close(logits, ref[0], rtol=rtol, atol=rtol * ref[0].abs().max().item())
+    torch.testing.assert_close(loss, ref[1], rtol=rtol, atol=0)
+    assert grads.keys() == ref[2].keys()
+    for name, g in ref[2].items():
+        err = (grads[name] - g).norm() / g.norm().clamp(min=1e-30)
+        assert err < rtol, f"{name}: relative gradient error {err:.2e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_stream_and_compiled_paths_equal_the_rows_path(case, paths):
+    _, family, overrides = case
+    model = build_model(family, overrides).double().train()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the prefix keys are prepended to the key mask in the stream path too
+    results = {}
+    for path in ("rows", "stream", "compiled"):
+        paths(path)
+        results[path] = _step(model, ids, mask)
+    for path in ("stream", "compiled"):
+        _assert_same(results["rows"], results[path])
+    # the registers' own parameters get their gradient through the stream (the prefix keys and the next layers)
+    assert any("register" in n for n in results["compiled"][2])
+
+
+def test_compiled_step_is_one_graph_per_layer_kind(paths):
+    """Every layer of a kind shares the compiled step (dynamo treats the layer's parameters as inputs): a 4-layer model
+    of one kind compiles one graph; a second model of the same settings with "dot" layers among its "hybrid" ones
+    reuses that graph and adds one for its dot layers; a second step compiles nothing."""
+    import torch._dynamo as dynamo
+
+    paths("compiled")
+    dynamo.reset()
+    stats = dynamo.utils.counters["stats"]
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    two_kinds = dict(num_hidden_layers=4, attention_layers=["hybrid", "dot"])
+    for overrides, new_graphs in ((dict(num_hidden_layers=4), 1), (two_kinds, 1)):
+        model = build_model("hybrid_sort", dict(num_register_tokens=1, **overrides)).train()
+        before = stats["unique_graphs"]
+        _step(model, ids)
+        assert stats["unique_graphs"] - before == new_graphs
+        before = stats["unique_graphs"]
+        _step(model, ids)
+        assert stats["unique_graphs"] == before
+
+
+def test_stream_under_gradient_checkpointing(paths):
+    model = build_model("scalar_sort", dict(num_register_tokens=2, num_hidden_layers=3)).double().train()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    paths("rows")
+    ref = _step(model, ids)
+    paths("compiled")
+    enable_activation_checkpointing(model, use_reentrant=False)
+    _assert_same(ref, _step(model, ids))
+
+
+@pytest.mark.parametrize("family", ["rbf", "hybrid_sort"])
+def test_stream_with_lora_adapters(family, paths):
+    """A LoRA adapter on the input projections (wrapped linears, called one by one) is traced into the compiled step;
+    its gradients equal the rows path's."""
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "v_proj"] if family == "rbf" else ["qs_proj", "v_proj"]
+    model = build_model(family, dict(num_register_tokens=1)).double()
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(model, lora).train()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    paths("rows")
+    ref = _step(model, ids)
+    assert any("lora_" in n for n in ref[2])
+    paths("compiled")
+    _assert_same(ref, _step(model, ids))
+
+
+def test_stream_keeps_the_scalar_regularizers(paths):
+    """The regularizers read the layers' register inputs from a forward pre-hook: the same terms on both paths."""
+    overrides = dict(num_register_tokens=1, align_loss_weight=0.5, spread_loss_weight=0.1, tau_loss_weight=0.2)
+    model = build_model("scalar_sort", overrides).double().train()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    paths("rows")
+    ref = _step(model, ids)
+    paths("compiled")
+    _assert_same(ref, _step(model, ids))
+
+
+@pytest.mark.contract
+@pytest.mark.parametrize("family", ["rbf", "scalar_sort", "hybrid_sort"])
+def test_cached_generate_on_the_stream_equals_the_rows_path(family, paths):
+    model = build_model(family, dict(num_register_tokens=2)).double()
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    out = {}
+    for path in ("rows", "compiled"):
+        paths(path)
+        with torch.no_grad():
+            out[path] = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                return_dict_in_generate=True, output_logits=True,
+            )
+    assert torch.equal(out["rows"].sequences, out["compiled"].sequences)
+    for a, b in zip(out["rows"].logits, out["compiled"].logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_register_path_choice_is_visible_and_checked(monkeypatch, caplog):
+    monkeypatch.setattr(modeling_decoder, "_REGISTER_PATH_LOGGED", set())
+    monkeypatch.setattr(modeling_decoder, "register_path", "auto")
+    with caplog.at_level(logging.INFO, logger="hf_rbf"):
+        assert modeling_decoder.register_path_for(torch.device("cpu")) == "rows"
+        assert modeling_decoder.register_path_for(torch.device("cpu"), memoised=True) == "rows"
+        assert modeling_decoder.register_path_for(torch.device("cuda")) == "compiled"
+        # a cached forward without gradients computes the steps once: eagerly
+        assert modeling_decoder.register_path_for(torch.device("cuda"), memoised=True) == "stream"
+        modeling_decoder.register_path_for(torch.device("cpu"))
+    logged = [r.getMessage() for r in caplog.records if "register rows" in r.getMessage()]
+    assert len(logged) == 3 and "'rows' path" in logged[0] and "'compiled' path" in logged[1]
+    assert "'stream' path" in logged[2]
+    monkeypatch.setattr(modeling_decoder, "register_path", "fast")
+    with pytest.raises(ValueError, match=r"register_path must be one of .*'auto'.*'compiled'.*got 'fast'"):
+        modeling_decoder.register_path_for(torch.device("cpu"))
+
+
+def test_inside_an_outer_compile_the_step_is_inlined(paths):
+    """Under ``torch.compile`` of the whole model the step is not compiled again: "auto" takes the rows path and
+    "compiled" the eager stream, both traced into the outer graph."""
+    paths("compiled")
+    seen = []
+
+    def probe(x):
+        seen.append((modeling_decoder.register_path_for(x.device), modeling_decoder.register_step_function(x.device)))
+        return x + 1
+
+    torch.compile(probe, backend="eager", fullgraph=True)(torch.zeros(2))
+    assert seen == [("stream", modeling_decoder.register_layer_step)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["rbf", "scalar_sort", "hybrid_sort"])
+def test_inductor_compiled_stream_on_cuda_equals_the_rows_path(family, monkeypatch):
+    """The default on CUDA ("auto": the stream, compiled by inductor) against the rows path, float32 with the fused
+    kernels, forward and backward (bounds norm-wise: inductor fuses and reorders the float32 arithmetic)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    overrides = dict(num_register_tokens=1, attention_backend="auto", hidden_size=64, num_attention_heads=2)
+    model = build_model(family, overrides).cuda().train()
+    ids = torch.randint(0, 128, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    results = {}
+    for path in ("rows", "auto"):
+        monkeypatch.setattr(modeling_decoder, "register_path", path)
+        results[path] = _step(model, ids)
+    assert modeling_decoder.register_path_for(ids.device) == "compiled"
+    _assert_same(results["rows"], results["auto"], rtol=1e-4)
+
+
+@pytest.mark.contract
+def test_generate_computes_the_register_steps_once(monkeypatch):
+    """A cached forward without gradients on the stream (what "auto" takes on CUDA) keeps each layer's register step
+    on the cache: one generation computes it once per layer, not once per token; a change of the register tokens
+    (their version) computes it again; the tokens equal the rows path's."""
+    calls = []
+    step = modeling_decoder.register_layer_step
+
+    def counted(layer, states):
+        calls.append(layer.self_attn.layer_idx)
+        return step(layer, states)
+
+    monkeypatch.setattr(modeling_decoder, "register_layer_step", counted)
+    monkeypatch.setattr(modeling_decoder, "register_path", "stream")
+    model = build_model("scalar_sort", dict(num_register_tokens=1, num_hidden_layers=3))
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, **kwargs)
+    assert calls == [0, 1, 2]
+    monkeypatch.setattr(modeling_decoder, "register_path", "rows")
+    with torch.no_grad():
+        assert torch.equal(model.generate(input_ids=ids, **kwargs), out)
+    assert calls == [0, 1, 2]
+    # a cache reused after the register tokens changed recomputes the steps
+    monkeypatch.setattr(modeling_decoder, "register_path", "stream")
+    cache = model.make_cache()
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        model(input_ids=ids[:, :1], cache=cache)
+        assert calls == [0, 1, 2] * 2
+        model.model.register_tokens.add_(0.5)
+        model(input_ids=ids[:, :1], cache=cache)
+    assert calls == [0, 1, 2] * 3
