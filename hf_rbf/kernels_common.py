@@ -188,6 +188,25 @@ def autotune(configs, key, prune):
     return triton.autotune(**kwargs)
 
 
+def pin_triton_cache_dir() -> str | None:
+    """Set ``TRITON_CACHE_DIR`` to the directory Triton uses now (its default, ``~/.triton/cache``), unless it is set.
+
+    Inductor sets ``TRITON_CACHE_DIR`` to its own directory (``<tmp>/torchinductor_<user>/triton/<device>``) when it
+    first compiles a kernel in a process, but not when it loads a compiled graph from its disk cache.  So, in a process
+    that also runs ``torch.compile`` (the compiled register stream of ``modeling_decoder``), our kernels compiled after
+    inductor's first compilation land in inductor's directory, and the next process, whose inductor only loads, looks
+    for them in Triton's default one: every kernel compiled and autotuned again on a warm machine (32-38 s at the first
+    training step on an H100, ``benchmarks/results/h100-2026-11-26e``).  One directory for the whole process, chosen
+    before anything compiles, keeps both caches warm.  Returns the directory (None without Triton)."""
+    if not HAS_TRITON:
+        return None
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        knobs = getattr(triton, "knobs", None)
+        directory = getattr(getattr(knobs, "cache", None), "dir", None)
+        os.environ["TRITON_CACHE_DIR"] = directory or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return os.environ["TRITON_CACHE_DIR"]
+
+
 def launch_tuned(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` for a kernel wrapped by :func:`autotune`, asking the autotuner only once per
     tuning key.

@@ -35,6 +35,7 @@ from .attention_utils import last_backend
 from .cache_names import CACHE_NAME, cache_field, generation_cache, output_cache, resolve_cache_argument
 from .cache_static import StaticDecoderCache, StaticKeyValueLayer, static_cache_len_for_bytes
 from .configuration_decoder import DecoderConfig
+from .kernels_common import pin_triton_cache_dir
 from .kernels_rotary import rotary_fused, rotary_reason
 
 logger = logging.getLogger("hf_rbf")
@@ -661,6 +662,7 @@ def register_step_function(device: torch.device):
     if fn is None:
         import torch._dynamo as dynamo
 
+        pin_triton_cache_dir()  # before inductor's first compilation moves it (see the function)
         compiled = torch.compile(register_layer_step, backend=register_compile_backend, fullgraph=True, dynamic=False)
         fn = dynamo.config.patch(recompile_limit=REGISTER_STEP_RECOMPILE_LIMIT)(compiled)
         _COMPILED_REGISTER_STEPS[register_compile_backend] = fn

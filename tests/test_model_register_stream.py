@@ -8,6 +8,7 @@ graph for every layer of a kind; "auto" picks the compiled stream on CUDA only."
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -100,13 +101,14 @@ def test_compiled_step_is_one_graph_per_layer_kind(paths):
         assert stats["unique_graphs"] == before
 
 
-def test_stream_under_gradient_checkpointing(paths):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_stream_under_gradient_checkpointing(reentrant, paths):
     model = build_model("scalar_sort", dict(num_register_tokens=2, num_hidden_layers=3)).double().train()
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
     paths("rows")
     ref = _step(model, ids)
     paths("compiled")
-    enable_activation_checkpointing(model, use_reentrant=False)
+    enable_activation_checkpointing(model, use_reentrant=reentrant)
     _assert_same(ref, _step(model, ids))
 
 
@@ -242,3 +244,21 @@ def test_generate_computes_the_register_steps_once(monkeypatch):
         model.model.register_tokens.add_(0.5)
         model(input_ids=ids[:, :1], cache=cache)
     assert calls == [0, 1, 2] * 3
+
+
+def test_the_compiled_path_pins_the_triton_cache_dir(paths, monkeypatch):
+    """Before its first compilation the compiled path fixes ``TRITON_CACHE_DIR`` at Triton's own directory, so that
+    inductor does not move it mid-process (it sets it on a first compilation, not on a cache load), which sent our
+    kernels to a directory the next process did not read; a directory the user set stays."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    default = triton.knobs.cache.dir
+    monkeypatch.setattr(modeling_decoder, "_COMPILED_REGISTER_STEPS", {})
+    paths("compiled")
+    fn = modeling_decoder.register_step_function(torch.device("cpu"))
+    assert fn is not modeling_decoder.register_layer_step
+    assert os.environ["TRITON_CACHE_DIR"] == default
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    monkeypatch.setattr(modeling_decoder, "_COMPILED_REGISTER_STEPS", {})
+    modeling_decoder.register_step_function(torch.device("cpu"))
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"
