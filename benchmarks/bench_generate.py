@@ -2,7 +2,8 @@
 cache and with ``cache_implementation="static"`` (where transformers compiles the decode step), in one process.
 
     PYTHONPATH=. python benchmarks/bench_generate.py --out DIR [--cases 1x512,8x2048] [--new-tokens 64]
-        [--variants "llama;rbf;gka;scalar_sort;hybrid_sort"] [--modes dynamic,static] [--rounds 2]
+        [--variants "llama;rbf;gka;scalar_sort;hybrid_sort (1 register);rbf (rows)"] [--modes dynamic,static]
+        [--rounds 2]
 
 d768 L12 H12 (110M parameters with the 8192-token vocabulary), bf16 weights, greedy, random prompt tokens, no EOS.
 The time per token is ``(t(new_tokens) - t(1)) / (new_tokens - 1)``: the prefill and the first token cancel.  Every
@@ -30,6 +31,7 @@ mechanism (ties and near-ties of random weights), not a trained model's captured
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,15 +46,48 @@ if __package__ in (None, ""):
 SIZE = dict(vocab_size=8192, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048)
 
 
+def parse_variant(variant: str) -> tuple[str, dict, dict]:
+    """``"family"`` or ``"family (option, ...)"`` -> ``(family, config overrides, hf_rbf.modeling_decoder settings)``.
+    Options: ``N register(s)`` (``num_register_tokens``), ``rows`` (``register_path = "rows"``: the flat register
+    rows, the default before 2026-11-26, for an A/B against the register stream in one process)."""
+    family, _, rest = variant.partition(" (")
+    overrides, settings = {}, {}
+    for option in filter(None, (o.strip() for o in rest.rstrip(")").split(","))):
+        words = option.split()
+        if len(words) == 2 and words[0].isdigit() and words[1] in ("register", "registers"):
+            overrides["num_register_tokens"] = int(words[0])
+        elif option == "rows":
+            settings["register_path"] = "rows"
+        else:
+            raise ValueError(f"variant {variant!r}: unknown option {option!r} (allowed: 'N registers', 'rows')")
+    return family, overrides, settings
+
+
+@contextlib.contextmanager
+def module_settings(settings: dict):
+    """``settings`` applied to ``hf_rbf.modeling_decoder`` while the block runs."""
+    from hf_rbf import modeling_decoder
+
+    saved = {k: getattr(modeling_decoder, k) for k in settings}
+    for k, v in settings.items():
+        setattr(modeling_decoder, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(modeling_decoder, k, v)
+
+
 def build(variant: str, max_positions: int):
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     import hf_rbf  # noqa: F401
 
-    if variant == "llama":
+    family, overrides, _ = parse_variant(variant)
+    if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**SIZE, max_position_embeddings=max_positions, attn_implementation="sdpa"))
     else:
-        cfg = AutoConfig.for_model(variant, **SIZE, max_position_embeddings=max_positions)
+        cfg = AutoConfig.for_model(family, **SIZE, max_position_embeddings=max_positions, **overrides)
         model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -161,8 +196,9 @@ def main() -> int:
                     if best.get(key) == "error":
                         continue
                     try:
-                        t1, _ = timed_generate(model, prompts[case], 1, mode, args.prefill_chunk)
-                        tn, mem = timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
+                        with module_settings(parse_variant(variant)[2]):
+                            t1, _ = timed_generate(model, prompts[case], 1, mode, args.prefill_chunk)
+                            tn, mem = timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
                         ms = 1e3 * (tn - t1) / (args.new_tokens - 1)
                         peak[key] = max(peak.get(key, 0), mem)
                     except Exception as err:  # a failing family or mode must not hide the others
@@ -179,9 +215,9 @@ def main() -> int:
                     print(f"[round {rnd}] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
     for (variant, case, mode), ms in best.items():
         if ms != "error":
-            per_token = cache_bytes_per_token(variant, models[variant], mode, case[0])
+            per_token = cache_bytes_per_token(parse_variant(variant)[0], models[variant], mode, case[0])
             agree = None
-            if args.agreement and variant in SORTED:
+            if args.agreement and parse_variant(variant)[0] in SORTED:
                 try:
                     agree = agreement(models[variant], prompts[case], args.new_tokens, mode, args.prefill_chunk)
                 except Exception as err:  # noqa: BLE001  (reported in the row, the table goes on)

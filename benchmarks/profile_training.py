@@ -193,9 +193,18 @@ VARIANTS = {
     "rbf (1 register, SuSiE, rows)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
     "scalar_sort (1 register, rows)": ("scalar_sort", dict(num_register_tokens=1)),
     "hybrid_sort (1 register, rows)": ("hybrid_sort", dict(num_register_tokens=1)),
+    # the compiled register step with inductor's kernels launched one by one (`register_compile_mode = "default"`)
+    # instead of the CUDA graphs "auto" replays on CUDA
+    "rbf (1 register, SuSiE, no cudagraph)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
+    "scalar_sort (1 register, no cudagraph)": ("scalar_sort", dict(num_register_tokens=1)),
+    "hybrid_sort (1 register, no cudagraph)": ("hybrid_sort", dict(num_register_tokens=1)),
 }
 # variant-name suffix -> the `hf_rbf.modeling_decoder` settings its steps run with (restored after each step)
-SETTING_SUFFIXES = {", torch RoPE)": {"rotary_backend": "torch"}, ", rows)": {"register_path": "rows"}}
+SETTING_SUFFIXES = {
+    ", torch RoPE)": {"rotary_backend": "torch"},
+    ", rows)": {"register_path": "rows"},
+    ", no cudagraph)": {"register_compile_mode": "default"},
+}
 
 
 def module_settings_of(variant: str) -> dict:

@@ -578,7 +578,7 @@ class DecoderLayer(GradientCheckpointingLayer):
             memo = kwargs.get("register_memo")
             step = None if memo is None else memo.get(self.self_attn.layer_idx)
             if step is None:
-                step = register_step_function(rows.device)(self, register_states)
+                step = register_step_function(rows.device, self)(self, register_states)
                 if memo is not None:
                     memo[self.self_attn.layer_idx] = step
             register_states, prefix = step
@@ -628,10 +628,21 @@ def register_layer_step(layer: DecoderLayer, register_states: torch.Tensor):
 REGISTER_PATHS = ("auto", "rows", "stream", "compiled")
 register_path = "auto"
 register_compile_backend = "inductor"
+# ``torch.compile``'s ``mode`` for the compiled step: "default" (inductor's kernels, launched one by one: about 48
+# launches per layer and training step for one register, which kept the step host-bound), "reduce-overhead" (the
+# step's forward and backward replayed as CUDA graphs by cudagraph trees: one replay each per layer) or "auto":
+# "reduce-overhead" on CUDA where the layer's parameters keep their addresses from step to step (what a CUDA graph
+# needs), "default" where they may not: under FSDP (the unsharded parameters are reallocated every step), accelerate's
+# offloading hooks, or activation checkpointing (the step runs again inside the backward).  Measured in one process on
+# an H100 (benchmarks/results/h100-2026-11-26e, call 7): d768 training step rbf 64.3 -> 54.5 ms, scalar_sort 70.5 ->
+# 50.7, hybrid_sort 83.4 -> 66.2 (Llama 72.7).
+REGISTER_COMPILE_MODES = ("auto", "default", "reduce-overhead")
+register_compile_mode = "auto"
 # every family's register step on one function: more graphs than dynamo's default limit of 8 per function (models of
 # several families in one process, training and no-grad) must not silently turn it back into eager code
 REGISTER_STEP_RECOMPILE_LIMIT = 64
 _REGISTER_PATH_LOGGED: set = set()
+_REGISTER_MODE_LOGGED: set = set()
 _COMPILED_REGISTER_STEPS: dict = {}
 
 
@@ -654,18 +665,50 @@ def register_path_for(device: torch.device, memoised: bool = False) -> str:
     return path
 
 
-def register_step_function(device: torch.device):
-    """``register_layer_step`` as the register path runs it: compiled (once per backend) or as it is."""
+def _keeps_parameter_addresses(layer: nn.Module) -> bool:
+    """Whether the layer's parameters keep their storage from step to step (see ``register_compile_mode``): not under
+    activation checkpointing, accelerate's hooks (``_hf_hook``), FSDP2 (``fully_shard`` makes the layer an
+    ``FSDPModule``), FSDP1 (``_is_fsdp_managed_module``) or DeepSpeed ZeRO-3 (``ds_id`` on the parameters)."""
+    if getattr(layer, "gradient_checkpointing", False) or hasattr(layer, "_hf_hook"):
+        return False
+    if getattr(layer, "_is_fsdp_managed_module", False) or any(c.__name__ == "FSDPModule" for c in type(layer).__mro__):
+        return False
+    first = next(layer.parameters(), None)
+    return first is None or not hasattr(first, "ds_id")
+
+
+def register_compile_mode_for(layer: nn.Module, device: torch.device) -> str:
+    """The ``torch.compile`` mode of ``layer``'s compiled register step on ``device`` (see ``register_compile_mode``)."""
+    if register_compile_mode not in REGISTER_COMPILE_MODES:
+        raise ValueError(
+            f"hf_rbf.modeling_decoder.register_compile_mode must be one of {REGISTER_COMPILE_MODES}; got "
+            f"{register_compile_mode!r}"
+        )
+    if register_compile_mode != "auto":
+        return register_compile_mode
+    return "reduce-overhead" if device.type == "cuda" and _keeps_parameter_addresses(layer) else "default"
+
+
+def register_step_function(device: torch.device, layer: nn.Module | None = None):
+    """``register_layer_step`` as the register path runs it for ``layer``: compiled (once per backend and mode) or as
+    it is."""
     if torch.compiler.is_compiling() or register_path_for(device) != "compiled":
         return register_layer_step
-    fn = _COMPILED_REGISTER_STEPS.get(register_compile_backend)
+    mode = register_compile_mode_for(layer, device) if layer is not None else "default"
+    key = (register_compile_backend, mode)
+    fn = _COMPILED_REGISTER_STEPS.get(key)
     if fn is None:
         import torch._dynamo as dynamo
 
         pin_triton_cache_dir()  # before inductor's first compilation moves it (see the function)
-        compiled = torch.compile(register_layer_step, backend=register_compile_backend, fullgraph=True, dynamic=False)
+        if mode not in _REGISTER_MODE_LOGGED:
+            _REGISTER_MODE_LOGGED.add(mode)
+            logger.info("compiled register step: torch.compile mode %r (register_compile_mode=%r)", mode,
+                        register_compile_mode)
+        options = dict(backend=register_compile_backend, fullgraph=True, dynamic=False, mode=mode)
+        compiled = torch.compile(register_layer_step, **options)
         fn = dynamo.config.patch(recompile_limit=REGISTER_STEP_RECOMPILE_LIMIT)(compiled)
-        _COMPILED_REGISTER_STEPS[register_compile_backend] = fn
+        _COMPILED_REGISTER_STEPS[key] = fn
     return fn
 
 

@@ -207,7 +207,26 @@ def test_inductor_compiled_stream_on_cuda_equals_the_rows_path(family, monkeypat
         monkeypatch.setattr(modeling_decoder, "register_path", path)
         results[path] = _step(model, ids)
     assert modeling_decoder.register_path_for(ids.device) == "compiled"
+    assert modeling_decoder.register_compile_mode_for(model.model.layers[0], ids.device) == "reduce-overhead"
     _assert_same(results["rows"], results["auto"], rtol=1e-4)
+    # inductor's kernels one by one, then the step as CUDA graphs: warm-up, recording and replays, each the same step,
+    # with evaluation forwards (no gradients, no cache: a graph of their own) between training steps
+    for mode in ("default", "reduce-overhead"):
+        monkeypatch.setattr(modeling_decoder, "register_compile_mode", mode)
+        for _ in range(4):
+            _assert_same(results["rows"], _step(model, ids), rtol=1e-4)
+            with torch.no_grad():
+                logits = model(input_ids=ids, use_cache=False).logits
+            torch.testing.assert_close(logits, results["rows"][0], rtol=1e-4, atol=1e-4 * logits.abs().max().item())
+    # gradient accumulation: a second backward adds to the gradients the first left (a graph's output buffers are
+    # reused by its next replay: a gradient that kept one would be overwritten)
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            ref = 2 * results["rows"][2][name]
+            assert (p.grad - ref).norm() <= 1e-4 * ref.norm() + 1e-12, name
 
 
 @pytest.mark.contract
@@ -262,3 +281,29 @@ def test_the_compiled_path_pins_the_triton_cache_dir(paths, monkeypatch):
     monkeypatch.setattr(modeling_decoder, "_COMPILED_REGISTER_STEPS", {})
     modeling_decoder.register_step_function(torch.device("cpu"))
     assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"
+
+
+def test_compile_mode_uses_cuda_graphs_only_where_parameters_keep_their_addresses(monkeypatch):
+    """"auto": CUDA graphs ("reduce-overhead") for a plain layer on CUDA; inductor's default mode on a CPU, under
+    activation checkpointing, FSDP2 and accelerate's hooks (parameters that move between steps); a bad value named."""
+    monkeypatch.setattr(modeling_decoder, "register_compile_mode", "auto")
+    model = build_model("rbf", dict(num_register_tokens=1))
+    layer = model.model.layers[0]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert modeling_decoder.register_compile_mode_for(layer, cuda) == "reduce-overhead"
+    assert modeling_decoder.register_compile_mode_for(layer, cpu) == "default"
+    enable_activation_checkpointing(model)
+    assert modeling_decoder.register_compile_mode_for(layer, cuda) == "default"
+    plain = build_model("rbf", dict(num_register_tokens=1)).model.layers[0]
+
+    class FSDPModule:  # the name torch.distributed.fsdp's fully_shard mixes into a sharded module's class
+        pass
+
+    plain.__class__ = type("FSDPDecoderLayer", (FSDPModule, type(plain)), {})
+    assert modeling_decoder.register_compile_mode_for(plain, cuda) == "default"
+    hooked = build_model("rbf", dict(num_register_tokens=1)).model.layers[0]
+    hooked._hf_hook = object()
+    assert modeling_decoder.register_compile_mode_for(hooked, cuda) == "default"
+    monkeypatch.setattr(modeling_decoder, "register_compile_mode", "max")
+    with pytest.raises(ValueError, match=r"register_compile_mode must be one of .*'reduce-overhead'.*got 'max'"):
+        modeling_decoder.register_compile_mode_for(layer, cuda)

@@ -217,3 +217,28 @@ def test_kernel_benchmarks_refuse_bad_arguments():
         cmd = [sys.executable, os.path.join(repo, "benchmarks", script), *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
         assert proc.returncode == 2 and message in proc.stderr, (script, args, proc.stderr[-500:])
+
+
+def test_bench_generate_variant_names_carry_registers_and_the_register_path():
+    """benchmarks/bench_generate.py: "family (N registers, rows)" builds the family with N registers and runs it on the
+    flat register rows (an A/B against the register stream in one process); an unknown option is named."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_generate.py"
+    spec = importlib.util.spec_from_file_location("bench_generate_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_variant("llama") == ("llama", {}, {})
+    assert bench.parse_variant("hybrid_sort (1 register, rows)") == (
+        "hybrid_sort",
+        {"num_register_tokens": 1},
+        {"register_path": "rows"},
+    )
+    with pytest.raises(ValueError, match="unknown option 'fast'"):
+        bench.parse_variant("rbf (fast)")
+    from hf_rbf import modeling_decoder
+
+    before = modeling_decoder.register_path
+    with bench.module_settings({"register_path": "rows"}):
+        assert modeling_decoder.register_path == "rows"
+    assert modeling_decoder.register_path == before
