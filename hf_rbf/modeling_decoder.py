@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import sys
 
 import torch
@@ -625,9 +626,12 @@ def register_layer_step(layer: DecoderLayer, register_states: torch.Tensor):
 # depend on the weights alone.  On CUDA "auto" runs those steps eagerly ("stream": once per generation, not worth a
 # compilation).  On a CPU "auto" keeps the rows path throughout, so that a forward gives the same bits with and
 # without gradients or a cache (the two paths differ by float rounding: their matmuls have other shapes).
+# The three settings below start from the environment (``HF_RBF_REGISTER_PATH``, ``HF_RBF_REGISTER_COMPILE_BACKEND``,
+# ``HF_RBF_REGISTER_COMPILE_MODE``), so that a launcher (``accelerate launch``, ``torchrun``) can set them for every
+# process; they are checked where they are used.
 REGISTER_PATHS = ("auto", "rows", "stream", "compiled")
-register_path = "auto"
-register_compile_backend = "inductor"
+register_path = os.environ.get("HF_RBF_REGISTER_PATH", "auto")
+register_compile_backend = os.environ.get("HF_RBF_REGISTER_COMPILE_BACKEND", "inductor")
 # ``torch.compile``'s ``mode`` for the compiled step: "default" (inductor's kernels, launched one by one: about 48
 # launches per layer and training step for one register, which kept the step host-bound), "reduce-overhead" (the
 # step's forward and backward replayed as CUDA graphs by cudagraph trees: one replay each per layer) or "auto":
@@ -637,7 +641,7 @@ register_compile_backend = "inductor"
 # an H100 (benchmarks/results/h100-2026-11-26e, call 7): d768 training step rbf 64.3 -> 54.5 ms, scalar_sort 70.5 ->
 # 50.7, hybrid_sort 83.4 -> 66.2 (Llama 72.7).
 REGISTER_COMPILE_MODES = ("auto", "default", "reduce-overhead")
-register_compile_mode = "auto"
+register_compile_mode = os.environ.get("HF_RBF_REGISTER_COMPILE_MODE", "auto")
 # every family's register step on one function: more graphs than dynamo's default limit of 8 per function (models of
 # several families in one process, training and no-grad) must not silently turn it back into eager code
 REGISTER_STEP_RECOMPILE_LIMIT = 64
@@ -932,6 +936,7 @@ class DecoderModel(DecoderPreTrainedModel):
         self.position_frequencies = SinusoidFrequencies(
             config.hidden_size // config.num_attention_heads, config.rope_theta
         )
+        self.last_register_path = None  # the register path of the last forward (see `register_path`), None without
         if config.num_register_tokens > 0:
             self.register_tokens = nn.Parameter(torch.zeros(config.num_register_tokens, config.hidden_size))
         else:
@@ -1165,7 +1170,13 @@ class DecoderModel(DecoderPreTrainedModel):
         if self.register_tokens is not None:
             registers = self.register_tokens.to(inputs_embeds.dtype).unsqueeze(0)
         memoised = registers is not None and cache is not None and not torch.is_grad_enabled()
-        stream = registers is not None and register_path_for(inputs_embeds.device, memoised) != "rows"
+        path = register_path_for(inputs_embeds.device, memoised) if registers is not None else None
+        stream = path is not None and path != "rows"
+        if path is not None and not torch.compiler.is_compiling():
+            # visible: the register path of the last forward ("compiled (<torch.compile mode>)" for the compiled one)
+            if path == "compiled":
+                path = f"compiled ({register_compile_mode_for(self.layers[0], inputs_embeds.device)})"
+            self.last_register_path = path
         rows = inputs_embeds.reshape(-1, inputs_embeds.shape[-1]) if stream else join_rows(inputs_embeds, registers)
         register_memo = self._register_memo(cache, registers) if stream and memoised else None
 

@@ -449,6 +449,8 @@ def run(
         "final_train_loss": losses[-1] if losses else None,  # the last logged loss (None if nothing was logged)
         "mean_train_loss": train_result.training_loss,
         "attention_backends": sorted(set(attention_backends(trainer.model))),
+        # how the register rows ran (hf_rbf.modeling_decoder.register_path): "rows", "stream", "compiled (<mode>)"
+        "register_path": getattr(getattr(trainer.model, "model", None), "last_register_path", None),
         "device": str(args.device),
         "bf16": bool(args.bf16),
         "versions": _versions(),

@@ -74,6 +74,8 @@ def test_stream_and_compiled_paths_equal_the_rows_path(case, paths):
     for path in ("rows", "stream", "compiled"):
         paths(path)
         results[path] = _step(model, ids, mask)
+        # the path taken is visible on the backbone (the compiled one with its torch.compile mode)
+        assert model.model.last_register_path == (path if path != "compiled" else "compiled (default)")
     for path in ("stream", "compiled"):
         _assert_same(results["rows"], results[path])
     # the registers' own parameters get their gradient through the stream (the prefix keys and the next layers)

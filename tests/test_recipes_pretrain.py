@@ -144,11 +144,15 @@ def test_resume_after_interruption_gives_the_same_curve(full_run, tmp_path):
     assert second["eval_loss"] == pytest.approx(full_run[1]["eval_loss"], rel=1e-6)
 
 
-def test_ddp_two_processes_match_one_process(full_run, tmp_path):
+@pytest.mark.parametrize("register_path", ["auto", "compiled"])
+def test_ddp_two_processes_match_one_process(full_run, tmp_path, register_path):
     """``accelerate launch --multi_gpu --num_processes 2`` on the CPU (gloo): each process gets 4 of the 8 blocks of
-    every step; the logged losses equal the single-process run's (same global batch) up to reduction order."""
+    every step; the logged losses equal the single-process run's (same global batch) up to reduction order.  Also
+    with the register rows on the compiled register stream (``HF_RBF_REGISTER_PATH=compiled``, what a GPU takes;
+    here with the ``aot_eager`` backend) under DDP."""
     out = tmp_path / "ddp"
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_RBF_REGISTER_PATH=register_path)
+    env["HF_RBF_REGISTER_COMPILE_BACKEND"] = "aot_eager"
     with socket.socket() as sock:  # a free port, so parallel test runs on one machine do not collide
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -180,6 +184,7 @@ def test_ddp_two_processes_match_one_process(full_run, tmp_path):
     with open(out / "summary.json") as f:
         s = json.load(f)
     assert s["world_size"] == 2 and s["global_batch_size"] == 8 and s["steps"] == 8
+    assert s["register_path"] == ("rows" if register_path == "auto" else "compiled (default)")
     for a, b in zip(_losses(full_run[0]), _losses(out)):
         assert a[0] == b[0] and abs(a[1] - b[1]) < 1e-4, (a, b)
     assert s["eval_loss"] == pytest.approx(full_run[1]["eval_loss"], abs=1e-4)
