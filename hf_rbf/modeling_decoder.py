@@ -633,15 +633,18 @@ REGISTER_PATHS = ("auto", "rows", "stream", "compiled")
 register_path = os.environ.get("HF_RBF_REGISTER_PATH", "auto")
 register_compile_backend = os.environ.get("HF_RBF_REGISTER_COMPILE_BACKEND", "inductor")
 # ``torch.compile``'s ``mode`` for the compiled step: "default" (inductor's kernels, launched one by one: about 48
-# launches per layer and training step for one register, which kept the step host-bound), "reduce-overhead" (the
-# step's forward and backward replayed as CUDA graphs by cudagraph trees: one replay each per layer) or "auto":
-# "reduce-overhead" on CUDA where the layer's parameters keep their addresses from step to step (what a CUDA graph
-# needs), "default" where they may not: under FSDP (the unsharded parameters are reallocated every step), accelerate's
-# offloading hooks, or activation checkpointing (the step runs again inside the backward).  Measured in one process on
-# an H100 (benchmarks/results/h100-2026-11-26e, call 7): d768 training step rbf 64.3 -> 54.5 ms, scalar_sort 70.5 ->
-# 50.7, hybrid_sort 83.4 -> 66.2 (Llama 72.7).
+# launches per layer and training step for one register), "reduce-overhead" (the step's forward and backward replayed
+# as CUDA graphs by cudagraph trees: one replay each per layer) or "auto": "reduce-overhead" on CUDA where the layer's
+# parameters keep their addresses from step to step (what a CUDA graph needs), "default" where they may not (FSDP,
+# whose unsharded parameters are reallocated every step, accelerate's offloading hooks, DeepSpeed ZeRO-3, activation
+# checkpointing, which runs the step again inside the backward).
+# "default" is the default: the CUDA graphs are an opt-in experiment.  On an H100 (benchmarks/results/h100-2026-11-26e)
+# they took the d768 training step from 64.3 / 70.5 / 83.4 ms to 54.5 / 50.7 / 66.2 ms (rbf / scalar_sort /
+# hybrid_sort, Llama 72.7) in one call, but only from 69.2 / 73.7 / 83.9 to 68.7 / 67.6 / 79.7 in another (with the
+# per-forward step mark below); and a dynamic-cache ``generate`` of rbf failed in both calls with cudagraph trees'
+# "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run".
 REGISTER_COMPILE_MODES = ("auto", "default", "reduce-overhead")
-register_compile_mode = os.environ.get("HF_RBF_REGISTER_COMPILE_MODE", "auto")
+register_compile_mode = os.environ.get("HF_RBF_REGISTER_COMPILE_MODE", "default")
 # every family's register step on one function: more graphs than dynamo's default limit of 8 per function (models of
 # several families in one process, training and no-grad) must not silently turn it back into eager code
 REGISTER_STEP_RECOMPILE_LIMIT = 64
@@ -1175,7 +1178,15 @@ class DecoderModel(DecoderPreTrainedModel):
         if path is not None and not torch.compiler.is_compiling():
             # visible: the register path of the last forward ("compiled (<torch.compile mode>)" for the compiled one)
             if path == "compiled":
-                path = f"compiled ({register_compile_mode_for(self.layers[0], inputs_embeds.device)})"
+                mode = register_compile_mode_for(self.layers[0], inputs_embeds.device)
+                if mode == "reduce-overhead":
+                    # Every forward is a new step for cudagraph trees: the register graphs' outputs of an earlier
+                    # forward (an evaluation between training steps, the previous step) are no longer read, so
+                    # the next replays may reuse their memory.  Without this mark, an evaluation forward between
+                    # two training steps read outputs a replay had overwritten, and interleaved models fell off the
+                    # graphs' fast path ("pending, uninvoked backwards"; benchmarks/results/h100-2026-11-26e).
+                    torch.compiler.cudagraph_mark_step_begin()
+                path = f"compiled ({mode})"
             self.last_register_path = path
         rows = inputs_embeds.reshape(-1, inputs_embeds.shape[-1]) if stream else join_rows(inputs_embeds, registers)
         register_memo = self._register_memo(cache, registers) if stream and memoised else None

@@ -209,7 +209,7 @@ def test_inductor_compiled_stream_on_cuda_equals_the_rows_path(family, monkeypat
         monkeypatch.setattr(modeling_decoder, "register_path", path)
         results[path] = _step(model, ids)
     assert modeling_decoder.register_path_for(ids.device) == "compiled"
-    assert modeling_decoder.register_compile_mode_for(model.model.layers[0], ids.device) == "reduce-overhead"
+    assert modeling_decoder.register_compile_mode_for(model.model.layers[0], ids.device) == "default"
     _assert_same(results["rows"], results["auto"], rtol=1e-4)
     # inductor's kernels one by one, then the step as CUDA graphs: warm-up, recording and replays, each the same step,
     # with evaluation forwards (no gradients, no cache: a graph of their own) between training steps
@@ -286,8 +286,11 @@ def test_the_compiled_path_pins_the_triton_cache_dir(paths, monkeypatch):
 
 
 def test_compile_mode_uses_cuda_graphs_only_where_parameters_keep_their_addresses(monkeypatch):
-    """"auto": CUDA graphs ("reduce-overhead") for a plain layer on CUDA; inductor's default mode on a CPU, under
-    activation checkpointing, FSDP2 and accelerate's hooks (parameters that move between steps); a bad value named."""
+    """The default is inductor's default mode; "auto": CUDA graphs ("reduce-overhead") for a plain layer on CUDA,
+    inductor's default mode on a CPU, under activation checkpointing, FSDP2 and accelerate's hooks (parameters that
+    move between steps); a bad value named."""
+    model = build_model("rbf", dict(num_register_tokens=1))
+    assert modeling_decoder.register_compile_mode_for(model.model.layers[0], torch.device("cuda")) == "default"
     monkeypatch.setattr(modeling_decoder, "register_compile_mode", "auto")
     model = build_model("rbf", dict(num_register_tokens=1))
     layer = model.model.layers[0]
