@@ -579,7 +579,8 @@ class DecoderLayer(GradientCheckpointingLayer):
             memo = kwargs.get("register_memo")
             step = None if memo is None else memo.get(self.self_attn.layer_idx)
             if step is None:
-                step = register_step_function(rows.device, self)(self, register_states)
+                step_function = register_step_function(rows.device, self, kwargs.get("register_path"))
+                step = step_function(self, register_states)
                 if memo is not None:
                     memo[self.self_attn.layer_idx] = step
             register_states, prefix = step
@@ -696,10 +697,13 @@ def register_compile_mode_for(layer: nn.Module, device: torch.device) -> str:
     return "reduce-overhead" if device.type == "cuda" and _keeps_parameter_addresses(layer) else "default"
 
 
-def register_step_function(device: torch.device, layer: nn.Module | None = None):
+def register_step_function(device: torch.device, layer: nn.Module | None = None, path: str | None = None):
     """``register_layer_step`` as the register path runs it for ``layer``: compiled (once per backend and mode) or as
-    it is."""
-    if torch.compiler.is_compiling() or register_path_for(device) != "compiled":
+    it is.  ``path``: the path the model chose for this forward (a cached forward without gradients takes the eager
+    stream: its steps run once per generation); None: ``register_path_for(device)``."""
+    if path is None:
+        path = register_path_for(device)
+    if torch.compiler.is_compiling() or path != "compiled":
         return register_layer_step
     mode = register_compile_mode_for(layer, device) if layer is not None else "default"
     key = (register_compile_backend, mode)
@@ -1175,6 +1179,7 @@ class DecoderModel(DecoderPreTrainedModel):
         memoised = registers is not None and cache is not None and not torch.is_grad_enabled()
         path = register_path_for(inputs_embeds.device, memoised) if registers is not None else None
         stream = path is not None and path != "rows"
+        step_path = path  # what the layers run their register steps with ("stream" or "compiled")
         if path is not None and not torch.compiler.is_compiling():
             # visible: the register path of the last forward ("compiled (<torch.compile mode>)" for the compiled one)
             if path == "compiled":
@@ -1211,6 +1216,7 @@ class DecoderModel(DecoderPreTrainedModel):
                 use_cache=use_cache,
                 output_attentions=output_attentions,
                 register_memo=register_memo,
+                register_path=step_path,
             )
             if output_attentions:
                 all_attentions += (weights,)

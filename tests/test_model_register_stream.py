@@ -312,3 +312,35 @@ def test_compile_mode_uses_cuda_graphs_only_where_parameters_keep_their_addresse
     monkeypatch.setattr(modeling_decoder, "register_compile_mode", "max")
     with pytest.raises(ValueError, match=r"register_compile_mode must be one of .*'reduce-overhead'.*got 'max'"):
         modeling_decoder.register_compile_mode_for(layer, cuda)
+
+
+def test_generate_on_cuda_runs_the_memoised_steps_eagerly(monkeypatch):
+    """With "auto" on CUDA (simulated here: the device the path is chosen for), a generation's cached forwards take
+    the eager stream and never ask for the compiled step (its steps run once per generation: a compilation would not
+    pay, and the CUDA-graph mode's outputs would be overwritten by the next generation's replays, which is how rbf's
+    dynamic generate failed on an H100 while the layers still chose the compiled step themselves)."""
+    choose = modeling_decoder.register_path_for
+    monkeypatch.setattr(
+        modeling_decoder, "register_path_for", lambda device, memoised=False: choose(torch.device("cuda"), memoised)
+    )
+    monkeypatch.setattr(modeling_decoder, "register_path", "auto")
+    compiled_asked = []
+    get_function = modeling_decoder.register_step_function
+
+    def recording(device, layer=None, path=None):
+        fn = get_function(device, layer, path)
+        if fn is not modeling_decoder.register_layer_step:
+            compiled_asked.append(layer.self_attn.layer_idx)
+        return fn
+
+    monkeypatch.setattr(modeling_decoder, "register_step_function", recording)
+    monkeypatch.setattr(modeling_decoder, "register_compile_backend", "aot_eager")
+    model = build_model("rbf", dict(num_register_tokens=1))
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert compiled_asked == []
+    assert model.model.last_register_path == "stream"
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()  # training on "CUDA": the compiled step
+    assert compiled_asked == [0, 1]
