@@ -371,7 +371,14 @@ def interleaved_steps(variants, size: dict, steps: int, rounds: int, compile_mod
 
 def summarise_profile(prof, steps: int, step_ms: float) -> dict:
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # Kernels only: not the GPU-timeline ranges of user annotations (``record_function``: inductor's "## Call
+    # CompiledFxGraph ... ##", "Optimizer.step#AdamW.step"), which span the host gaps between their kernels and were
+    # counted as busy time (the compiled register step's ranges added 24 ms to a 50 ms step, h100-2026-11-26e).
+    kernels = [
+        e
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
     gpu_us = sum(e.self_device_time_total for e in kernels)
     launches = sum(e.count for e in kernels)
     cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]

@@ -242,3 +242,34 @@ def test_bench_generate_variant_names_carry_registers_and_the_register_path():
     with bench.module_settings({"register_path": "rows"}):
         assert modeling_decoder.register_path == "rows"
     assert modeling_decoder.register_path == before
+
+
+def test_profile_summary_counts_kernels_not_annotation_ranges():
+    """benchmarks/profile_training.py: GPU busy time and launches sum the kernels only; the GPU-timeline ranges of user
+    annotations (inductor's "## Call CompiledFxGraph ... ##") span host gaps and are left out."""
+    import importlib.util
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("profile_training_under_test", bench_dir / "profile_training.py")
+        profile_training = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(profile_training)
+    finally:
+        sys.path.remove(str(bench_dir))
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def event(key, device_us, annotation=False):
+        return SimpleNamespace(key=key, device_type=cuda, self_device_time_total=device_us, count=2,
+                               self_cpu_time_total=0.0, is_user_annotation=annotation, input_shapes=[])
+
+    events = [event("gemm", 3000.0), event("triton_fused", 1000.0), event("## Call CompiledFxGraph x ##", 9000.0, True)]
+    prof = SimpleNamespace(key_averages=lambda **kw: events)
+    summary = profile_training.summarise_profile(prof, steps=2, step_ms=10.0)
+    assert summary["gpu_busy_ms_per_step"] == 2.0  # (3000 + 1000) us over 2 steps
+    assert summary["kernel_launches_per_step"] == 2.0
+    assert [e["name"] for e in summary["gpu_top"]] == ["gemm", "triton_fused"]
