@@ -31,7 +31,6 @@ mechanism (ties and near-ties of random weights), not a trained model's captured
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -42,6 +41,9 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from decoder_settings import decoder_settings  # noqa: E402
 
 SIZE = dict(vocab_size=8192, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048)
 
@@ -61,21 +63,6 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
         else:
             raise ValueError(f"variant {variant!r}: unknown option {option!r} (allowed: 'N registers', 'rows')")
     return family, overrides, settings
-
-
-@contextlib.contextmanager
-def module_settings(settings: dict):
-    """``settings`` applied to ``hf_rbf.modeling_decoder`` while the block runs."""
-    from hf_rbf import modeling_decoder
-
-    saved = {k: getattr(modeling_decoder, k) for k in settings}
-    for k, v in settings.items():
-        setattr(modeling_decoder, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(modeling_decoder, k, v)
 
 
 def build(variant: str, max_positions: int):
@@ -196,7 +183,7 @@ def main() -> int:
                     if best.get(key) == "error":
                         continue
                     try:
-                        with module_settings(parse_variant(variant)[2]):
+                        with decoder_settings(parse_variant(variant)[2]):
                             t1, _ = timed_generate(model, prompts[case], 1, mode, args.prefill_chunk)
                             tn, mem = timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
                         ms = 1e3 * (tn - t1) / (args.new_tokens - 1)

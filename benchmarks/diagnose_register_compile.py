@@ -4,7 +4,7 @@ Triton kernels compile or load from their cache), then its first step on the com
 register step; inductor compiles it or loads it from its caches), and prints both times with the compile counters.
 Run it twice on one machine: the second process shows what a warm machine pays.
 
-    PYTHONPATH=. python benchmarks/diagnose_register_compile.py [--size d256] [--families rbf,scalar_sort,hybrid_sort]
+    PYTHONPATH=. python benchmarks/diagnose_register_compile.py [--size d256] [--variants "rbf (1 register, SuSiE);..."]
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from profile_training import SIZES  # noqa: E402
+from decoder_settings import decoder_settings  # noqa: E402
+from profile_training import SIZES, VARIANTS, build  # noqa: E402
 
 
 def first_step(model, ids) -> float:
@@ -38,47 +39,40 @@ def first_step(model, ids) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="d256", choices=sorted(SIZES))
-    p.add_argument("--families", default="rbf,scalar_sort,hybrid_sort")
+    p.add_argument(
+        "--variants",
+        default="rbf (1 register, SuSiE);scalar_sort (1 register);hybrid_sort (1 register)",
+        help=f"semicolon-separated subset of profile_training's variants: {'; '.join(VARIANTS)}",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    unknown = [v for v in args.variants.split(";") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; allowed: {'; '.join(VARIANTS)}")
     import hf_rbf  # noqa: F401
     from torch._dynamo.utils import counters
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hf_rbf import modeling_decoder
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = SIZES[args.size]
     rows = {}
-    for family in args.families.split(","):
-        cfg = AutoConfig.for_model(
-            family,
-            vocab_size=8192,
-            hidden_size=size["hidden_size"],
-            num_hidden_layers=size["num_hidden_layers"],
-            num_attention_heads=size["num_attention_heads"],
-            intermediate_size=size["intermediate_size"],
-            max_position_embeddings=size["seq"],
-            num_register_tokens=1,
-        )
-        model = AutoModelForCausalLM.from_config(cfg).to(device).train()
+    for variant in args.variants.split(";"):
+        model = build(variant, size, device)
         ids = torch.randint(0, 8192, (size["batch"], size["seq"]), device=device)
         counters.clear()
-        modeling_decoder.register_path = "rows"
-        rows_s = first_step(model, ids)
-        modeling_decoder.register_path = "compiled"
-        compiled_s = first_step(model, ids)
-        again_s = first_step(model, ids)
-        modeling_decoder.register_path = "auto"
-        rows[family] = dict(
+        with decoder_settings({"register_path": "rows"}):
+            rows_s = first_step(model, ids)
+        with decoder_settings({"register_path": "compiled"}):
+            compiled_s = first_step(model, ids)
+            again_s = first_step(model, ids)
+        rows[variant] = dict(
             rows_first_s=rows_s,
             compiled_first_s=compiled_s,
             compiled_second_s=again_s,
             counters={k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd", "stats")},
         )
         print(
-            f"{family:12s} rows first step {rows_s:6.1f} s | compiled first step {compiled_s:6.1f} s, second "
-            f"{again_s:6.2f} s | {json.dumps(rows[family]['counters'])}",
+            f"{variant:32s} rows first step {rows_s:6.1f} s | compiled first step {compiled_s:6.1f} s, second "
+            f"{again_s:6.2f} s | {json.dumps(rows[variant]['counters'])}",
             flush=True,
         )
         del model

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Does a second process on a warm machine reuse Triton's compiled kernels?  Runs
-# benchmarks/diagnose_register_compile.py twice (FAMILIES, default scalar_sort) and lists the Triton cache entries the
-# second process added: each is a kernel compiled again, whose metadata (<name>.json: constants, specialisation) shows
-# what differed from the first process's entry of the same kernel.  Everything is packed into OUT/triton_cache.tar.gz.
+# benchmarks/diagnose_register_compile.py twice (VARIANTS, default "scalar_sort (1 register)") and lists the Triton
+# cache entries the second process added: each is a kernel compiled again, whose metadata (<name>.json: constants,
+# specialisation) shows what differed from the first process's entry of the same kernel.  Everything is packed into OUT/triton_cache.tar.gz.
 #
 #   bash benchmarks/diagnose_triton_cache.sh OUT
 set -uo pipefail
@@ -14,7 +14,7 @@ W=$(mktemp -d)
 mkdir -p "$W/first" "$W/second" "$OUT"
 for i in 1 2; do
     timeout "${SECONDS_PER_PROCESS:-150}" python3 "$REPO/benchmarks/diagnose_register_compile.py" --size d256 \
-        --families "${FAMILIES:-scalar_sort}" > "$W/process$i.log" 2>&1
+        --variants "${VARIANTS:-scalar_sort (1 register)}" > "$W/process$i.log" 2>&1
     echo "process $i rc=$?"; grep -v -i warn "$W/process$i.log" | tail -3
     ls "$C" | sort > "$W/after$i.txt"
 done

@@ -20,7 +20,6 @@ Writes ``profile.md`` (tables and the summary) and ``profile.json`` to ``--out``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -33,6 +32,9 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from decoder_settings import decoder_settings  # noqa: E402
 
 
 def _sync():
@@ -219,20 +221,10 @@ def module_settings_of(variant: str) -> dict:
     return {}
 
 
-@contextlib.contextmanager
 def module_settings(variant: str):
     """``module_settings_of(variant)`` applied to ``hf_rbf.modeling_decoder`` while the block runs."""
-    from hf_rbf import modeling_decoder
+    return decoder_settings(module_settings_of(variant))
 
-    settings = module_settings_of(variant)
-    saved = {k: getattr(modeling_decoder, k) for k in settings}
-    for k, v in settings.items():
-        setattr(modeling_decoder, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(modeling_decoder, k, v)
 
 SIZES = {
     "d256": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=688, seq=256, batch=64),
@@ -246,7 +238,7 @@ SIZES = {
 }
 
 
-def build(variant: str, size: dict):
+def build(variant: str, size: dict, device: str = "cuda"):
     import hf_rbf  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -263,7 +255,7 @@ def build(variant: str, size: dict):
     else:
         family, extra = VARIANTS[variant]
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **common, **extra))
-    return model.cuda().train()
+    return model.to(device).train()
 
 
 def train_steps(model, size, steps: int, warmup: int, profile_steps: int = 0):

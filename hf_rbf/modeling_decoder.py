@@ -549,8 +549,10 @@ class DecoderLayer(GradientCheckpointingLayer):
         key_log_weights: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool = False,
+        register_memo: dict | None = None,
+        register_step_path: str | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Returns ``(rows, attention weights or None, register states or None)``.
 
         ``rows`` is the flat buffer that ``hidden_states [B, N, D]`` and ``register_states [1, R, D]`` are views of
@@ -563,6 +565,8 @@ class DecoderLayer(GradientCheckpointingLayer):
         registers' next states and the prefix keys the text attends to, and those states are returned third.  A
         ``register_memo`` dict (``DecoderModel`` passes one per cache in inference) keeps that step's result per layer:
         the registers depend on the weights alone, so the steps of one generation compute them once.
+        ``register_step_path`` is the path the model chose for this forward ("stream" or "compiled"; None: chosen
+        here by ``register_path_for``).
         """
         text_shape = tuple(hidden_states.shape[:2])
         if rows is None:
@@ -576,13 +580,12 @@ class DecoderLayer(GradientCheckpointingLayer):
             output_attentions=output_attentions,
         )
         if r and rows.shape[0] == text_shape[0] * text_shape[1]:  # the register stream
-            memo = kwargs.get("register_memo")
-            step = None if memo is None else memo.get(self.self_attn.layer_idx)
+            idx = self.self_attn.layer_idx
+            step = None if register_memo is None else register_memo.get(idx)
             if step is None:
-                step_function = register_step_function(rows.device, self, kwargs.get("register_path"))
-                step = step_function(self, register_states)
-                if memo is not None:
-                    memo[self.self_attn.layer_idx] = step
+                step = register_step_function(rows.device, self, register_step_path)(self, register_states)
+                if register_memo is not None:
+                    register_memo[idx] = step
             register_states, prefix = step
             attn_rows, weights = self.self_attn.forward_rows(
                 self.input_layernorm(rows), text_shape, register_prefix=prefix, **call
@@ -686,7 +689,7 @@ def _keeps_parameter_addresses(layer: nn.Module) -> bool:
 
 
 def register_compile_mode_for(layer: nn.Module, device: torch.device) -> str:
-    """The ``torch.compile`` mode of ``layer``'s compiled register step on ``device`` (see ``register_compile_mode``)."""
+    """The ``torch.compile`` mode of ``layer``'s compiled register step on ``device`` (``register_compile_mode``)."""
     if register_compile_mode not in REGISTER_COMPILE_MODES:
         raise ValueError(
             f"hf_rbf.modeling_decoder.register_compile_mode must be one of {REGISTER_COMPILE_MODES}; got "
@@ -913,21 +916,6 @@ def _check_key_tensor(name: str, t, batch: int, total: int, heads: int, layout: 
 class DecoderModel(DecoderPreTrainedModel):
     """The backbone without the LM head: returns the final (RMS-normalised) hidden states of the text tokens."""
 
-    def _register_memo(self, cache, registers: torch.Tensor) -> dict | None:
-        """The per-layer register steps kept on ``cache`` for the forwards of one generation (see ``register_path``):
-        a dict ``layer index -> (next register states, prefix)``, fresh whenever the model, the registers' dtype or
-        device, or the register tokens' version (an optimiser step or a ``load_state_dict`` bumps it) differ from
-        what the cache saw last.  None for a cache object that takes no attributes."""
-        key = (id(self), registers.dtype, registers.device, self.register_tokens._version)
-        memo = getattr(cache, "_hf_rbf_register_memo", None)
-        if memo is None or memo[0] != key:
-            memo = (key, {})
-            try:
-                cache._hf_rbf_register_memo = memo
-            except AttributeError:
-                return None
-        return memo[1]
-
     def __init__(self, config: DecoderConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -950,6 +938,21 @@ class DecoderModel(DecoderPreTrainedModel):
             self.register_tokens = None
         self.gradient_checkpointing = False
         self.post_init()
+
+    def _register_memo(self, cache, registers: torch.Tensor) -> dict | None:
+        """The per-layer register steps kept on ``cache`` for the forwards of one generation (see ``register_path``):
+        a dict ``layer index -> (next register states, prefix)``, fresh whenever the model, the registers' dtype or
+        device, or the register tokens' version (an optimiser step or a ``load_state_dict`` bumps it) differ from
+        what the cache saw last.  None for a cache object that takes no attributes."""
+        key = (id(self), registers.dtype, registers.device, self.register_tokens._version)
+        memo = getattr(cache, "_hf_rbf_register_memo", None)
+        if memo is None or memo[0] != key:
+            memo = (key, {})
+            try:
+                cache._hf_rbf_register_memo = memo
+            except AttributeError:
+                return None
+        return memo[1]
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -1179,9 +1182,9 @@ class DecoderModel(DecoderPreTrainedModel):
         memoised = registers is not None and cache is not None and not torch.is_grad_enabled()
         path = register_path_for(inputs_embeds.device, memoised) if registers is not None else None
         stream = path is not None and path != "rows"
-        step_path = path  # what the layers run their register steps with ("stream" or "compiled")
         if path is not None and not torch.compiler.is_compiling():
             # visible: the register path of the last forward ("compiled (<torch.compile mode>)" for the compiled one)
+            shown = path
             if path == "compiled":
                 mode = register_compile_mode_for(self.layers[0], inputs_embeds.device)
                 if mode == "reduce-overhead":
@@ -1191,8 +1194,8 @@ class DecoderModel(DecoderPreTrainedModel):
                     # two training steps read outputs a replay had overwritten, and interleaved models fell off the
                     # graphs' fast path ("pending, uninvoked backwards"; benchmarks/results/h100-2026-11-26e).
                     torch.compiler.cudagraph_mark_step_begin()
-                path = f"compiled ({mode})"
-            self.last_register_path = path
+                shown = f"compiled ({mode})"
+            self.last_register_path = shown
         rows = inputs_embeds.reshape(-1, inputs_embeds.shape[-1]) if stream else join_rows(inputs_embeds, registers)
         register_memo = self._register_memo(cache, registers) if stream and memoised else None
 
@@ -1216,7 +1219,7 @@ class DecoderModel(DecoderPreTrainedModel):
                 use_cache=use_cache,
                 output_attentions=output_attentions,
                 register_memo=register_memo,
-                register_path=step_path,
+                register_step_path=path,
             )
             if output_attentions:
                 all_attentions += (weights,)

@@ -124,15 +124,13 @@ class RbfAttention(DecoderAttention):
             )
             return self.o_proj(self._heads_to_rows(out, register_out)), None, weights
         q, k, v = self._project(hidden_states)
-        qr = kr = vr = None
+        register_out = None
         if self.num_registers > 0 and register_prefix is None:
-            qr, kr, vr = self._project(register_states)
-        out, register_out, weights = self._attend(
-            q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions,
+            register_out, register_prefix = self.register_forward(register_states)
+        out, _, weights = self._attend(
+            q, k, v, None, None, None, position_embeddings, cache, attention_mask, key_log_weights, output_attentions,
             register_prefix,
         )
-        if register_out is not None:
-            register_out = self.o_proj(self._merge_heads(register_out))
         return self.o_proj(self._merge_heads(out)), register_out, weights
 
     def _attend(

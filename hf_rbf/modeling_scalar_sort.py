@@ -433,25 +433,22 @@ class ScalarSortAttention(DecoderAttention):
         weights)``.  With ``register_prefix`` (:meth:`register_forward`'s prefix, computed by the register stream)
         the registers are not computed here: ``rows`` / ``register_states`` hold no register rows."""
         b, n, _ = hidden_states.shape
-        register_keys = tau_registers = None
-        own_registers = self.num_registers > 0 and register_prefix is None
+        register_keys = tau_registers = register_out = register_out_rows = None
         if rows is not None:
             proj, register_keys, tau, tau_registers = self.project_rows(rows, (b, n), position_embeddings)
         else:
             proj = self.project(hidden_states, position_embeddings)
             tau = self.temperature(hidden_states)
-            if own_registers:
-                register_keys = self.project_registers(register_states)
-                tau_registers = self.temperature(register_states)
-        dtype, device = proj.ks.dtype, proj.ks.device
+            if self.num_registers > 0 and register_prefix is None:
+                register_out_rows, register_prefix = self.register_forward(register_states)
 
-        register_out = None
         if register_prefix is not None:
             ks, v, k = register_prefix
             prefix, num_prefix = _Projections(qs=None, ks=ks, v=v, k=k), ks.shape[-1]
         else:
-            sink = self.sink_entries(dtype, device)
-            if own_registers:
+            # the flat rows path: the register rows' projections came with the text's
+            sink = self.sink_entries(proj.ks.dtype, proj.ks.device)
+            if register_keys is not None:
                 register_out = self.register_attention(register_keys, sink, tau_registers)
             prefix, num_prefix = self._prefix_of(sink, register_keys)
 
@@ -505,9 +502,7 @@ class ScalarSortAttention(DecoderAttention):
                 weights = self._weights_over_all_text_keys(weights, num_prefix, cache)
         if rows is not None:
             return self.o_proj(self._heads_to_rows(out, register_out)), None, weights
-        if register_out is not None:
-            register_out = self.o_proj(self._merge_heads(register_out))
-        return self.o_proj(self._merge_heads(out)), register_out, weights
+        return self.o_proj(self._merge_heads(out)), register_out_rows, weights
 
     def output_attentions_error(self, cache) -> str | None:
         """Weights need every key: a decode step through a filled sorted cache layer reads only a window of it."""

@@ -239,7 +239,7 @@ def test_bench_generate_variant_names_carry_registers_and_the_register_path():
     from hf_rbf import modeling_decoder
 
     before = modeling_decoder.register_path
-    with bench.module_settings({"register_path": "rows"}):
+    with bench.decoder_settings({"register_path": "rows"}):
         assert modeling_decoder.register_path == "rows"
     assert modeling_decoder.register_path == before
 
