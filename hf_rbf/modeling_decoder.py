@@ -662,7 +662,8 @@ def register_path_for(device: torch.device, memoised: bool = False) -> str:
     ``memoised``: the forward reuses the registers' steps of an earlier call (a cached forward without gradients)."""
     if register_path not in REGISTER_PATHS:
         raise ValueError(
-            f"hf_rbf.modeling_decoder.register_path must be one of {REGISTER_PATHS}; got {register_path!r}"
+            f"hf_rbf.modeling_decoder.register_path must be one of {REGISTER_PATHS}; got {register_path!r} (set in "
+            "code or through the HF_RBF_REGISTER_PATH environment variable)"
         )
     if torch.compiler.is_compiling():
         return "rows" if register_path == "auto" else "stream" if register_path == "compiled" else register_path
@@ -693,7 +694,7 @@ def register_compile_mode_for(layer: nn.Module, device: torch.device) -> str:
     if register_compile_mode not in REGISTER_COMPILE_MODES:
         raise ValueError(
             f"hf_rbf.modeling_decoder.register_compile_mode must be one of {REGISTER_COMPILE_MODES}; got "
-            f"{register_compile_mode!r}"
+            f"{register_compile_mode!r} (set in code or through the HF_RBF_REGISTER_COMPILE_MODE environment variable)"
         )
     if register_compile_mode != "auto":
         return register_compile_mode

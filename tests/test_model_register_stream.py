@@ -344,3 +344,22 @@ def test_generate_on_cuda_runs_the_memoised_steps_eagerly(monkeypatch):
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()  # training on "CUDA": the compiled step
     assert compiled_asked == [0, 1]
+
+
+def test_a_bad_register_path_from_the_environment_is_named(tmp_path):
+    """``HF_RBF_REGISTER_PATH`` sets the path for a launched process; a bad value fails the first forward with
+    registers, naming the setting, the variable and the allowed values."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, hf_rbf; from transformers import AutoConfig, AutoModelForCausalLM\n"
+        "cfg = AutoConfig.for_model('rbf', vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,"
+        " num_attention_heads=2, num_register_tokens=1)\n"
+        "AutoModelForCausalLM.from_config(cfg)(input_ids=torch.zeros(1, 3, dtype=torch.long))\n"
+    )
+    env = dict(os.environ, HF_RBF_REGISTER_PATH="fastest")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "register_path must be one of ('auto', 'rows', 'stream', 'compiled'); got 'fastest'" in proc.stderr
+    assert "HF_RBF_REGISTER_PATH" in proc.stderr
