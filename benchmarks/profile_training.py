@@ -203,9 +203,19 @@ VARIANTS = {
     "rbf (1 register, SuSiE, no cudagraph)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
     "scalar_sort (1 register, no cudagraph)": ("scalar_sort", dict(num_register_tokens=1)),
     "hybrid_sort (1 register, no cudagraph)": ("hybrid_sort", dict(num_register_tokens=1)),
+    # each layer's compiled register step captured as CUDA graphs of our own (`register_path = "graphed"`,
+    # hf_rbf/modeling_register_graph.py), and the compiled stream named for A/Bs where "auto" moves
+    "rbf (1 register, SuSiE, graphed)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
+    "scalar_sort (1 register, graphed)": ("scalar_sort", dict(num_register_tokens=1)),
+    "hybrid_sort (1 register, graphed)": ("hybrid_sort", dict(num_register_tokens=1)),
+    "rbf (1 register, SuSiE, compiled)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
+    "scalar_sort (1 register, compiled)": ("scalar_sort", dict(num_register_tokens=1)),
+    "hybrid_sort (1 register, compiled)": ("hybrid_sort", dict(num_register_tokens=1)),
 }
 # variant-name suffix -> the `hf_rbf.modeling_decoder` settings its steps run with (restored after each step)
 SETTING_SUFFIXES = {
+    ", graphed)": {"register_path": "graphed"},
+    ", compiled)": {"register_path": "compiled"},
     ", torch RoPE)": {"rotary_backend": "torch"},
     ", rows)": {"register_path": "rows"},
     ", no cudagraph)": {"register_compile_mode": "default"},

@@ -38,6 +38,7 @@ from .cache_static import StaticDecoderCache, StaticKeyValueLayer, static_cache_
 from .configuration_decoder import DecoderConfig
 from .kernels_common import pin_triton_cache_dir
 from .kernels_rotary import rotary_fused, rotary_reason
+from .modeling_register_graph import graphed_register_step
 
 logger = logging.getLogger("hf_rbf")
 
@@ -623,6 +624,9 @@ def register_layer_step(layer: DecoderLayer, register_states: torch.Tensor):
 #               ``register_compile_backend``): a handful of fused kernels forward and backward in place of those ops.
 #               The graph depends on the model's shapes and settings only: every layer of a model shares it, and the
 #               compiled code is cached on disk like any ``torch.compile`` graph;
+#   "graphed"   the compiled step of each layer captured as two CUDA graphs, forward and backward, replayed by forwards
+#               with gradients (``modeling_register_graph``): one launch each in place of those kernels; forwards
+#               without gradients run the compiled step.  CUDA only;
 #   "auto"      "compiled" on CUDA, "rows" elsewhere (on a CPU the host is not the bottleneck) and inside a graph
 #               being compiled (``torch.compile`` of the model, the static decode step: the whole graph fuses anyway).
 # On the stream, a forward with a cache and without gradients (``generate``, a chat loop) computes the registers' steps
@@ -633,7 +637,7 @@ def register_layer_step(layer: DecoderLayer, register_states: torch.Tensor):
 # The three settings below start from the environment (``HF_RBF_REGISTER_PATH``, ``HF_RBF_REGISTER_COMPILE_BACKEND``,
 # ``HF_RBF_REGISTER_COMPILE_MODE``), so that a launcher (``accelerate launch``, ``torchrun``) can set them for every
 # process; they are checked where they are used.
-REGISTER_PATHS = ("auto", "rows", "stream", "compiled")
+REGISTER_PATHS = ("auto", "rows", "stream", "compiled", "graphed")
 register_path = os.environ.get("HF_RBF_REGISTER_PATH", "auto")
 register_compile_backend = os.environ.get("HF_RBF_REGISTER_COMPILE_BACKEND", "inductor")
 # ``torch.compile``'s ``mode`` for the compiled step: "default" (inductor's kernels, launched one by one: about 48
@@ -666,13 +670,15 @@ def register_path_for(device: torch.device, memoised: bool = False) -> str:
             "code or through the HF_RBF_REGISTER_PATH environment variable)"
         )
     if torch.compiler.is_compiling():
-        return "rows" if register_path == "auto" else "stream" if register_path == "compiled" else register_path
+        if register_path == "auto":
+            return "rows"
+        return "stream" if register_path in ("compiled", "graphed") else register_path
     path = register_path
     if path == "auto":
         path = ("stream" if memoised else "compiled") if device.type == "cuda" else "rows"
     if (device.type, path) not in _REGISTER_PATH_LOGGED:
         _REGISTER_PATH_LOGGED.add((device.type, path))
-        detail = f", torch.compile backend {register_compile_backend!r}" if path == "compiled" else ""
+        detail = f", torch.compile backend {register_compile_backend!r}" if path in ("compiled", "graphed") else ""
         logger.info("register rows on %s: the %r path (register_path=%r%s)", device.type, path, register_path, detail)
     return path
 
@@ -707,8 +713,11 @@ def register_step_function(device: torch.device, layer: nn.Module | None = None,
     stream: its steps run once per generation); None: ``register_path_for(device)``."""
     if path is None:
         path = register_path_for(device)
-    if torch.compiler.is_compiling() or path != "compiled":
+    if torch.compiler.is_compiling() or path not in ("compiled", "graphed"):
         return register_layer_step
+    if path == "graphed":
+        compiled = register_step_function(device, None, "compiled")
+        return lambda layer_, states: graphed_register_step(compiled, layer_, states)
     mode = register_compile_mode_for(layer, device) if layer is not None else "default"
     key = (register_compile_backend, mode)
     fn = _COMPILED_REGISTER_STEPS.get(key)

@@ -361,5 +361,5 @@ def test_a_bad_register_path_from_the_environment_is_named(tmp_path):
     env = dict(os.environ, HF_RBF_REGISTER_PATH="fastest")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "register_path must be one of ('auto', 'rows', 'stream', 'compiled'); got 'fastest'" in proc.stderr
+    assert "register_path must be one of ('auto', 'rows', 'stream', 'compiled', 'graphed'); got 'fastest'" in proc.stderr
     assert "HF_RBF_REGISTER_PATH" in proc.stderr

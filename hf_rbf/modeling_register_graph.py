@@ -1,0 +1,193 @@
+"""The register step of a layer replayed as two CUDA graphs, one for its forward and one for its backward.
+
+Register tokens attend only to each other, so their states at every layer are a function of the parameters alone: the
+same ``[1, R, D]`` rows in every training step until the optimiser changes the weights (``modeling_decoder``,
+``register_layer_step``).  Computed as a stream beside the text, the step of one layer is about 48 kernels forward and
+backward even when compiled (one-row GEMMs, norms, the registers' own attention), launched one by one: host work that
+kept models with registers host-bound on an H100 (``benchmarks/results/h100-2026-11-26e``).  Captured once as a CUDA
+graph per layer and direction, it costs one graph launch each.
+
+Why a graph of our own and not ``torch.compile(mode="reduce-overhead")``: cudagraph trees manage the outputs of every
+replay as one generation of a shared pool, and an evaluation or a ``generate`` between training steps read outputs a
+later replay had overwritten (``h100-2026-11-26e``, calls 8 and 9).  Here each layer owns its graphs and their memory,
+only forwards with gradients replay them (a forward without gradients runs the step as before), and a replay writes
+the same values an earlier one did as long as the parameters are unchanged: two forwards before one backward (the
+case that corrupts any CUDA-graphed training step) read identical register values.
+
+What a replay assumes, checked on every call (``RegisterStepGraphs.key``): the parameters' storage (a capture reads
+the weights where they were: ``model.to(...)``, FSDP's reallocated unsharded weights or a ``load_state_dict(...,
+assign=True)`` change it and trigger a new capture; a layer that needs more than ``MAX_CAPTURES`` captures goes back
+to the plain step, with a warning), which of them require gradients (LoRA), the states' shape and dtype, the autocast
+state, and training mode.  Dropout inside the step would be replayed with fresh random numbers, as CUDA graphs do.
+
+The gradients a backward replay returns are copied out of the graph's buffers: autograd may keep a returned gradient
+as a parameter's ``.grad``, and the next replay would then overwrite it (gradient accumulation would lose a step).
+That copy is one read and write of the layer's parameter gradients per step; the graph's own gradient buffers hold
+one more copy of them (the price of a graph that computes full weight gradients: about 4 bytes per parameter).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# warm-up runs before a capture (lazy initialisation, cuBLAS workspaces and the compiled step's first call must not
+# happen inside the capture), and the captures a layer may need before it goes back to the plain step
+WARMUP_RUNS = 2
+MAX_CAPTURES = 4
+
+
+def _autocast_state(device_type: str) -> tuple:
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+class RegisterStepGraphs:
+    """``step(layer, states) -> (next states, prefix tuple)`` of one layer, captured for ``states`` as it is now.
+
+    ``replay(states)`` runs the captured forward (the backward replays with autograd); ``key(layer, states)`` says
+    what the capture depends on.  ``capture`` and the two ``_replay_*`` methods are the CUDA mechanics; a test
+    substitutes them on the CPU to check everything else."""
+
+    def __init__(self, step, layer: nn.Module, states: torch.Tensor):
+        self.params = tuple(p for p in layer.parameters() if p.requires_grad)
+        self.key = self.key_for(layer, states, self.params)
+        self.static_states = states.detach().clone().requires_grad_(states.requires_grad)
+        self.surface = tuple(t for t in (self.static_states, *self.params) if t.requires_grad)
+        self.capture(step, layer)
+
+    @staticmethod
+    def key_for(layer: nn.Module, states: torch.Tensor, params: tuple | None = None) -> tuple:
+        if params is None:
+            params = tuple(p for p in layer.parameters() if p.requires_grad)
+        return (
+            tuple(states.shape),
+            states.dtype,
+            states.device,
+            states.requires_grad,
+            _autocast_state(states.device.type),
+            layer.training,
+            tuple(p.data_ptr() for p in params),
+        )
+
+    def _run(self, step, layer):
+        """The step on the static input: its tensors (``next states, *prefix``), the prefix's None entries left out
+        (``self.layout`` says where they go back)."""
+        h, prefix = step(layer, self.static_states)
+        self.layout = tuple(p is not None for p in prefix)
+        return (h, *(p for p in prefix if p is not None))
+
+    def _grads(self, outputs, grad_outputs):
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
+        if not pairs or not self.surface:
+            return tuple(None for _ in self.surface)
+        return torch.autograd.grad(
+            [o for o, _ in pairs], self.surface, [g for _, g in pairs], allow_unused=True
+        )
+
+    def capture(self, step, layer) -> None:
+        device = self.static_states.device
+        if device.type != "cuda":
+            raise ValueError(
+                f"register_path 'graphed' captures CUDA graphs: it needs the model on a CUDA device, not "
+                f"{device.type!r} (use 'compiled', 'stream' or 'rows' there)"
+            )
+        enabled, dtype = _autocast_state(device.type)
+        # the capture records the autocast casts of this forward; autocast's cache (weights cast once per autocast
+        # region) would keep casts made inside the capture alive outside it, which CUDA graphs do not allow
+        with torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=False):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    outputs = self._run(step, layer)
+                    self._grads(outputs, [torch.ones_like(o) if o.requires_grad else None for o in outputs])
+            torch.cuda.current_stream(device).wait_stream(side)
+            del outputs
+            pool = torch.cuda.graph_pool_handle()
+            self._fwd, self._bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._fwd, pool=pool):
+                outputs = self._run(step, layer)
+            self.static_outputs = outputs
+            self.static_grad_outputs = tuple(torch.zeros_like(o) if o.requires_grad else None for o in outputs)
+            with torch.cuda.graph(self._bwd, pool=pool):
+                self.static_grads = self._grads(outputs, self.static_grad_outputs)
+
+    def _replay_forward(self) -> None:
+        self._fwd.replay()
+
+    def _replay_backward(self) -> None:
+        self._bwd.replay()
+
+    def replay(self, states: torch.Tensor):
+        """``(next states, prefix)`` from the captured forward; differentiable (the backward replays its graph)."""
+        outputs = _ReplayStep.apply(self, states, *self.params)
+        tensors = iter(outputs[1:])
+        return outputs[0], tuple(next(tensors) if present else None for present in self.layout)
+
+
+class _ReplayStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graphs: RegisterStepGraphs, states: torch.Tensor, *params):
+        ctx.graphs = graphs
+        if states.data_ptr() != graphs.static_states.data_ptr():
+            graphs.static_states.detach().copy_(states)
+        graphs._replay_forward()
+        outputs = tuple(o.detach() for o in graphs.static_outputs)
+        ctx.mark_non_differentiable(*[o for o, s in zip(outputs, graphs.static_outputs) if not s.requires_grad])
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grad_outputs):
+        graphs = ctx.graphs
+        for buffer, grad in zip(graphs.static_grad_outputs, grad_outputs):
+            if buffer is not None:
+                buffer.copy_(grad)
+        graphs._replay_backward()
+        # copies: autograd may keep a returned tensor as a parameter's .grad, which the next replay would overwrite
+        grads = iter(g.clone() if g is not None else None for g in graphs.static_grads)
+        states_grad = next(grads) if graphs.static_states.requires_grad else None
+        param_grads = tuple(next(grads) for _ in graphs.params)
+        return (None, states_grad, *param_grads)
+
+
+# one entry per layer (weak: the graphs go with the model); the layers that went back to the plain step
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GIVEN_UP: weakref.WeakSet = weakref.WeakSet()
+graphs_class = RegisterStepGraphs  # a test's CPU emulation replaces it
+
+
+def graphed_register_step(step, layer: nn.Module, states: torch.Tensor):
+    """``step(layer, states)`` through the layer's captured graphs: captured at the first call, and again when what
+    the capture assumed changed (``RegisterStepGraphs.key_for``); ``step`` itself where gradients are off, and for a
+    layer that needed more than ``MAX_CAPTURES`` captures (its weights move every step: FSDP, offloading)."""
+    if not torch.is_grad_enabled() or layer in _GIVEN_UP:
+        return step(layer, states)
+    graphs = _GRAPHS.get(layer)
+    if graphs is None or graphs.key != graphs_class.key_for(layer, states):
+        count = _CAPTURES.get(layer, 0) + 1
+        _CAPTURES[layer] = count
+        if count > MAX_CAPTURES:
+            logger.warning(
+                "register step of layer %s captured %d times (its parameters or settings keep changing): it runs "
+                "without CUDA graphs from now on", getattr(getattr(layer, "self_attn", None), "layer_idx", "?"),
+                count - 1,
+            )
+            _GIVEN_UP.add(layer)
+            _GRAPHS.pop(layer, None)
+            return step(layer, states)
+        _GRAPHS.pop(layer, None)  # free the old capture's memory first
+        graphs = graphs_class(step, layer, states)
+        _GRAPHS[layer] = graphs
+    return graphs.replay(states)
+
+
+def captures(layer: nn.Module) -> int:
+    """How many times ``layer``'s register step has been captured (0: never)."""
+    return _CAPTURES.get(layer, 0)

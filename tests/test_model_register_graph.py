@@ -1,0 +1,228 @@
+"""The "graphed" register path (``hf_rbf.modeling_register_graph``): each layer's register step captured as CUDA graphs
+and replayed with autograd.  On the CPU the CUDA mechanics (capture, replay) are emulated by ``EmulatedGraphs`` (a
+replay runs the step again and writes into the same buffers, as a graph replay does), which checks everything around
+them: the autograd function, the buffers' copies in and out, the gradients handed to autograd, recapture when what a
+capture assumed changes, and the forwards that must not replay.  The GPU tests run the real graphs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import build_model
+from hf_rbf import modeling_decoder, modeling_register_graph
+from hf_rbf.modeling_register_graph import RegisterStepGraphs
+
+
+class EmulatedGraphs(RegisterStepGraphs):
+    """The CUDA mechanics on the CPU: a forward "replay" runs the step again on the static input and copies the
+    results into the static outputs; a backward "replay" differentiates that run and copies into the static
+    gradient buffers.  Outputs and gradients live in fixed buffers that every replay overwrites, as in a graph."""
+
+    def capture(self, step, layer):
+        self._step, self._layer = step, layer
+        live = self._run(step, layer)
+        self.static_outputs = tuple(o.detach().clone().requires_grad_(o.requires_grad) for o in live)
+        self.static_grad_outputs = tuple(torch.zeros_like(o) if o.requires_grad else None for o in live)
+        grads = self._grads(live, self.static_grad_outputs)
+        self.static_grads = tuple(None if g is None else torch.zeros_like(g) for g in grads)
+
+    def _replay_forward(self):
+        with torch.enable_grad():
+            self._live = self._run(self._step, self._layer)
+        with torch.no_grad():
+            for buffer, value in zip(self.static_outputs, self._live):
+                buffer.copy_(value)
+
+    def _replay_backward(self):
+        # a graph's backward can replay again on the activations its forward left (two forwards, one backward)
+        pairs = [(o, g) for o, g in zip(self._live, self.static_grad_outputs) if g is not None]
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], self.surface, [g for _, g in pairs], allow_unused=True, retain_graph=True
+        )
+        with torch.no_grad():
+            for buffer, value in zip(self.static_grads, grads):
+                if buffer is not None:
+                    buffer.copy_(value)
+
+
+@pytest.fixture
+def graphed(monkeypatch):
+    """The "graphed" path with the emulated graphs; fresh capture records.  The step is traced by dynamo with the
+    ``eager`` backend: a compiled backward (AOT autograd's) cannot be run twice, which the emulation's backward replays
+    need (a real graph replays its kernels, not autograd)."""
+    monkeypatch.setattr(modeling_decoder, "register_compile_backend", "eager")
+    monkeypatch.setattr(modeling_register_graph, "graphs_class", EmulatedGraphs)
+    for name in ("_GRAPHS", "_CAPTURES"):
+        monkeypatch.setattr(modeling_register_graph, name, modeling_register_graph.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(modeling_register_graph, "_GIVEN_UP", modeling_register_graph.weakref.WeakSet())
+
+    def use(path: str) -> None:
+        monkeypatch.setattr(modeling_decoder, "register_path", path)
+
+    return use
+
+
+def _step(model, ids, mask=None, zero=True):
+    if zero:
+        model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+def _assert_same(ref, got, rtol=1e-9):
+    torch.testing.assert_close(got[0], ref[0], rtol=rtol, atol=rtol * ref[0].abs().max().item())
+    assert got[1].keys() == ref[1].keys()
+    for name, g in ref[1].items():
+        err = (got[1][name] - g).norm() / g.norm().clamp(min=1e-30)
+        assert err < rtol, f"{name}: relative gradient error {err:.2e}"
+
+
+CASES = [
+    ("rbf", dict(num_register_tokens=1)),
+    ("gka", dict(num_hidden_layers=3, attention_layers=["gka", "vlt", "dot"], num_register_tokens=2)),
+    ("scalar_sort", dict(num_register_tokens=3, tau_mode="per_token")),
+    ("hybrid_sort", dict(num_register_tokens=2, attention_layers=["hybrid", "dot"])),
+]
+
+
+@pytest.mark.parametrize("family,overrides", CASES, ids=[c[0] for c in CASES])
+def test_replayed_steps_equal_the_rows_path(family, overrides, graphed):
+    """Three training steps with an optimiser between them (the replays read the updated weights in place) and an
+    evaluation forward between steps (no gradients: the step runs without replaying): logits and gradients equal the
+    rows path's, in float64; each layer was captured once."""
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    models = {}
+    for path in ("rows", "graphed"):
+        models[path] = build_model(family, overrides).double().train()
+    results = {path: [] for path in models}
+    for path, m in models.items():
+        graphed(path)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            results[path].append(_step(m, ids, mask))
+            opt.step()
+            with torch.no_grad():
+                results[path].append((m(input_ids=ids, attention_mask=mask).logits, {}))
+        assert m.model.last_register_path == ("graphed" if path == "graphed" else "rows")
+    for ref, got in zip(results["rows"], results["graphed"]):
+        _assert_same(ref, got)
+    layers = models["graphed"].model.layers
+    assert [modeling_register_graph.captures(layer) for layer in layers] == [1] * len(layers)
+    assert not any(modeling_register_graph.captures(layer) for layer in models["rows"].model.layers)
+
+
+def test_gradient_accumulation_and_two_forwards_before_one_backward(graphed):
+    """Two micro-batches without ``zero_grad`` in between add up (a gradient that kept the graph's buffer would be
+    overwritten by the second replay), and two forwards before one backward of their sum (the second replay
+    overwrites the first's buffers with the same values) give the rows path's gradients."""
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for path in ("rows", "graphed"):
+        graphed(path)
+        model = build_model("hybrid_sort", dict(num_register_tokens=1)).double().train()
+        model.zero_grad(set_to_none=True)
+        for half in (ids[:1], ids[1:]):
+            model(input_ids=half, labels=half).loss.backward()
+        accumulated = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids[:1], labels=ids[:1]).loss + model(input_ids=ids[1:], labels=ids[1:]).loss
+        loss.backward()
+        together = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[path] = accumulated, together
+    for i in range(2):
+        _assert_same((torch.zeros(1), out["rows"][i]), (torch.zeros(1), out["graphed"][i]))
+    for name, g in out["graphed"][0].items():
+        torch.testing.assert_close(g, out["graphed"][1][name], rtol=1e-9, atol=1e-12)
+
+
+def test_a_changed_capture_assumption_captures_again_and_a_moving_layer_gives_up(graphed, caplog):
+    """New parameter storage (``model.to``), a change of dtype or of which parameters train captures the step again;
+    a layer whose parameters keep moving (more than ``MAX_CAPTURES`` captures) runs the plain step, with a warning,
+    and still gives the rows path's values."""
+    model = build_model("rbf", dict(num_register_tokens=1, num_hidden_layers=1)).double().train()
+    layer = model.model.layers[0]
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+    graphed("graphed")
+    _step(model, ids)
+    _step(model, ids)
+    assert modeling_register_graph.captures(layer) == 1
+    model.float().double()  # new storage for every parameter
+    _step(model, ids)
+    assert modeling_register_graph.captures(layer) == 2
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    _step(model, ids)
+    assert modeling_register_graph.captures(layer) == 3
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(True)
+    with caplog.at_level(logging.WARNING, logger="hf_rbf"):
+        for _ in range(modeling_register_graph.MAX_CAPTURES):
+            for p in model.parameters():
+                p.data = p.data.clone()
+            got = _step(model, ids)
+    assert layer in modeling_register_graph._GIVEN_UP
+    assert any("runs without CUDA graphs" in r.getMessage() for r in caplog.records)
+    graphed("rows")
+    _assert_same(_step(model, ids), got)
+
+
+def test_forwards_without_gradients_do_not_capture(graphed):
+    model = build_model("scalar_sort", dict(num_register_tokens=1)).train()
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+    graphed("graphed")
+    with torch.no_grad():
+        model(input_ids=ids)
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert not any(modeling_register_graph.captures(layer) for layer in model.model.layers)
+
+
+def test_graphed_needs_cuda(monkeypatch):
+    """Without the emulation a CPU model on the "graphed" path says what it needs."""
+    monkeypatch.setattr(modeling_decoder, "register_compile_backend", "aot_eager")
+    monkeypatch.setattr(modeling_decoder, "register_path", "graphed")
+    model = build_model("rbf", dict(num_register_tokens=1)).train()
+    ids = torch.randint(0, 128, (1, 4))
+    with pytest.raises(ValueError, match=r"register_path 'graphed' .* CUDA device, not 'cpu'"):
+        model(input_ids=ids, labels=ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["rbf", "gka", "scalar_sort", "hybrid_sort"])
+def test_cuda_graphs_equal_the_rows_path(family, monkeypatch):
+    """The real graphs on CUDA (inductor's compiled step captured) against the rows path, float32 and bf16 autocast
+    with the fused kernels: training steps with an evaluation forward and a cached generate between them, gradient
+    accumulation, and one capture per layer throughout.  Bounds norm-wise (inductor fuses and reorders float32)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    overrides = dict(num_register_tokens=1, attention_backend="auto", hidden_size=64, num_attention_heads=2)
+    model = build_model(family, overrides).cuda().train()
+    ids = torch.randint(0, 128, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    monkeypatch.setattr(modeling_decoder, "register_path", "rows")
+    ref = _step(model, ids)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_bf16 = _step(model, ids)
+    monkeypatch.setattr(modeling_decoder, "register_path", "graphed")
+    for _ in range(3):
+        _assert_same(ref, _step(model, ids), rtol=1e-4)
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+            model.generate(input_ids=ids[:1, :5], max_new_tokens=3, do_sample=False, pad_token_id=0)
+        torch.testing.assert_close(logits, ref[0], rtol=1e-4, atol=1e-4 * logits.abs().max().item())
+    assert model.model.last_register_path == "graphed"
+    assert {modeling_register_graph.captures(layer) for layer in model.model.layers} == {1}
+    for _ in range(2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _assert_same(ref_bf16, _step(model, ids), rtol=3e-2)
+    assert {modeling_register_graph.captures(layer) for layer in model.model.layers} == {2}  # one more: autocast
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            expected = 2 * ref[1][name]
+            assert (p.grad - expected).norm() <= 1e-4 * expected.norm() + 1e-12, name
