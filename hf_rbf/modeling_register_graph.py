@@ -112,10 +112,18 @@ class RegisterStepGraphs:
             self._fwd, self._bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._fwd, pool=pool):
                 outputs = self._run(step, layer)
-            self.static_outputs = outputs
             self.static_grad_outputs = tuple(torch.zeros_like(o) if o.requires_grad else None for o in outputs)
             with torch.cuda.graph(self._bwd, pool=pool):
                 self.static_grads = self._grads(outputs, self.static_grad_outputs)
+            self._keep_outputs(outputs)
+
+    def _keep_outputs(self, outputs) -> None:
+        """Keep the captured outputs as buffers without their autograd history.  Kept with it, they kept the
+        capture's autograd nodes alive, among them the parameters' gradient accumulators, which record the stream
+        they were made on: every later backward then accumulated the parameters' gradients across streams (an
+        H100 run warned "The AccumulateGrad node's stream does not match ...", session 9)."""
+        self.differentiable = tuple(o.requires_grad for o in outputs)
+        self.static_outputs = tuple(o.detach() for o in outputs)
 
     def _replay_forward(self) -> None:
         self._fwd.replay()
@@ -138,7 +146,7 @@ class _ReplayStep(torch.autograd.Function):
             graphs.static_states.detach().copy_(states)
         graphs._replay_forward()
         outputs = tuple(o.detach() for o in graphs.static_outputs)
-        ctx.mark_non_differentiable(*[o for o, s in zip(outputs, graphs.static_outputs) if not s.requires_grad])
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, graphs.differentiable) if not d])
         return outputs
 
     @staticmethod
