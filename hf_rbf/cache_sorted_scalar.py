@@ -121,7 +121,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         eviction_recent_queries: int = 16,
         eviction_batch: int | None = None,
         sink_zone: list[float] | None = None,
-        decode_backend: str = "torch",
+        decode_backend: str = "auto",
         density_merge_weighting: str = "multiplicity",
         density_merge_size: int = 2,
         max_cache_bytes: int | None = None,
@@ -446,6 +446,9 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         backend = "torch"
         if self.decode_backend != "torch":
             reason = kernel_unavailable_reason(qs.device)
+            if reason is None and self.decode_backend == "auto" and qs.device.type != "cuda":
+                # "auto" takes the fused kernel on CUDA only: on the CPU it would run in Triton's interpreter
+                reason = "'auto' takes the fused kernel on CUDA only"
             if reason is None:
                 fn, backend = sorted_window_attention_triton, "triton"
             elif self.decode_backend == "triton":
@@ -949,7 +952,7 @@ class SortedScalarCache(Cache):
         defaults = dict(
             decode_window=None, sort_scheme="per_head", sort_head=0, cache_buffer_size=64, max_cache_tokens=None,
             max_cache_bytes=None, cache_eviction="geometric", eviction_radius=0.5, eviction_recent_queries=16,
-            eviction_batch=None, sink_zone=None, decode_backend="torch", density_merge_weighting="multiplicity",
+            eviction_batch=None, sink_zone=None, decode_backend="auto", density_merge_weighting="multiplicity",
             density_merge_size=2,
         )  # fmt: skip
         merged = dict(defaults, **settings)

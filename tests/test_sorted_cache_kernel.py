@@ -129,17 +129,18 @@ def test_fused_kernel_matches_the_torch_decode_step():
 
 def test_backend_choice_is_explicit():
     """The layer records which implementation served it; "triton" where the kernel cannot run raises with the
-    reason, "auto" then falls back visibly (the attribute), and where it can run (the interpreter in this process)
-    both pick it."""
+    reason; "auto" (the default) takes the kernel on CUDA only and torch here, visibly (the attribute), also where
+    the interpreter could run it."""
     from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer
     from hf_rbf.kernels_sorted_decode import kernel_unavailable_reason
 
     runs_here = kernel_unavailable_reason(torch.device("cpu")) is None
     cases = (
         ("triton", "triton" if runs_here else None),
-        ("auto", "triton" if runs_here else "torch"),
+        ("auto", "torch"),
         ("torch", "torch"),
     )
+    assert SortedScalarCacheLayer(num_heads=2, num_value_groups=1).decode_backend == "auto"
     for backend, expect in cases:
         layer = SortedScalarCacheLayer(num_heads=2, num_value_groups=1, decode_window=2, decode_backend=backend)
         layer.append(torch.randn(1, 2, 5), torch.randn(1, 1, 5, 3))
@@ -149,3 +150,26 @@ def test_backend_choice_is_explicit():
         else:
             layer.attend(torch.randn(1, 2, 1), 0.5, num_new=1)
             assert layer.last_decode_backend == expect
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["scalar_sort", "hybrid_sort"])
+def test_default_dynamic_generate_on_cuda_takes_the_fused_step(family):
+    """The default ``decode_backend`` ("auto") serves a windowed dynamic-cache ``generate`` on CUDA with the fused
+    kernel, and gives the torch step's tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import hf_rbf
+    from conftest import build_model
+
+    model = build_model(family, dict(num_register_tokens=1, decode_window=4)).cuda()
+    ids = torch.randint(1, 128, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    out = {}
+    for backend in ("auto", "torch"):
+        cache = hf_rbf.SortedScalarCache(decode_backend=backend)
+        with torch.no_grad():
+            out[backend] = model.generate(
+                input_ids=ids, **{hf_rbf.CACHE_NAME: cache}, max_new_tokens=8, do_sample=False, pad_token_id=0
+            )
+        assert cache.layers[0].last_decode_backend == ("triton" if backend == "auto" else "torch")
+    assert torch.equal(out["auto"], out["torch"])
