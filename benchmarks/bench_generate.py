@@ -196,7 +196,10 @@ def main() -> int:
                         print(f"[error] {key}: {err}", flush=True)
                         continue
                     if rnd == 0:
-                        print(f"[warm-up] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
+                        # no per-token figure: the first (1-token) call also compiles and tunes, so t(n) - t(1) can
+                        # be negative here
+                        print(f"[warm-up] {variant} {case} {mode}: 1 token {t1:.2f} s, {args.new_tokens} tokens "
+                              f"{tn:.2f} s", flush=True)
                         continue
                     best[key] = min(best.get(key, float("inf")), ms)
                     print(f"[round {rnd}] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
