@@ -8,8 +8,9 @@ backend, so the per-layer overhead of each family over Llama is visible without 
 ``--decode`` counts one generated token instead (batch 1, after a 16-token prefill and one warm-up step, no
 gradients), with the default dynamic cache and with the static cache ``generate(cache_implementation="static")``
 builds (256 slots); at batch 1 a decode step is bound by exactly this host work.  The sorted families decode through
-a window of 8 (``decode_window``, shorter than the cached tokens, as at long context) and their static layers take
-the fused step (``static_decode_backend="triton"``, here in the interpreter).
+a window of 8 (``decode_window``, shorter than the cached tokens, as at long context) and both their dynamic and
+static layers take the fused step (``decode_backend`` / ``static_decode_backend="triton"``, here in the interpreter,
+as "auto" does on CUDA).
 
 Counting is ``benchmarks/count_host_ops.py``'s (a ``TorchDispatchMode`` below autograd; triton's ``run`` wrapped).
 On the CPU the kernels run in triton's interpreter (a tiny shape: d=64, 2 heads, B2 T32), whose own tensor work is
@@ -181,7 +182,8 @@ def main(argv=None) -> int:
             continue
         torch.manual_seed(0)
         if args.decode and family.endswith("_sort"):
-            overrides = {**overrides, "decode_window": SORTED_DECODE_WINDOW}
+            # the dynamic cache's fused step, as "auto" takes it on CUDA (here in the Triton interpreter)
+            overrides = {**overrides, "decode_window": SORTED_DECODE_WINDOW, "decode_backend": "triton"}
         model = build(family, overrides, args.layers, device)
         if args.decode:
             rows[name] = count_decode_step(model)

@@ -484,7 +484,9 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         temperature ``tau`` (``[H]`` or ``[B, H, N]``), vector queries ``q [B, H, N, D]`` and dot-product ``scale``
         (hybrid layers), for attention-weighted density merging; enforce the bound when a prompt longer than
         ``max_cache_tokens`` was just inserted."""
-        if not self.is_initialized:
+        if not self.is_initialized or self.max_cache_tokens is None:
+            # without a bound nothing is ever evicted, and the recorded queries serve eviction alone: a decode step
+            # saves their dozen small ops per layer (a bound set later records from its next step on)
             return
         b, h, n = qs.shape
         keep = self.eviction_recent_queries

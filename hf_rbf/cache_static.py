@@ -283,8 +283,9 @@ class CacheMemory:
             ``min(window, max_cache_len)`` slots (static) or its last ``window - 1`` tokens (dynamic).
         per_row: bytes each cached token takes in each layer, per batch row.
         shared: bytes per cached token that every row shares (the static layers' token index ``[C]`` int64: 8).
-        fixed_per_row: bytes per batch row whatever the token count (the dynamic sorted layers' recent queries and
-            order counts, the static sorted layers' fill copies of the block being filled).
+        fixed_per_row: bytes per batch row whatever the token count (the dynamic sorted layers' recent queries,
+            recorded under a bound only, and order counts, the static sorted layers' fill copies of the block being
+            filled).
         fixed_shared: bytes whatever the batch and the token count (device-side lengths, order-head indices).
     """
 
@@ -422,6 +423,12 @@ def cache_bytes_per_token(
                     dot_heads = getattr(config, "dot_heads", None)
                     if kind == "hybrid" and any(dot_heads) and not all(dot_heads):
                         common += 4 * heads  # the recent queries' per-head dot-product scale (float32)
+                    if config.max_cache_tokens is None and getattr(config, "max_cache_bytes", None) is None:
+                        # without a bound no query is recorded (they serve eviction alone): the buffers keep their
+                        # Q initial entries of queries, validity and token index
+                        recent = config.eviction_recent_queries
+                        row_fixed = heads * recent * item + recent * 9 + 8 * orders
+                        common = 8 * orders + heads
         else:
             raise ValueError(f"cache_bytes_per_token: unknown layer kind {kind!r} of layer {idx}")
         full_sorted = kind in ("scalar", "hybrid") and window is None

@@ -260,3 +260,16 @@ def test_bad_settings_raise_naming_the_argument(overrides, pattern):
     if cache_kwargs:
         with pytest.raises(ValueError, match=pattern):
             SortedScalarCache(**cache_kwargs)
+
+
+def test_queries_are_recorded_only_under_a_bound():
+    """The recent queries serve eviction alone: an unbounded layer skips recording them (a decode step's dozen ops
+    per layer), a bounded one keeps the last ``eviction_recent_queries``."""
+    free = SortedScalarCacheLayer(num_heads=1, num_value_groups=1)
+    bounded = SortedScalarCacheLayer(num_heads=1, num_value_groups=1, max_cache_tokens=100, eviction_recent_queries=3)
+    for layer in (free, bounded):
+        for i in range(5):
+            layer.append(torch.tensor([[[float(i)]]], dtype=F64), torch.zeros(1, 1, 1, 1, dtype=F64))
+            layer.end_step(torch.full((1, 1, 1), 10.0 + i, dtype=F64))
+    assert not free.recent_valid.any()
+    assert bounded.recent_qs[0, 0].tolist() == [12.0, 13.0, 14.0] and bounded.recent_valid.all()
