@@ -169,13 +169,23 @@ _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GIVEN_UP: weakref.WeakSet = weakref.WeakSet()
 graphs_class = RegisterStepGraphs  # a test's CPU emulation replaces it
+_CHECKPOINT_LOGGED: list = []
 
 
 def graphed_register_step(step, layer: nn.Module, states: torch.Tensor):
     """``step(layer, states)`` through the layer's captured graphs: captured at the first call, and again when what
-    the capture assumed changed (``RegisterStepGraphs.key_for``); ``step`` itself where gradients are off, and for a
-    layer that needed more than ``MAX_CAPTURES`` captures (its weights move every step: FSDP, offloading)."""
+    the capture assumed changed (``RegisterStepGraphs.key_for``); ``step`` itself where gradients are off, under
+    activation checkpointing (logged once), and for a layer that needed more than ``MAX_CAPTURES`` captures (its
+    weights move every step: FSDP, offloading)."""
     if not torch.is_grad_enabled() or layer in _GIVEN_UP:
+        return step(layer, states)
+    if getattr(layer, "gradient_checkpointing", False):
+        # activation checkpointing runs the layer again inside the backward, and the non-reentrant kind checks that
+        # the recomputation saves as many tensors as the forward did: a capture inside the first forward saves more
+        if not _CHECKPOINT_LOGGED:
+            _CHECKPOINT_LOGGED.append(True)
+            logger.info("register steps under activation checkpointing run without CUDA graphs (register_path "
+                        "'graphed' keeps the compiled step there)")
         return step(layer, states)
     graphs = _GRAPHS.get(layer)
     if graphs is None or graphs.key != graphs_class.key_for(layer, states):

@@ -235,3 +235,39 @@ def test_cuda_graphs_equal_the_rows_path(family, monkeypatch):
         if p.grad is not None:
             expected = 2 * ref[1][name]
             assert (p.grad - expected).norm() <= 1e-4 * expected.norm() + 1e-12, name
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_replays_under_gradient_checkpointing(reentrant, graphed):
+    """Activation checkpointing runs each layer's forward again inside the backward, and its non-reentrant kind
+    requires the recomputation to save what the forward saved, which a capture inside the first forward breaks: the
+    layers run the compiled step there, without graphs, and give the rows path's gradients."""
+    from conftest import enable_activation_checkpointing
+
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for path in ("rows", "graphed"):
+        graphed(path)
+        model = build_model("scalar_sort", dict(num_register_tokens=2, num_hidden_layers=3)).double().train()
+        if path == "graphed":
+            enable_activation_checkpointing(model, use_reentrant=reentrant)
+        out[path] = _step(model, ids)
+        out[path + " captures"] = [modeling_register_graph.captures(layer) for layer in model.model.layers]
+    _assert_same(out["rows"], out["graphed"])
+    assert out["graphed captures"] == [0, 0, 0]
+
+
+def test_replays_with_lora_adapters(graphed):
+    """Only the adapters train: the capture differentiates them alone (the frozen base weights get no gradient)."""
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for path in ("rows", "graphed"):
+        graphed(path)
+        model = build_model("hybrid_sort", dict(num_register_tokens=1)).double()
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["qs_proj", "v_proj"],
+                               init_lora_weights=False)
+        model = peft.get_peft_model(model, lora).train()
+        out[path] = _step(model, ids)
+    assert out["graphed"][1] and all("lora_" in n for n in out["graphed"][1])
+    _assert_same(out["rows"], out["graphed"])
