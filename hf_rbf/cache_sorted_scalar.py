@@ -59,6 +59,10 @@ from .kernels_sorted_decode import kernel_unavailable_reason, sorted_window_atte
 from .sorted_decode import SortedCacheState, sorted_window_attention
 
 logger = logging.getLogger("hf_rbf")
+# The fused step holds a query's 2k window candidates in registers (one program per row, head and query), and the
+# window is a compile-time constant: "auto" keeps it to windows measured on a GPU (k = 64, docs/scalar_sort.md) and a
+# few doublings beyond; "triton" takes any window.
+AUTO_FUSED_MAX_WINDOW = 256
 _LOGGED_DECODE: set = set()
 
 
@@ -181,6 +185,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.density_merge_weighting = density_merge_weighting
         self.density_merge_size = density_merge_size
         self.last_decode_backend = None  # "torch" or "triton": what served the last windowed step
+        self.last_decode_reason = None  # why the last windowed step did not take the fused kernel (None when it did)
         self.record_past = False
         self._clear()
 
@@ -443,22 +448,24 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         window = self.decode_window if self.decode_window is not None else max(1, self.num_slots)
         query_index = torch.arange(self.seen_tokens - num_new, self.seen_tokens, device=qs.device)
         fn = sorted_window_attention
-        backend = "torch"
+        backend, reason = "torch", "requested"
         if self.decode_backend != "torch":
             reason = kernel_unavailable_reason(qs.device)
-            if reason is None and self.decode_backend == "auto" and qs.device.type != "cuda":
+            if self.decode_backend == "auto" and window > AUTO_FUSED_MAX_WINDOW:
+                reason = f"'auto' takes the fused kernel for windows up to {AUTO_FUSED_MAX_WINDOW} keys; got {window}"
+            elif reason is None and self.decode_backend == "auto" and qs.device.type != "cuda":
                 # "auto" takes the fused kernel on CUDA only: on the CPU it would run in Triton's interpreter
                 reason = "'auto' takes the fused kernel on CUDA only"
             if reason is None:
                 fn, backend = sorted_window_attention_triton, "triton"
             elif self.decode_backend == "triton":
                 raise ValueError(f"SortedScalarCacheLayer: decode_backend='triton' cannot serve this step: {reason}")
-        key = (self.decode_backend, backend, qs.device.type)
+        key = (self.decode_backend, backend, qs.device.type, reason)
         if key not in _LOGGED_DECODE:
             _LOGGED_DECODE.add(key)
-            logger.info("sorted decode step: backend=%r on %s (requested %r)", backend, qs.device.type,
-                        self.decode_backend)  # fmt: skip
-        self.last_decode_backend = backend
+            logger.info("sorted decode step: backend=%r on %s (requested %r)%s", backend, qs.device.type,
+                        self.decode_backend, "" if reason is None else f": {reason}")  # fmt: skip
+        self.last_decode_backend, self.last_decode_reason = backend, reason
         return fn(
             self.state(),
             qs,

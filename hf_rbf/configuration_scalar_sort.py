@@ -223,8 +223,9 @@ class ScalarSortConfig(DecoderConfig):
         decode_backend (`str`, defaults to "auto"): the windowed decode step of the dynamic sorted cache:
             ``"torch"`` (:func:`~hf_rbf.sorted_window_attention`, a few dozen small ops), ``"triton"`` (one fused
             kernel per layer step, :mod:`hf_rbf.kernels_sorted_decode`; CUDA, or the CPU under
-            ``TRITON_INTERPRET=1``) or ``"auto"`` (triton on CUDA where it can run, else torch).  The layer records
-            its choice in ``last_decode_backend``.  ("torch" was the default until 2026-11-26: on an H200 the fused
+            ``TRITON_INTERPRET=1``) or ``"auto"`` (triton on CUDA where it can run and the window is at most 256
+            keys, else torch).  The layer records its choice in ``last_decode_backend`` (and why not triton in
+            ``last_decode_reason``).  ("torch" was the default until 2026-11-26: on an H200 the fused
             step read the window in 0.08 ms per layer against 1.0 ms, ``docs/scalar_sort.md``.)
 
     Layer kinds (``attention_layers``): ``"scalar"`` and ``"dot"`` (learned projections, RoPE, softmax dot product).

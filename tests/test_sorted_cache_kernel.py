@@ -131,7 +131,7 @@ def test_backend_choice_is_explicit():
     """The layer records which implementation served it; "triton" where the kernel cannot run raises with the
     reason; "auto" (the default) takes the kernel on CUDA only and torch here, visibly (the attribute), also where
     the interpreter could run it."""
-    from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer
+    from hf_rbf.cache_sorted_scalar import AUTO_FUSED_MAX_WINDOW, SortedScalarCacheLayer
     from hf_rbf.kernels_sorted_decode import kernel_unavailable_reason
 
     runs_here = kernel_unavailable_reason(torch.device("cpu")) is None
@@ -150,6 +150,24 @@ def test_backend_choice_is_explicit():
         else:
             layer.attend(torch.randn(1, 2, 1), 0.5, num_new=1)
             assert layer.last_decode_backend == expect
+            assert (layer.last_decode_reason is None) == (expect == "triton")
+    # "auto" on the CPU says why it kept torch: CUDA only where the interpreter could run the kernel, else the reason
+    # the kernel cannot run here
+    reason = layer_reason("auto", 2)
+    assert ("CUDA only" in reason) if runs_here else (reason == kernel_unavailable_reason(torch.device("cpu")))
+    # "auto" keeps the fused step to windows it was measured at (2k candidates per program sit in registers)
+    big = layer_reason("auto", AUTO_FUSED_MAX_WINDOW + 1)
+    assert f"windows up to {AUTO_FUSED_MAX_WINDOW} keys" in big
+
+
+def layer_reason(backend: str, window: int) -> str | None:
+    from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer
+
+    layer = SortedScalarCacheLayer(num_heads=2, num_value_groups=1, decode_window=window, decode_backend=backend)
+    layer.append(torch.randn(1, 2, window + 3), torch.randn(1, 1, window + 3, 3))
+    layer.attend(torch.randn(1, 2, 1), 0.5, num_new=1)
+    assert layer.last_decode_backend == "torch"
+    return layer.last_decode_reason
 
 
 @pytest.mark.gpu
