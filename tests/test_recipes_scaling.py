@@ -102,20 +102,40 @@ def test_checkpoint_resumes_on_another_process_count(straight_run, tmp_path, sav
     assert abs(resumed[5] - straight_run[1]) > 10 * LOSS_TOLERANCE
 
 
-def _pretrain_fsdp2(output_dir, processes: int, *extra: str) -> None:
-    """``recipes/pretrain.py`` on cpu_test.yaml under ``accelerate launch --config_file fsdp2.yaml`` with ``processes``
-    GPUs, in float32 (``--mixed_precision no``: bf16 sharding would differ between process counts by more than the
-    float summation order)."""
+def _pretrain_fsdp2(output_dir, processes: int, *extra: str, config: str = "fsdp2.yaml", env_extra=None) -> None:
+    """``recipes/pretrain.py`` on cpu_test.yaml under ``accelerate launch --config_file <config>`` (FSDP2 by default)
+    with ``processes`` GPUs, in float32 (``--mixed_precision no``: bf16 sharding would differ between process counts
+    by more than the float summation order); ``env_extra``: more environment for every process."""
     script = [os.path.join(REPO, "recipes", "pretrain.py"), "--config", CPU_TEST, "--output-dir", str(output_dir)]
     script += [*extra, "--set", *NO_EXTRAS, "training.bf16=false"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    cmd += [os.path.join(REPO, "recipes", "accelerate", "fsdp2.yaml"), "--num_processes", str(processes)]
+    cmd += [os.path.join(REPO, "recipes", "accelerate", config), "--num_processes", str(processes)]
     cmd += ["--main_process_port", str(_free_port()), "--mixed_precision", "no", *script]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(torch.cuda.device_count())))
     pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)  # keep the machine's own
     env = dict(os.environ, PYTHONPATH=pythonpath, CUDA_VISIBLE_DEVICES=",".join(visible.split(",")[:processes]))
+    env.update(env_extra or {})
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP on GPUs needs 2 GPUs")
+def test_ddp_with_graphed_register_steps_matches_the_rows_path(tmp_path):
+    """DDP on 2 GPUs (NCCL) with each layer's register step replayed as CUDA graphs (``HF_RBF_REGISTER_PATH=graphed``:
+    gradients leave the graphs through an autograd function, DDP's hooks all-reduce them) gives the losses of the
+    same launch on the rows path, step by step (float32)."""
+    losses = {}
+    for path in ("rows", "graphed"):
+        out = tmp_path / path
+        _pretrain_fsdp2(out, 2, config="ddp.yaml", env_extra={"HF_RBF_REGISTER_PATH": path})
+        with open(out / "summary.json") as f:
+            summary = json.load(f)
+        assert summary["world_size"] == 2 and summary["register_path"] == path
+        losses[path] = _losses(out)
+    assert sorted(losses["graphed"]) == list(range(1, 9))
+    for step in range(1, 9):
+        assert losses["graphed"][step] == pytest.approx(losses["rows"][step], abs=GPU_LOSS_TOLERANCE), step
 
 
 @pytest.mark.gpu
