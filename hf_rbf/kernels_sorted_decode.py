@@ -195,6 +195,22 @@ def kernel_unavailable_reason(device: torch.device) -> str | None:
     return f"the inputs are on {device.type}; the kernel runs on CUDA (or the CPU under TRITON_INTERPRET=1)"
 
 
+# Read-only operands the kernel takes where a feature is absent (a dummy pointer, an empty prefix) or a constant
+# (a float temperature or scale), kept per shape, value, device and dtype: made per step, each was a fill kernel
+# launched on every layer of every decode step.  The kernel never writes them.
+_CONSTANTS: dict = {}
+
+
+def _constant(shape: tuple, value: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    key = (shape, float(value), str(device), dtype)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) > 256:  # many distinct temperatures or shapes: start over rather than grow
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.full(shape, value, device=device, dtype=dtype)
+    return t
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (max(1, n) - 1).bit_length())
 
@@ -226,14 +242,14 @@ def sorted_window_attention_triton(
     device = qs.device
     tau = per_query_param("sorted_window_attention_triton", "tau", tau, b, h, nq, device)
     if isinstance(tau, float):
-        tau = torch.full((1, 1, 1), tau, device=device, dtype=torch.float32)
+        tau = _constant((1, 1, 1), tau, device, torch.float32)
     tau_strides = [0 if tau.shape[i] == 1 else tau.stride(i) for i in range(3)]
     out = torch.empty(b, h, nq, dv, device=device, dtype=values.dtype)
-    dummy = torch.zeros(1, device=device, dtype=values.dtype)
+    dummy = _constant((1,), 0.0, device, values.dtype)
     if prefix_ks is None or prefix_ks.shape[-1] == 0:
         p = 0
-        prefix_ks = torch.zeros(1, h, 1, device=device, dtype=values.dtype)
-        prefix_v = torch.zeros(1, g, 1, dv, device=device, dtype=values.dtype)
+        prefix_ks = _constant((1, h, 1), 0.0, device, values.dtype)
+        prefix_v = _constant((1, g, 1, dv), 0.0, device, values.dtype)
     else:
         p = prefix_ks.shape[-1]
         prefix_ks, prefix_v = prefix_ks.contiguous(), prefix_v.contiguous()
@@ -241,14 +257,14 @@ def sorted_window_attention_triton(
     if has_vec:
         d = q.shape[-1]
         scale_t = (
-            torch.full((h,), float(scale), device=device, dtype=torch.float32)
+            _constant((h,), float(scale), device, torch.float32)
             if isinstance(scale, (int, float))
             else scale.to(device=device, dtype=torch.float32).contiguous()
         )
         vk = state.vector_keys
         q = q.contiguous()
         if prefix_k is None or p == 0:
-            prefix_k = torch.zeros(1, h, max(p, 1), d, device=device, dtype=values.dtype)
+            prefix_k = _constant((1, h, max(p, 1), d), 0.0, device, values.dtype)
         prefix_k = prefix_k.contiguous()
     else:
         d = 1
