@@ -5,70 +5,25 @@ On a machine without CUDA the kernels run in Triton's CPU interpreter (``TRITON_
 odd lengths, head dims 8..64, float32 / bfloat16 / float16, causal and bidirectional, windows, prefix keys, padding
 with fully masked rows, key log-weights of every broadcast form, fewer queries than keys, learnable parameters and
 the split-K decode path.  The case list and tolerances live in ``benchmarks/kernel_checks.py``, shared with the GPU
-script ``benchmarks/check_kernels_gpu.py``; the ``gpu``-marked test runs the full-shape cases.
+script ``benchmarks/check_kernels_gpu.py``; the ``gpu``-marked test runs the full-shape cases.  The tests every
+family shares live in ``tests/kernel_family_checks.py``.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import pytest  # noqa: F401
+import torch  # noqa: F401
 
-import pytest
-import torch
-
-if not torch.cuda.is_available():
-    # must happen before triton is imported: the kernels are decorated as interpreted functions at import time
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import kernel_checks as kc  # noqa: E402
-
-from hf_rbf import kernels_common  # noqa: E402
+from kernel_family_checks import (  # noqa: F401 (the shared tests, collected here; imported before triton)
+    DEVICE,
+    ON_GPU,
+    _kernels_runnable,
+    kc,
+    pytest_generate_tests,
+    test_full_shapes_on_gpu,
+    test_in_interpreter_subprocess,
+    test_matches_float64_reference,
+)
 
 FAMILY = "scalar"
-ON_GPU = torch.cuda.is_available() and not kernels_common.DEFINED_INTERPRETED
-# False when triton was imported (by an earlier test module) before TRITON_INTERPRET could be set: then this file
-# re-runs itself in a subprocess with the variable set (test_in_interpreter_subprocess).
-IN_PROCESS = ON_GPU or kernels_common.DEFINED_INTERPRETED
-DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _kernels_runnable(request):
-    if not IN_PROCESS and request.function.__name__ != "test_in_interpreter_subprocess":
-        pytest.skip(
-            "triton was imported without TRITON_INTERPRET=1 in this process; test_in_interpreter_subprocess "
-            "runs these checks"
-        )
-
-
-def test_in_interpreter_subprocess():
-    if IN_PROCESS:
-        pytest.skip("the kernels run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-
-
-@pytest.mark.parametrize("case", kc.small_cases()[FAMILY], ids=lambda c: c.name)
-def test_matches_float64_reference(case):
-    res = kc.check_case(case, DEVICE)
-    assert res.ok, f"{case.name}: {res.summary()} {res.errors}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("case", [c for c in kc.full_cases() if c.family == FAMILY], ids=lambda c: c.name)
-def test_full_shapes_on_gpu(case):
-    res = kc.check_case(case, "cuda")
-    assert res.ok, f"{case.name}: {res.summary()} {res.errors}"
 
 
 @pytest.mark.parametrize("heads_per_program", [2, 4])
