@@ -10,10 +10,7 @@ family shares live in ``tests/kernel_family_checks.py``.
 """
 
 from kernel_family_checks import (  # noqa: F401 (the shared tests, collected here; imported before triton)
-    DEVICE,
-    ON_GPU,
     _kernels_runnable,
-    kc,
     pytest_generate_tests,
     test_full_shapes_on_gpu,
     test_in_interpreter_subprocess,
