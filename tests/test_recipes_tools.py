@@ -273,3 +273,29 @@ def test_profile_summary_counts_kernels_not_annotation_ranges():
     assert summary["gpu_busy_ms_per_step"] == 2.0  # (3000 + 1000) us over 2 steps
     assert summary["kernel_launches_per_step"] == 2.0
     assert [e["name"] for e in summary["gpu_top"]] == ["gemm", "triton_fused"]
+
+
+def test_diagnose_fsdp2_register_stream_runs_on_two_gloo_processes():
+    """The FSDP2 diagnostic (2 gloo processes): both register paths give the same losses, FSDP2 unshards and
+    reduce-scatters layer by layer from the last, and the compiled register step is one graph without recompiles."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    import socket
+
+    with socket.socket() as sock:  # a free port, so parallel test runs do not collide
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(root / "benchmarks" / "diagnose_fsdp2_register_stream.py"), "--layers", "2", "--steps", "2"]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    rows, compiled = result["rows"], result["compiled"]
+    assert rows["losses"] == pytest.approx(compiled["losses"], rel=1e-6)
+    for run in (rows, compiled):
+        layers = [e for e in run["backward_order"] if not e.endswith("root")]
+        assert [e.split(":")[1] for e in layers if e.startswith("post")] == ["L1", "L0"]
+    assert compiled["path"].startswith("compiled") and compiled["unique_graphs"] == 1 and compiled["recompiles"] == 0
