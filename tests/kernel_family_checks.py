@@ -2,33 +2,18 @@
 the output and every gradient against the float64 naive reference for the family's cases in
 ``benchmarks/kernel_checks.py`` (small shapes here, full shapes in the ``gpu``-marked test).
 
-On a machine without CUDA the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``).  That must be set
-before triton is first imported (the kernels are decorated as interpreted functions at import time), so a test file
-imports this module before anything else that imports triton; where triton was imported earlier in the process (by
-another test module), the file re-runs itself in a subprocess with the variable set."""
+Where they run (the CPU interpreter or CUDA) is decided by ``kernel_env``, imported first; a test file imports this
+module before anything else that imports triton."""
 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from kernel_env import DEVICE, IN_PROCESS, ON_GPU  # noqa: F401 (first: sets TRITON_INTERPRET before triton loads)
 
 import kernel_checks as kc  # noqa: E402
-
-from hf_rbf import kernels_common  # noqa: E402
-
-ON_GPU = torch.cuda.is_available() and not kernels_common.DEFINED_INTERPRETED
-# False when triton was imported (by an earlier test module) before TRITON_INTERPRET could be set: then the test file
-# re-runs itself in a subprocess with the variable set (test_in_interpreter_subprocess).
-IN_PROCESS = ON_GPU or kernels_common.DEFINED_INTERPRETED
-DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 @pytest.fixture(autouse=True)

@@ -11,19 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from kernel_env import DEVICE, IN_PROCESS, ON_GPU  # noqa: E402 (first: sets TRITON_INTERPRET before triton loads)
 
 import kernel_checks as kc  # noqa: E402
 
 import hf_rbf  # noqa: E402
 from hf_rbf import kernels_common, kernels_flash_fwd  # noqa: E402
 
-ON_GPU = torch.cuda.is_available() and not kernels_common.DEFINED_INTERPRETED
-IN_PROCESS = ON_GPU or kernels_common.DEFINED_INTERPRETED
-DEVICE = "cuda" if ON_GPU else "cpu"
 REPO = Path(__file__).resolve().parents[1]
 OPS = {"rbf": "rbf_attention", "gka": "gka_attention", "scalar": "scalar_attention", "hybrid": "hybrid_attention"}
 

@@ -13,29 +13,18 @@ term, odd lengths, causal / windowed / bidirectional masks with prefix keys, flo
 q, k, v, a, b (and the key log-weights, the scalar inputs).  The launch counts pin the host work per call.
 """
 
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # must happen before triton is imported: the kernels are decorated as interpreted functions at import time
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from kernel_env import DEVICE, IN_PROCESS, ON_GPU  # noqa: E402 (first: sets TRITON_INTERPRET before triton loads)
 
 import count_host_ops  # noqa: E402
 
 import hf_rbf  # noqa: E402
-from hf_rbf import kernels_common  # noqa: E402
 from hf_rbf.attention_distance_triton import distance_attention  # noqa: E402
 from hf_rbf.attention_utils import MaskArgs, allowed_mask, masked_kernel_average  # noqa: E402
 
-ON_GPU = torch.cuda.is_available() and not kernels_common.DEFINED_INTERPRETED
-IN_PROCESS = ON_GPU or kernels_common.DEFINED_INTERPRETED
-DEVICE = "cuda" if ON_GPU else "cpu"
 TOL = {torch.float32: (2e-5, 5e-5), torch.bfloat16: (1.5e-2, 3e-2)}
 
 pytestmark = pytest.mark.skipif(
