@@ -14,7 +14,7 @@ only forwards with gradients replay them (a forward without gradients runs the s
 the same values an earlier one did as long as the parameters are unchanged: two forwards before one backward (the
 case that corrupts any CUDA-graphed training step) read identical register values.
 
-What a replay assumes, checked on every call (``RegisterStepGraphs.key``): the parameters' storage (a capture reads
+What a replay assumes, checked on every call (``RegisterStepGraphs.key_for``): the parameters' storage (a capture reads
 the weights where they were: ``model.to(...)``, FSDP's reallocated unsharded weights or a ``load_state_dict(...,
 assign=True)`` change it and trigger a new capture; a layer that needs more than ``MAX_CAPTURES`` captures goes back
 to the plain step, with a warning), which of them require gradients (LoRA), the states' shape and dtype, the autocast
@@ -49,9 +49,9 @@ def _autocast_state(device_type: str) -> tuple:
 class RegisterStepGraphs:
     """``step(layer, states) -> (next states, prefix tuple)`` of one layer, captured for ``states`` as it is now.
 
-    ``replay(states)`` runs the captured forward (the backward replays with autograd); ``key(layer, states)`` says
-    what the capture depends on.  ``capture`` and the two ``_replay_*`` methods are the CUDA mechanics; a test
-    substitutes them on the CPU to check everything else."""
+    ``replay(states)`` runs the captured forward (the backward replays with autograd); ``key_for(layer, states)``
+    says what the capture depends on (``key``: its value at the capture).  ``capture`` and the two ``_replay_*``
+    methods are the CUDA mechanics; a test substitutes them on the CPU to check everything else."""
 
     def __init__(self, step, layer: nn.Module, states: torch.Tensor):
         self.params = tuple(p for p in layer.parameters() if p.requires_grad)
@@ -169,7 +169,7 @@ _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GIVEN_UP: weakref.WeakSet = weakref.WeakSet()
 graphs_class = RegisterStepGraphs  # a test's CPU emulation replaces it
-_CHECKPOINT_LOGGED: list = []
+_checkpoint_logged = False  # the checkpointing fallback is logged once per process
 
 
 def graphed_register_step(step, layer: nn.Module, states: torch.Tensor):
@@ -182,8 +182,9 @@ def graphed_register_step(step, layer: nn.Module, states: torch.Tensor):
     if getattr(layer, "gradient_checkpointing", False):
         # activation checkpointing runs the layer again inside the backward, and the non-reentrant kind checks that
         # the recomputation saves as many tensors as the forward did: a capture inside the first forward saves more
-        if not _CHECKPOINT_LOGGED:
-            _CHECKPOINT_LOGGED.append(True)
+        global _checkpoint_logged
+        if not _checkpoint_logged:
+            _checkpoint_logged = True
             logger.info("register steps under activation checkpointing run without CUDA graphs (register_path "
                         "'graphed' keeps the compiled step there)")
         return step(layer, states)
