@@ -282,6 +282,82 @@ def summarise_step_profile(prof, steps: int, wall_ms: float, top: int = 8) -> di
     }
 
 
+def _path(op, depth: int = 2) -> str:
+    """An op's place in the host's call tree: its outermost ``depth`` ancestors, then the op itself."""
+    chain = []
+    while op is not None:
+        chain.append(op.name[:60])
+        op = op.cpu_parent
+    chain.reverse()
+    if len(chain) > depth + 1:
+        chain = chain[:depth] + ["...", chain[-1]]
+    return " > ".join(chain)
+
+
+def summarise_idle_gaps(events, steps: int, min_gap_us: float = 50.0, top: int = 8) -> dict:
+    """Where the GPU's compute stood idle, from the profiler's events (``prof.events()``): the stretches of at least
+    ``min_gap_us`` in which no compute kernel (any stream, NCCL excluded) ran, each named by the host op that launched
+    the kernel ending it.  A gap is "host late" when that op began on the host after the gap began (the GPU waited for
+    Python and launches), "waiting" when it began before (the kernel waited on the device: another stream, e.g. an
+    NCCL collective, or an event).  Totals per step, the groups of gaps by launching op, and the largest gaps with the
+    host ops that ran during them."""
+    import torch
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernels = sorted(
+        (e for e in events if e.device_type == cuda and "nccl" not in e.name.lower()), key=lambda e: e.time_range.start
+    )
+    host_ops = [e for e in events if e.device_type == cpu and not e.is_async and e.linked_correlation_id == 0]
+    by_id = {e.id: e for e in host_ops}
+    gaps, busy_until = [], None
+    for k in kernels:
+        if busy_until is not None and k.time_range.start - busy_until >= min_gap_us:
+            gaps.append((busy_until, k.time_range.start, by_id.get(k.linked_correlation_id), k.name))
+        busy_until = k.time_range.end if busy_until is None else max(busy_until, k.time_range.end)
+    groups: dict = {}
+    host_late = waiting = 0.0
+    rows = []
+    for start, end, op, kernel in gaps:
+        late = op is not None and op.time_range.start > start
+        length = end - start
+        if late:
+            host_late += length
+        else:
+            waiting += length
+        key = ("host late" if late else "waiting", _path(op) if op is not None else f"(unknown op) {kernel[:40]}")
+        total, count = groups.get(key, (0.0, 0))
+        groups[key] = (total + length, count + 1)
+        rows.append((length, start, end, key, kernel))
+    per_step = lambda us: us / 1e3 / steps
+    largest = []
+    for length, start, end, key, kernel in sorted(rows, reverse=True)[:top]:
+        during = sorted(
+            (
+                (min(end, o.time_range.end) - max(start, o.time_range.start), o.name[:60])
+                for o in host_ops
+                if o.time_range.start < end and o.time_range.end > start and o.time_range.end - o.time_range.start
+                < 2 * length
+            ),
+            reverse=True,
+        )[:3]
+        largest.append(
+            {"ms": length / 1e3, "kind": key[0], "next_op": key[1], "next_kernel": kernel[:60],
+             "host_ops_during": [f"{name} ({us / 1e3:.2f} ms)" for us, name in during]}
+        )
+    return {
+        "min_gap_us": min_gap_us,
+        "idle_ms_per_step": per_step(host_late + waiting),
+        "host_late_ms_per_step": per_step(host_late),
+        "waiting_ms_per_step": per_step(waiting),
+        "gaps_per_step": len(gaps) / steps,
+        "groups": [
+            {"kind": kind, "next_op": path, "ms_per_step": per_step(total), "gaps_per_step": count / steps}
+            for (kind, path), (total, count) in sorted(groups.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+        ],
+        "largest": largest,
+    }
+
+
 def bench_callback(output_dir: str, profile_steps: int = 0):
     """A ``TrainerCallback`` that writes this process's peak memory of the training loop and the FSDP units of the
     prepared model to ``<output_dir>/peak_memory_rank<RANK>.json``; with ``profile_steps``, rank 0 also runs
@@ -314,6 +390,7 @@ def bench_callback(output_dir: str, profile_steps: int = 0):
                 wall_ms = 1e3 * (self._now() - self._t0)
                 self._profiler.__exit__(None, None, None)
                 summary = summarise_step_profile(self._profiler, profile_steps, wall_ms)
+                summary["idle_gaps"] = summarise_idle_gaps(self._profiler.events(), profile_steps)
                 self._profiler = None
                 with open(os.path.join(output_dir, "profile_rank0.json"), "w") as f:
                     json.dump(summary, f, indent=2)
@@ -569,6 +646,17 @@ def profile_section(rows: list[dict]) -> list[str]:
             "  top CPU ops (self ms/step): "
             + "; ".join(f"`{k['name']}` {k['ms_per_step']:.1f}" for k in r["profile"]["cpu_top"][:5])
         ]
+        gaps = r["profile"].get("idle_gaps")
+        if gaps:
+            lines += [
+                f"  compute idle {gaps['idle_ms_per_step']:.1f} ms/step in {gaps['gaps_per_step']:.0f} gaps of >= "
+                f"{gaps['min_gap_us']:.0f} us: host late {gaps['host_late_ms_per_step']:.1f}, waiting on the device "
+                f"{gaps['waiting_ms_per_step']:.1f}; by the op that ended them:"
+            ]
+            lines += [
+                f"  - {g['ms_per_step']:.1f} ms ({g['gaps_per_step']:.0f} gaps), {g['kind']}: `{g['next_op']}`"
+                for g in gaps["groups"][:5]
+            ]
     return lines
 
 

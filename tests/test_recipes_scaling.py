@@ -446,3 +446,43 @@ def test_step_profile_summary_splits_nccl_from_compute():
         "_distance_fwd_kernel",
     ]
     assert s["cpu_top"][0] == {"name": "cudaLaunchKernel", "calls_per_step": 8.0, "ms_per_step": 0.4}
+
+
+def test_idle_gaps_name_the_op_that_ended_each_gap():
+    """``--profile-steps``' idle-gap summary on CUDA-like events: NCCL kernels do not count as compute, overlapping
+    kernels on two streams leave no gap, and each gap is host late or waiting by when its launching op began."""
+    from types import SimpleNamespace
+
+    bench_scaling = _bench_module()
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def op(id_, name, start, end, parent=None):
+        return SimpleNamespace(
+            id=id_, name=name, device_type=cpu, is_async=False, linked_correlation_id=0,
+            time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
+        )
+
+    def kernel(name, start, end, launcher):
+        return SimpleNamespace(
+            id=-1, name=name, device_type=cuda, is_async=False, linked_correlation_id=launcher.id,
+            time_range=SimpleNamespace(start=start, end=end), cpu_parent=None,
+        )
+
+    step = op(1, "ProfilerStep#5", 0, 2000)
+    mm = op(2, "aten::mm", 10, 20, step)
+    pre = op(3, "FSDP::pre_forward", 300, 900, step)  # the host is busy here: the GPU idles until 1000
+    mm2 = op(4, "aten::mm", 950, 960, pre)
+    wait = op(5, "aten::add", 1100, 1110, step)  # launched early; its kernel starts late (waits on the device)
+    events = [step, mm, pre, mm2, wait,
+              kernel("gemm", 100, 300, mm), kernel("other_stream", 250, 400, mm),
+              kernel("ncclDevKernel_AllGather", 400, 1000, pre),
+              kernel("gemm", 1000, 1100, mm2), kernel("add", 1500, 1510, wait)]
+    g = bench_scaling.summarise_idle_gaps(events, steps=2, min_gap_us=50.0)
+    assert g["gaps_per_step"] == 1.0  # 400-1000 (the NCCL kernel is not compute) and 1100-1500; 300-250 overlaps
+    assert g["host_late_ms_per_step"] == pytest.approx(0.3) and g["waiting_ms_per_step"] == pytest.approx(0.2)
+    assert g["groups"][0] == {
+        "kind": "host late", "next_op": "ProfilerStep#5 > FSDP::pre_forward > aten::mm", "ms_per_step": 0.3,
+        "gaps_per_step": 0.5,
+    }
+    assert g["largest"][0]["host_ops_during"][0] == "FSDP::pre_forward (0.50 ms)"
+    assert g["largest"][1]["kind"] == "waiting" and g["largest"][1]["next_kernel"] == "add"
