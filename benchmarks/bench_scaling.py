@@ -294,25 +294,42 @@ def _path(op, depth: int = 2) -> str:
     return " > ".join(chain)
 
 
-def summarise_idle_gaps(events, steps: int, min_gap_us: float = 50.0, top: int = 8) -> dict:
+def kernel_launchers(prof) -> dict:
+    """``(start, end)`` of each GPU event (microseconds from the trace start, as ``FunctionEvent.time_range`` has
+    them) -> the id (``FunctionEvent.id``) of the host op that launched it, from the profiler's kineto results:
+    torch 2.11's ``FunctionEvent`` does not carry the link (``linked_correlation_id``), newer ones do."""
+    import torch
+
+    results = prof.profiler.kineto_results
+    t0 = results.trace_start_ns()
+    links = {}
+    for ev in results.events():
+        if ev.device_type() == torch.autograd.DeviceType.CUDA and ev.linked_correlation_id() > 0:
+            links[((ev.start_ns() - t0) / 1000, (ev.end_ns() - t0) / 1000)] = ev.linked_correlation_id()
+    return links
+
+
+def summarise_idle_gaps(events, steps: int, launchers: dict, min_gap_us: float = 50.0, top: int = 8) -> dict:
     """Where the GPU's compute stood idle, from the profiler's events (``prof.events()``): the stretches of at least
     ``min_gap_us`` in which no compute kernel (any stream, NCCL excluded) ran, each named by the host op that launched
     the kernel ending it.  A gap is "host late" when that op began on the host after the gap began (the GPU waited for
     Python and launches), "waiting" when it began before (the kernel waited on the device: another stream, e.g. an
     NCCL collective, or an event).  Totals per step, the groups of gaps by launching op, and the largest gaps with the
-    host ops that ran during them."""
+    host ops that ran during them.  ``launchers``: :func:`kernel_launchers`."""
     import torch
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     kernels = sorted(
         (e for e in events if e.device_type == cuda and "nccl" not in e.name.lower()), key=lambda e: e.time_range.start
     )
-    host_ops = [e for e in events if e.device_type == cpu and not e.is_async and e.linked_correlation_id == 0]
+    # the host ops: not the CUDA runtime's calls (cudaLaunchKernel, ...), which carry ids of their own
+    host_ops = [e for e in events if e.device_type == cpu and not e.is_async and not e.name.startswith("cuda")]
     by_id = {e.id: e for e in host_ops}
     gaps, busy_until = [], None
     for k in kernels:
         if busy_until is not None and k.time_range.start - busy_until >= min_gap_us:
-            gaps.append((busy_until, k.time_range.start, by_id.get(k.linked_correlation_id), k.name))
+            launcher = launchers.get((k.time_range.start, k.time_range.end))
+            gaps.append((busy_until, k.time_range.start, by_id.get(launcher), k.name))
         busy_until = k.time_range.end if busy_until is None else max(busy_until, k.time_range.end)
     groups: dict = {}
     host_late = waiting = 0.0
@@ -390,7 +407,11 @@ def bench_callback(output_dir: str, profile_steps: int = 0):
                 wall_ms = 1e3 * (self._now() - self._t0)
                 self._profiler.__exit__(None, None, None)
                 summary = summarise_step_profile(self._profiler, profile_steps, wall_ms)
-                summary["idle_gaps"] = summarise_idle_gaps(self._profiler.events(), profile_steps)
+                try:  # a diagnosis: it must not cost the run
+                    launchers = kernel_launchers(self._profiler)
+                    summary["idle_gaps"] = summarise_idle_gaps(self._profiler.events(), profile_steps, launchers)
+                except Exception as exc:  # noqa: BLE001
+                    summary["idle_gaps_error"] = repr(exc)
                 self._profiler = None
                 with open(os.path.join(output_dir, "profile_rank0.json"), "w") as f:
                     json.dump(summary, f, indent=2)

@@ -314,7 +314,26 @@ def run(
     """Run a recipe (see the module docstring); returns the summary (also written to ``summary.json``).  ``callbacks``:
     more ``TrainerCallback``s for the Trainer (benchmarks/bench_scaling.py adds its peak-memory one).  ``train_only``:
     stop after training (speed runs: no final evaluation, no saved model, no story or checks; the summary holds the
-    training numbers and ``"train_only": true``)."""
+    training numbers and ``"train_only": true``).  ``model.register_path`` (not null) sets
+    ``hf_rbf.modeling_decoder.register_path`` for this run and restores it after (one process may run several recipes:
+    benchmarks/bench_scaling.py)."""
+    register_path = cfg["model"].get("register_path")
+    if register_path is not None:
+        import hf_rbf.modeling_decoder as modeling_decoder
+
+        if register_path not in modeling_decoder.REGISTER_PATHS:
+            raise ValueError(
+                f"model.register_path must be null or one of {modeling_decoder.REGISTER_PATHS}; got {register_path!r}"
+            )
+        if modeling_decoder.register_path != register_path:
+            previous, modeling_decoder.register_path = modeling_decoder.register_path, register_path
+            try:
+                return run(
+                    cfg, resume=resume, stop_at_step=stop_at_step, prepare_only=prepare_only, train_only=train_only,
+                    log=log, callbacks=callbacks,
+                )
+            finally:
+                modeling_decoder.register_path = previous
     import datasets
     import transformers
     from transformers import set_seed

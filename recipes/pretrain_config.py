@@ -6,7 +6,7 @@ A recipe file has these top-level sections (every key is described in ``docs/rec
     output_dir: outputs/cpu_quick      # checkpoints, metrics, the final model (relative to the current directory)
     seed: 0
     base: _tinystories_base.yaml       # optional: a file (relative to this one) whose values this file overrides
-    model:      {family, config, match_parameters, expected_num_parameters}
+    model:      {family, config, match_parameters, expected_num_parameters, register_path}
     tokenizer:  {path} or {vocab_size, min_frequency, eos_token, pad_token, max_train_chars}
     data:       {root, train: [source, ...], validation: [source, ...], validation_fraction, block_size, cache_dir,
                  max_validation_blocks, num_proc}
@@ -70,6 +70,7 @@ DEFAULTS: dict = {
         "config": {},
         "match_parameters": None,
         "expected_num_parameters": None,
+        "register_path": None,
     },
     "tokenizer": {
         "path": None,

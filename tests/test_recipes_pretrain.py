@@ -215,3 +215,17 @@ def test_train_only_and_prepare_only_are_refused_together():
     assert parse_args(["--config", "c.yaml", "--train-only"]).train_only is True
     with pytest.raises(SystemExit):
         parse_args(["--config", "c.yaml", "--train-only", "--prepare-only"])
+
+
+def test_a_recipe_sets_the_register_path_for_its_run_alone(tmp_path):
+    """``model.register_path`` runs the recipe on that register path (the summary says which ran) and restores the
+    library's setting afterwards; a wrong value is refused by name."""
+    import hf_rbf.modeling_decoder as modeling_decoder
+
+    before = modeling_decoder.register_path
+    steps = ["training.max_steps=2", *NO_EXTRAS]
+    s = _run(tmp_path / "stream", ["model.register_path=stream", *steps], train_only=True)
+    assert s["register_path"] == "stream" and modeling_decoder.register_path == before
+    with pytest.raises(ValueError, match="model.register_path must be null or one of"):
+        _run(tmp_path / "bad", ["model.register_path=fast", *steps], train_only=True)
+    assert modeling_decoder.register_path == before

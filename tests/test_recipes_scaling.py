@@ -458,14 +458,16 @@ def test_idle_gaps_name_the_op_that_ended_each_gap():
 
     def op(id_, name, start, end, parent=None):
         return SimpleNamespace(
-            id=id_, name=name, device_type=cpu, is_async=False, linked_correlation_id=0,
-            time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
+            id=id_, name=name, device_type=cpu, is_async=False, time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
         )
 
+    launchers = {}
+
     def kernel(name, start, end, launcher):
+        launchers[(start, end)] = launcher.id
         return SimpleNamespace(
-            id=-1, name=name, device_type=cuda, is_async=False, linked_correlation_id=launcher.id,
-            time_range=SimpleNamespace(start=start, end=end), cpu_parent=None,
+            id=-1, name=name, device_type=cuda, is_async=False, time_range=SimpleNamespace(start=start, end=end),
+            cpu_parent=None,
         )
 
     step = op(1, "ProfilerStep#5", 0, 2000)
@@ -473,11 +475,12 @@ def test_idle_gaps_name_the_op_that_ended_each_gap():
     pre = op(3, "FSDP::pre_forward", 300, 900, step)  # the host is busy here: the GPU idles until 1000
     mm2 = op(4, "aten::mm", 950, 960, pre)
     wait = op(5, "aten::add", 1100, 1110, step)  # launched early; its kernel starts late (waits on the device)
-    events = [step, mm, pre, mm2, wait,
+    runtime = op(4, "cudaLaunchKernel", 951, 955, mm2)  # the runtime's own ids may equal an op's
+    events = [step, mm, pre, mm2, runtime, wait,
               kernel("gemm", 100, 300, mm), kernel("other_stream", 250, 400, mm),
               kernel("ncclDevKernel_AllGather", 400, 1000, pre),
               kernel("gemm", 1000, 1100, mm2), kernel("add", 1500, 1510, wait)]
-    g = bench_scaling.summarise_idle_gaps(events, steps=2, min_gap_us=50.0)
+    g = bench_scaling.summarise_idle_gaps(events, steps=2, launchers=launchers, min_gap_us=50.0)
     assert g["gaps_per_step"] == 1.0  # 400-1000 (the NCCL kernel is not compute) and 1100-1500; 300-250 overlaps
     assert g["host_late_ms_per_step"] == pytest.approx(0.3) and g["waiting_ms_per_step"] == pytest.approx(0.2)
     assert g["groups"][0] == {
