@@ -462,7 +462,10 @@ def _release_memory() -> None:
 
 def worker(argv) -> int:
     """One process of a launch: ``recipes/pretrain.py``'s ``run`` (``train_only``) for each recipe in turn, each in its
-    own run folder; a recipe that fails writes ``failure.json`` there and the next one runs."""
+    own run folder; a recipe that fails writes ``failure_rank<RANK>.json`` there.  In a single process the next recipe
+    then runs; in a launch of several processes this one stops (returns 1): a rank that failed alone (e.g. rank 0 in
+    its profiler) would start the next recipe while the others still train the last one, and their collectives would
+    hang until the launch's timeout (the first 4-GPU call of 2026-11-26 lost 130 s that way)."""
     from recipes.pretrain import run
     from recipes.pretrain_config import load_config
 
@@ -486,6 +489,8 @@ def worker(argv) -> int:
             with open(os.path.join(out, f"failure_rank{os.environ.get('RANK', '0')}.json"), "w") as f:
                 json.dump({"error": repr(exc), "traceback": traceback.format_exc()}, f, indent=2)
             traceback.print_exc()
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                return 1
         _release_memory()
     return 1 if failures else 0
 

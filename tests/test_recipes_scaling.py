@@ -489,3 +489,29 @@ def test_idle_gaps_name_the_op_that_ended_each_gap():
     }
     assert g["largest"][0]["host_ops_during"][0] == "FSDP::pre_forward (0.50 ms)"
     assert g["largest"][1]["kind"] == "waiting" and g["largest"][1]["next_kernel"] == "add"
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_failed_recipe_stops_a_multi_process_worker(world_size, tmp_path, monkeypatch):
+    """A recipe that fails writes its failure file; alone, the worker goes on to the next recipe, in a launch of
+    several processes it stops (the other ranks would otherwise wait in a collective of the recipe it left)."""
+    import recipes.pretrain
+
+    bench_scaling = _bench_module()
+    ran = []
+
+    def run(cfg, **kwargs):
+        ran.append(cfg["model"]["family"])
+        raise RuntimeError("profiler failed on this rank")
+
+    monkeypatch.setattr(recipes.pretrain, "run", run)
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    configs = ["recipes/configs/scale_d768_rbf.yaml", "recipes/configs/scale_d768_llama.yaml"]
+    argv = ["--root", str(tmp_path), "--strategy", "ddp", "--processes", str(world_size)]
+    for config in configs:
+        argv += ["--config", config]
+    assert bench_scaling.worker(argv) == 1
+    assert ran == (["rbf", "llama"] if world_size == 1 else ["rbf"])
+    failure = tmp_path / bench_scaling.run_name(configs[0], "ddp", world_size) / "failure_rank0.json"
+    assert "profiler failed" in failure.read_text()
