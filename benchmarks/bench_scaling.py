@@ -59,7 +59,12 @@ if REPO not in sys.path:
 
 from recipes.pretrain_callbacks import THROUGHPUT_WARMUP_STEPS as WARMUP_STEPS  # noqa: E402 (after the path)
 
-ACCELERATE_CONFIGS = {"ddp": "recipes/accelerate/ddp.yaml", "fsdp2": "recipes/accelerate/fsdp2.yaml"}
+ACCELERATE_CONFIGS = {
+    "ddp": "recipes/accelerate/ddp.yaml",
+    "fsdp2": "recipes/accelerate/fsdp2.yaml",
+    "fsdp2_zero2": "recipes/accelerate/fsdp2_zero2.yaml",  # no reshard after the forward: opt-in
+}
+DEFAULT_STRATEGIES = ["ddp", "fsdp2"]
 SINGLE = "single"  # one plain process on one GPU: the baseline of every strategy
 SIZES = ("d768", "1b")
 FAMILIES = ("llama", "rbf", "gka", "scalar_sort", "hybrid_sort")
@@ -80,7 +85,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--processes", type=int, nargs="+", default=None, help="process counts (default: 1 2 4 8 up to the GPUs here)"
     )
-    parser.add_argument("--strategies", nargs="+", default=list(ACCELERATE_CONFIGS), choices=list(ACCELERATE_CONFIGS))
+    parser.add_argument("--strategies", nargs="+", default=DEFAULT_STRATEGIES, choices=list(ACCELERATE_CONFIGS))
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="recipe YAMLs (default: scale_*.yaml)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (the first 5 are not timed)")
     parser.add_argument("--blocks-per-gpu", type=int, default=8, help="blocks of block_size tokens per GPU and step")
@@ -108,7 +113,7 @@ def parse_args(argv=None):
         )
     if args.blocks_per_gpu < 1:
         parser.error(f"--blocks-per-gpu must be a positive int; got {args.blocks_per_gpu}")
-    if args.cpu and "fsdp2" in args.strategies:
+    if args.cpu and any(s.startswith("fsdp") for s in args.strategies):
         parser.error("--cpu runs DDP only (accelerate's FSDP needs GPUs): pass --strategies ddp")
     if args.cpu and args.concurrent:
         parser.error("--concurrent places launches on disjoint GPUs: it needs GPUs, not --cpu")

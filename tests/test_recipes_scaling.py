@@ -194,14 +194,15 @@ def _scale_model(size: str, family: str):
     return build_model(build_config(family, kwargs), device="meta")
 
 
-@pytest.mark.parametrize("config_name", ["fsdp2.yaml", "fsdp2_ac.yaml"])
+@pytest.mark.parametrize("config_name", ["fsdp2.yaml", "fsdp2_ac.yaml", "fsdp2_zero2.yaml"])
 def test_fsdp2_configs(config_name, monkeypatch):
     from torch.distributed.fsdp import StateDictType
 
     args, env, plugin = _fsdp_plugin(config_name, monkeypatch)
     assert args.num_processes == 2 and args.num_machines == 1 and env["ACCELERATE_USE_FSDP"] == "true"
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
-    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True  # full shard (ZeRO-3)
+    # full shard (ZeRO-3); fsdp2_zero2.yaml keeps each layer's gathered parameters from its forward to its backward
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is (config_name != "fsdp2_zero2.yaml")
     assert plugin.state_dict_type == StateDictType.FULL_STATE_DICT  # checkpoints independent of the process count
     assert plugin.transformer_cls_names_to_wrap == ["DecoderLayer"]
     assert plugin.activation_checkpointing is (config_name == "fsdp2_ac.yaml")
@@ -355,6 +356,9 @@ def test_scaling_benchmark_arguments(tmp_path):
         bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--concurrent"])
     with pytest.raises(SystemExit):  # only the untimed warm-up steps are profiled
         bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--profile-steps", "5"])
+    with pytest.raises(SystemExit):
+        bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "fsdp2_zero2"])
+    assert bench_scaling.DEFAULT_STRATEGIES == ["ddp", "fsdp2"]  # fsdp2_zero2: opt-in
     args = bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp"])
     assert args.processes == [1, 2] and len(args.configs) == 10
     args.strategies = ["ddp", "fsdp2"]
@@ -363,6 +367,9 @@ def test_scaling_benchmark_arguments(tmp_path):
     assert (
         "--config_file recipes/accelerate/fsdp2.yaml --num_processes 4" in joined and "global_batch_size=32" in joined
     )
+    launch["strategy"] = "fsdp2_zero2"
+    zero2 = " ".join(bench_scaling.launch_command(launch, args, {}))
+    assert "--config_file recipes/accelerate/fsdp2_zero2.yaml" in zero2
     single = {"strategy": "single", "processes": 1, "configs": ["a.yaml", "b.yaml"]}
     cmd = bench_scaling.launch_command(single, args, {"a.yaml": ["data.cache_dir=X"]})
     assert "accelerate.commands.launch" not in cmd and cmd.count("--config") == 2
@@ -458,7 +465,8 @@ def test_idle_gaps_name_the_op_that_ended_each_gap():
 
     def op(id_, name, start, end, parent=None):
         return SimpleNamespace(
-            id=id_, name=name, device_type=cpu, is_async=False, time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
+            id=id_, name=name, device_type=cpu, is_async=False, time_range=SimpleNamespace(start=start, end=end),
+            cpu_parent=parent,
         )
 
     launchers = {}
