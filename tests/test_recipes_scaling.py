@@ -331,7 +331,8 @@ def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
         )
     table = (out / "scaling.md").read_text()
     two = next(r for r in rows if r["family"] == "rbf" and r["processes"] == 2)
-    assert f"| cpu_test | rbf | 30,336 | ddp | 2 | {two['tokens_per_second_per_gpu']:,.0f} |" in table
+    per_gpu = two["tokens_per_step"] // 2
+    assert f"| cpu_test | rbf | 30,336 | ddp | 2 | {per_gpu:,} | {two['tokens_per_second_per_gpu']:,.0f} |" in table
     assert (
         "## Per-step profile" in table and f"| cpu_test | ddp | 2 | {two['profile']['wall_ms_per_step']:.1f} |" in table
     )
@@ -364,9 +365,13 @@ def test_scaling_benchmark_arguments(tmp_path):
     args.strategies = ["ddp", "fsdp2"]
     launch = {"strategy": "fsdp2", "processes": 4, "configs": ["recipes/configs/scale_d768_llama.yaml"]}
     joined = " ".join(bench_scaling.launch_command(launch, args, {}))
+    # d768 recipes default to 32 blocks per GPU (at 8 every model is host-bound), the others to 8
     assert (
-        "--config_file recipes/accelerate/fsdp2.yaml --num_processes 4" in joined and "global_batch_size=32" in joined
+        "--config_file recipes/accelerate/fsdp2.yaml --num_processes 4" in joined and "global_batch_size=128" in joined
     )
+    args.blocks_per_gpu = 4
+    assert "global_batch_size=16" in " ".join(bench_scaling.launch_command(launch, args, {}))
+    args.blocks_per_gpu = None
     launch["strategy"] = "fsdp2_zero2"
     zero2 = " ".join(bench_scaling.launch_command(launch, args, {}))
     assert "--config_file recipes/accelerate/fsdp2_zero2.yaml" in zero2
