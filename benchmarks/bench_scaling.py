@@ -281,6 +281,16 @@ def worker_runs(argv) -> tuple[argparse.Namespace, list[tuple[str, list[str]]]]:
     return args, [(c, o) for c, o in runs]
 
 
+def is_kernel(event) -> bool:
+    """A GPU event that is a kernel (or a memcpy/memset), not the GPU-timeline range of a user annotation
+    (``record_function``: "DistributedDataParallel.forward", "Optimizer.step#AdamW.step", inductor's "## Call
+    CompiledFxGraph ##"), which spans every host gap between its kernels: counted as busy, it hid the gaps of DDP's
+    whole forward (session 10's first tables counted a 45 ms "DistributedDataParallel.forward" as compute)."""
+    import torch
+
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
 def summarise_step_profile(prof, steps: int, wall_ms: float, top: int = 8) -> dict:
     """What one rank's GPU did per step: wall time, compute kernel time and NCCL kernel time (NCCL runs on its own
     streams and may overlap compute: compute + NCCL > wall means overlap, wall > compute means the compute stream waited
@@ -288,7 +298,7 @@ def summarise_step_profile(prof, steps: int, wall_ms: float, top: int = 8) -> di
     import torch
 
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in events if is_kernel(e)]
     is_nccl = lambda e: "nccl" in e.key.lower()
     per_step = lambda us: us / 1e3 / steps
     return {
@@ -344,10 +354,9 @@ def summarise_idle_gaps(events, steps: int, launchers: dict, min_gap_us: float =
     host ops that ran during them.  ``launchers``: :func:`kernel_launchers`."""
     import torch
 
-    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-    kernels = sorted(
-        (e for e in events if e.device_type == cuda and "nccl" not in e.name.lower()), key=lambda e: e.time_range.start
-    )
+    cpu = torch.autograd.DeviceType.CPU
+    kernels = [e for e in events if is_kernel(e) and "nccl" not in e.name.lower()]
+    kernels.sort(key=lambda e: e.time_range.start)
     # the host ops: not the CUDA runtime's calls (cudaLaunchKernel, ...), which carry ids of their own
     host_ops = [e for e in events if e.device_type == cpu and not e.is_async and not e.name.startswith("cuda")]
     by_id = {e.id: e for e in host_ops}

@@ -447,6 +447,11 @@ def test_step_profile_summary_splits_nccl_from_compute():
         event("ncclDevKernel_AllGather_RING_LL", cuda, device_us=2000.0, count=4),
         event("_distance_fwd_kernel", cuda, device_us=1000.0, count=2),
         event("cudaLaunchKernel", cpu, cpu_us=800.0, count=16),
+        # a user annotation's range on the GPU timeline (it spans host gaps): not a kernel
+        SimpleNamespace(
+            key="DistributedDataParallel.forward", device_type=cuda, self_device_time_total=9000.0,
+            self_cpu_time_total=0.0, count=1, is_user_annotation=True,
+        ),
     ]
     prof = SimpleNamespace(key_averages=lambda: events)
     s = bench_scaling.summarise_step_profile(prof, steps=2, wall_ms=10.0)
@@ -493,6 +498,9 @@ def test_idle_gaps_name_the_op_that_ended_each_gap():
               kernel("gemm", 100, 300, mm), kernel("other_stream", 250, 400, mm),
               kernel("ncclDevKernel_AllGather", 400, 1000, pre),
               kernel("gemm", 1000, 1100, mm2), kernel("add", 1500, 1510, wait)]
+    annotation = kernel("DistributedDataParallel.forward", 100, 1510, step)  # spans every gap: must not hide them
+    annotation.is_user_annotation = True
+    events.append(annotation)
     g = bench_scaling.summarise_idle_gaps(events, steps=2, launchers=launchers, min_gap_us=50.0)
     assert g["gaps_per_step"] == 1.0  # 400-1000 (the NCCL kernel is not compute) and 1100-1500; 300-250 overlaps
     assert g["host_late_ms_per_step"] == pytest.approx(0.3) and g["waiting_ms_per_step"] == pytest.approx(0.2)
