@@ -2,6 +2,12 @@
 the output and every gradient against the float64 naive reference for the family's cases in
 ``benchmarks/kernel_checks.py`` (small shapes here, full shapes in the ``gpu``-marked test).
 
+On a machine without CUDA the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``) at small shapes:
+odd lengths, head dims 8..64, float32 / bfloat16 / float16, causal and bidirectional, windows, prefix keys, padding
+with fully masked rows, key log-weights of every broadcast form, fewer queries than keys, learnable parameters and
+the split-K decode path.  The case list and tolerances live in ``benchmarks/kernel_checks.py``, shared with the GPU
+script ``benchmarks/check_kernels_gpu.py``.
+
 Where they run (the CPU interpreter or CUDA) is decided by ``kernel_env``, imported first; a test file imports this
 module before anything else that imports triton."""
 
