@@ -709,6 +709,8 @@ def profile_section(rows: list[dict]) -> list[str]:
             "  top CPU ops (self ms/step): "
             + "; ".join(f"`{k['name']}` {k['ms_per_step']:.1f}" for k in r["profile"]["cpu_top"][:5])
         ]
+        if r["profile"].get("idle_gaps_error"):
+            lines.append(f"  idle-gap summary failed: {r['profile']['idle_gaps_error']}")
         gaps = r["profile"].get("idle_gaps")
         if gaps:
             lines += [

@@ -536,3 +536,15 @@ def test_a_failed_recipe_stops_a_multi_process_worker(world_size, tmp_path, monk
     assert ran == (["rbf", "llama"] if world_size == 1 else ["rbf"])
     failure = tmp_path / bench_scaling.run_name(configs[0], "ddp", world_size) / "failure_rank0.json"
     assert "profiler failed" in failure.read_text()
+
+
+def test_a_failed_idle_gap_summary_is_reported_in_the_table():
+    """The idle-gap summary never fails a run; when it fails, the table says so instead of leaving it out."""
+    bench_scaling = _bench_module()
+    profile = dict(
+        wall_ms_per_step=1.0, compute_kernel_ms_per_step=0.5, nccl_kernel_ms_per_step=0.0, kernel_launches_per_step=3,
+        gpu_top=[], cpu_top=[], idle_gaps_error="AttributeError('linked_correlation_id')",
+    )  # fmt: skip
+    row = {"config": "recipes/configs/a.yaml", "strategy": "single", "processes": 1, "profile": profile}
+    text = "\n".join(bench_scaling.profile_section([row]))
+    assert "idle-gap summary failed: AttributeError('linked_correlation_id')" in text
