@@ -1,4 +1,4 @@
-"""``HfRbfTrainer``: a ``transformers.Trainer`` with two additions that hf_rbf models need.
+"""``HfRbfTrainer``: a ``transformers.Trainer`` with the additions that hf_rbf models need, and a callback for FSDP2.
 
 1. **No weight decay on the kernel's own parameters.**  ``Trainer`` decays every parameter except biases and norms.
    For distance-based attention that is wrong for the per-head log bandwidths / log gammas / temperatures (decay pulls
@@ -18,6 +18,14 @@ The optimised loss is the model's ``loss`` unchanged.
    ``state.global_step`` (``set_regularizer_step``, found through PEFT or other wrappers), and while a schedule is set
    it logs the current weights (``align_loss_weight``, ...) with the terms.
 
+4. **FSDP2 all-gathers issued early** (:class:`FSDPPrefetchCallback`).  Under ``fully_shard`` (accelerate's FSDP2)
+   each decoder layer all-gathers its parameters when its forward starts on the host.  A model whose step is bound by
+   host work (small layers, many launches: our families at d768, unlike Llama) reaches that point only when the GPU has
+   already finished the previous layer, so every all-gather is waited for.  The callback makes each layer issue the
+   all-gathers of the next ``layers`` layers (forward) and of the previous ones (backward) itself
+   (``FSDPModule.set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``), one layer earlier on the
+   host; ``layers >= 2`` keeps more layers gathered at once (more memory).  Without FSDP2 it does nothing.
+
 Not imported by any model file (remote-code checkpoints do not need it)::
 
     from hf_rbf.trainer import HfRbfTrainer
@@ -26,10 +34,14 @@ Not imported by any model file (remote-code checkpoints do not need it)::
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
-from transformers import Trainer
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+logger = logging.getLogger(__name__)
 
 
 def no_weight_decay_patterns(model) -> tuple[str, ...]:
@@ -98,4 +110,56 @@ class HfRbfTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-__all__ = ["HfRbfTrainer", "no_weight_decay_patterns", "scheduled_models"]
+def fsdp_layer_units(model: nn.Module) -> list:
+    """The FSDP2 units (``fully_shard``-ed modules) of ``model``'s layer stack, in forward order: the children of the
+    first ``nn.ModuleList`` that holds any (a causal LM's ``model.layers``, wrappers such as PEFT seen through), or
+    ``[]`` when nothing is sharded."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            units = [child for child in module if isinstance(child, FSDPModule)]
+            if units:
+                return units
+    return []
+
+
+def set_fsdp_prefetch(model: nn.Module, layers: int) -> int:
+    """Explicit FSDP2 prefetching over ``model``'s layer stack: layer ``i`` issues the all-gathers of layers ``i+1 ..
+    i+layers`` after its own in forward, and of ``i-1 .. i-layers`` in backward.  Returns the number of layers set (0
+    without FSDP2)."""
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"FSDP prefetch: layers must be an integer >= 1; got {layers!r}")
+    units = fsdp_layer_units(model)
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + layers])
+        unit.set_modules_to_backward_prefetch(units[max(0, i - layers) : i][::-1])
+    return len(units)
+
+
+class FSDPPrefetchCallback(TrainerCallback):
+    """Sets :func:`set_fsdp_prefetch` on the trained model once ``Trainer`` has sharded it (``on_train_begin`` runs
+    after ``accelerator.prepare``); ``self.units``: how many layers it set (0: the model is not under FSDP2)."""
+
+    def __init__(self, layers: int = 1):
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"FSDPPrefetchCallback: layers must be an integer >= 1; got {layers!r}")
+        self.layers = layers
+        self.units = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.units = set_fsdp_prefetch(model, self.layers) if model is not None else 0
+        if self.units:
+            logger.info("FSDP2: %d layers prefetch the all-gathers of %d layer(s) ahead", self.units, self.layers)
+
+
+__all__ = [
+    "FSDPPrefetchCallback",
+    "HfRbfTrainer",
+    "fsdp_layer_units",
+    "no_weight_decay_patterns",
+    "scheduled_models",
+    "set_fsdp_prefetch",
+]

@@ -338,7 +338,7 @@ def run(
     import transformers
     from transformers import set_seed
 
-    from hf_rbf.trainer import HfRbfTrainer
+    from hf_rbf.trainer import FSDPPrefetchCallback, HfRbfTrainer
 
     from recipes.pretrain_callbacks import MetricsCallback, StopAtStepCallback, ThroughputCallback
     from recipes.pretrain_data import collate_blocks, load_split_documents, prepare_data
@@ -427,6 +427,10 @@ def run(
     callbacks = [metrics_cb, throughput_cb, *callbacks]
     if stop_at_step is not None:
         callbacks.append(StopAtStepCallback(stop_at_step))
+    prefetch_cb = None
+    if cfg["fsdp_prefetch_layers"] is not None:
+        prefetch_cb = FSDPPrefetchCallback(cfg["fsdp_prefetch_layers"])
+        callbacks.append(prefetch_cb)
     # HfRbfTrainer: Trainer plus the model's no-decay parameters and the regularizer terms in the logs
     trainer = HfRbfTrainer(
         model=model,
@@ -470,6 +474,8 @@ def run(
         "attention_backends": sorted(set(attention_backends(trainer.model))),
         # how the register rows ran (hf_rbf.modeling_decoder.register_path): "rows", "stream", "compiled (<mode>)"
         "register_path": getattr(getattr(trainer.model, "model", None), "last_register_path", None),
+        # FSDP2 layers set to prefetch explicitly (fsdp_prefetch_layers); None: not asked, 0: no FSDP2 in this run
+        "fsdp_prefetch_units": None if prefetch_cb is None else prefetch_cb.units,
         "device": str(args.device),
         "bf16": bool(args.bf16),
         "versions": _versions(),

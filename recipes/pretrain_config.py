@@ -12,6 +12,7 @@ A recipe file has these top-level sections (every key is described in ``docs/rec
                  max_validation_blocks, num_proc}
     global_batch_size: 64              # optional: sets per_device_train_batch_size from the number of processes
     cpu_threads: 1                     # optional: torch.set_num_threads on a machine without CUDA
+    fsdp_prefetch_layers: 1            # optional: under FSDP2, each layer issues the next N layers' all-gathers
     training:   {TrainingArguments keyword arguments}
     evaluation: {bpb: {...}, generation: {...}, remote_code_check: true}
 
@@ -92,6 +93,7 @@ DEFAULTS: dict = {
     },
     "global_batch_size": None,
     "cpu_threads": None,
+    "fsdp_prefetch_layers": None,
     "training": {},
     "evaluation": {
         "bpb": {"enabled": True, "max_documents": None, "max_chars": None, "stride": None, "batch_size": 16},
@@ -211,6 +213,11 @@ def validate(cfg: dict) -> dict:
     threads = cfg["cpu_threads"]
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"`cpu_threads` must be a positive int or null (torch's default); got {threads!r}")
+    prefetch = cfg["fsdp_prefetch_layers"]
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1):
+        raise ValueError(
+            f"`fsdp_prefetch_layers` must be null (FSDP2's implicit prefetching) or an int >= 1; got {prefetch!r}"
+        )
     if not cfg.get("output_dir"):
         raise ValueError("`output_dir` must be set (in the file or with --output-dir)")
     return cfg

@@ -224,8 +224,10 @@ def test_a_recipe_sets_the_register_path_for_its_run_alone(tmp_path):
 
     before = modeling_decoder.register_path
     steps = ["training.max_steps=2", *NO_EXTRAS]
-    s = _run(tmp_path / "stream", ["model.register_path=stream", *steps], train_only=True)
+    # (the same run also asks for FSDP2 prefetching, which a run without FSDP2 reports as 0 layers set)
+    s = _run(tmp_path / "stream", ["model.register_path=stream", "fsdp_prefetch_layers=1", *steps], train_only=True)
     assert s["register_path"] == "stream" and modeling_decoder.register_path == before
+    assert s["fsdp_prefetch_units"] == 0
     with pytest.raises(ValueError, match="model.register_path must be null or one of"):
         _run(tmp_path / "bad", ["model.register_path=fast", *steps], train_only=True)
     assert modeling_decoder.register_path == before
