@@ -3,7 +3,7 @@ path (``register_layer_step`` per layer, eager) and the "compiled" path (the sam
 here with the ``aot_eager`` backend, which runs the same captured forward and backward graphs as inductor without
 generating code) give the flat-rows path's logits and gradients, in training, with padding, under gradient
 checkpointing, with LoRA adapters and the scalar-sort regularizers, and in cached generation; the compiled step is one
-graph for every layer of a kind; "auto" picks the compiled stream on CUDA only."""
+graph for every layer of a kind; "auto" picks the graphed or compiled stream on CUDA only."""
 
 from __future__ import annotations
 
@@ -172,9 +172,16 @@ def test_register_path_choice_is_visible_and_checked(monkeypatch, caplog):
         # a cached forward without gradients computes the steps once: eagerly
         assert modeling_decoder.register_path_for(torch.device("cuda"), memoised=True) == "stream"
         modeling_decoder.register_path_for(torch.device("cpu"))
+        # with the model's layer: CUDA graphs of the step where a capture stays valid, the compiled step where not
+        layer = build_model("rbf", dict(num_register_tokens=1)).model.layers[0]
+        assert modeling_decoder.register_path_for(torch.device("cuda"), layer=layer) == "graphed"
+        assert modeling_decoder.register_path_for(torch.device("cuda"), memoised=True, layer=layer) == "stream"
+        assert modeling_decoder.register_path_for(torch.device("cpu"), layer=layer) == "rows"
+        layer.gradient_checkpointing = True
+        assert modeling_decoder.register_path_for(torch.device("cuda"), layer=layer) == "compiled"
     logged = [r.getMessage() for r in caplog.records if "register rows" in r.getMessage()]
-    assert len(logged) == 3 and "'rows' path" in logged[0] and "'compiled' path" in logged[1]
-    assert "'stream' path" in logged[2]
+    assert len(logged) == 4 and "'rows' path" in logged[0] and "'compiled' path" in logged[1]
+    assert "'stream' path" in logged[2] and "'graphed' path" in logged[3]
     monkeypatch.setattr(modeling_decoder, "register_path", "fast")
     with pytest.raises(ValueError, match=r"register_path must be one of .*'auto'.*'compiled'.*got 'fast'"):
         modeling_decoder.register_path_for(torch.device("cpu"))
@@ -197,20 +204,20 @@ def test_inside_an_outer_compile_the_step_is_inlined(paths):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["rbf", "scalar_sort", "hybrid_sort"])
 def test_inductor_compiled_stream_on_cuda_equals_the_rows_path(family, monkeypatch):
-    """The default on CUDA ("auto": the stream, compiled by inductor) against the rows path, float32 with the fused
-    kernels, forward and backward (bounds norm-wise: inductor fuses and reorders the float32 arithmetic)."""
+    """The compiled stream on CUDA (what "auto" takes where the graphed step does not fit: FSDP, checkpointing,
+    several processes) against the rows path, float32 with the fused kernels, forward and backward (bounds norm-wise:
+    inductor fuses and reorders the float32 arithmetic)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     overrides = dict(num_register_tokens=1, attention_backend="auto", hidden_size=64, num_attention_heads=2)
     model = build_model(family, overrides).cuda().train()
     ids = torch.randint(0, 128, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     results = {}
-    for path in ("rows", "auto"):
+    for path in ("rows", "compiled"):
         monkeypatch.setattr(modeling_decoder, "register_path", path)
         results[path] = _step(model, ids)
-    assert modeling_decoder.register_path_for(ids.device) == "compiled"
-    assert modeling_decoder.register_compile_mode_for(model.model.layers[0], ids.device) == "default"
-    _assert_same(results["rows"], results["auto"], rtol=1e-4)
+    assert model.model.last_register_path == "compiled (default)"
+    _assert_same(results["rows"], results["compiled"], rtol=1e-4)
     # inductor's kernels one by one, then the step as CUDA graphs: warm-up, recording and replays, each the same step,
     # with evaluation forwards (no gradients, no cache: a graph of their own) between training steps
     for mode in ("default", "reduce-overhead"):
@@ -321,7 +328,9 @@ def test_generate_on_cuda_runs_the_memoised_steps_eagerly(monkeypatch):
     dynamic generate failed on an H100 while the layers still chose the compiled step themselves)."""
     choose = modeling_decoder.register_path_for
     monkeypatch.setattr(
-        modeling_decoder, "register_path_for", lambda device, memoised=False: choose(torch.device("cuda"), memoised)
+        modeling_decoder,
+        "register_path_for",
+        lambda device, memoised=False, layer=None: choose(torch.device("cuda"), memoised, layer),
     )
     monkeypatch.setattr(modeling_decoder, "register_path", "auto")
     compiled_asked = []
@@ -342,8 +351,11 @@ def test_generate_on_cuda_runs_the_memoised_steps_eagerly(monkeypatch):
     assert compiled_asked == []
     assert model.model.last_register_path == "stream"
     model.train()
-    model(input_ids=ids, labels=ids).loss.backward()  # training on "CUDA": the compiled step
+    # training on "CUDA": the compiled step (where CUDA graphs of it do not fit; those need a real GPU)
+    monkeypatch.setattr(modeling_decoder, "_graphs_fit", lambda layer: False)
+    model(input_ids=ids, labels=ids).loss.backward()
     assert compiled_asked == [0, 1]
+    assert model.model.last_register_path == "compiled (default)"
 
 
 def test_a_bad_register_path_from_the_environment_is_named(tmp_path):
@@ -363,3 +375,17 @@ def test_a_bad_register_path_from_the_environment_is_named(tmp_path):
     assert proc.returncode != 0
     assert "register_path must be one of ('auto', 'rows', 'stream', 'compiled', 'graphed'); got 'fastest'" in proc.stderr
     assert "HF_RBF_REGISTER_PATH" in proc.stderr
+
+
+def test_auto_keeps_the_compiled_step_for_several_processes(monkeypatch):
+    """"auto" replays the register step as CUDA graphs only in a process of its own: under several processes (DDP)
+    it keeps the compiled step until the graphed step's DDP test has passed on GPUs."""
+    import torch.distributed as dist
+
+    layer = build_model("rbf", dict(num_register_tokens=1)).model.layers[0]
+    assert modeling_decoder._graphs_fit(layer)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert not modeling_decoder._graphs_fit(layer)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert modeling_decoder._graphs_fit(layer)
