@@ -29,6 +29,7 @@ one more copy of them (the price of a graph that computes full weight gradients:
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 
 import torch
@@ -40,6 +41,13 @@ logger = logging.getLogger(__name__)
 # happen inside the capture), and the captures a layer may need before it goes back to the plain step
 WARMUP_RUNS = 2
 MAX_CAPTURES = 4
+# ``torch.cuda.graph``'s ``capture_error_mode`` (``HF_RBF_REGISTER_GRAPH_CAPTURE_MODE``): "global" (PyTorch's default:
+# a CUDA call of any thread that is unsafe during a capture fails it), "thread_local" (only the capturing thread's) or
+# "relaxed".  Under DDP on two H100s (NCCL) the backward capture failed in "global" mode with "operation would make the
+# legacy stream depend on a capturing blocking stream" (benchmarks/results/h100-2026-11-27h, call 2); another thread
+# (NCCL's watchdog, DDP's reducer) is the suspect, which "thread_local" would let through.
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+capture_error_mode = os.environ.get("HF_RBF_REGISTER_GRAPH_CAPTURE_MODE", "global")
 
 
 def _autocast_state(device_type: str) -> tuple:
@@ -90,6 +98,12 @@ class RegisterStepGraphs:
         )
 
     def capture(self, step, layer) -> None:
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"hf_rbf.modeling_register_graph.capture_error_mode must be one of {CAPTURE_ERROR_MODES}; got "
+                f"{capture_error_mode!r} (set in code or through the HF_RBF_REGISTER_GRAPH_CAPTURE_MODE environment "
+                "variable)"
+            )
         device = self.static_states.device
         if device.type != "cuda":
             raise ValueError(
@@ -110,10 +124,10 @@ class RegisterStepGraphs:
             del outputs
             pool = torch.cuda.graph_pool_handle()
             self._fwd, self._bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._fwd, pool=pool):
+            with torch.cuda.graph(self._fwd, pool=pool, capture_error_mode=capture_error_mode):
                 outputs = self._run(step, layer)
             self.static_grad_outputs = tuple(torch.zeros_like(o) if o.requires_grad else None for o in outputs)
-            with torch.cuda.graph(self._bwd, pool=pool):
+            with torch.cuda.graph(self._bwd, pool=pool, capture_error_mode=capture_error_mode):
                 self.static_grads = self._grads(outputs, self.static_grad_outputs)
             self._keep_outputs(outputs)
 

@@ -195,6 +195,17 @@ def test_graphed_needs_cuda(monkeypatch):
         model(input_ids=ids, labels=ids)
 
 
+def test_a_bad_capture_error_mode_is_named(monkeypatch):
+    monkeypatch.setattr(modeling_decoder, "register_compile_backend", "aot_eager")
+    monkeypatch.setattr(modeling_decoder, "register_path", "graphed")
+    monkeypatch.setattr(modeling_register_graph, "capture_error_mode", "strict")
+    model = build_model("rbf", dict(num_register_tokens=1)).train()
+    ids = torch.randint(0, 128, (1, 4))
+    with pytest.raises(ValueError, match=r"capture_error_mode must be one of \('global', 'thread_local', 'relaxed'\); "
+                       r"got 'strict' .*HF_RBF_REGISTER_GRAPH_CAPTURE_MODE"):
+        model(input_ids=ids, labels=ids)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["rbf", "gka", "scalar_sort", "hybrid_sort"])
 def test_cuda_graphs_equal_the_rows_path(family, monkeypatch):
