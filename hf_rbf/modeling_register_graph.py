@@ -34,6 +34,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call swaps with
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,10 @@ class RegisterStepGraphs:
     methods are the CUDA mechanics; a test substitutes them on the CPU to check everything else."""
 
     def __init__(self, step, layer: nn.Module, states: torch.Tensor):
+        self.names = tuple(name for name, p in layer.named_parameters() if p.requires_grad)
         self.params = tuple(p for p in layer.parameters() if p.requires_grad)
         self.key = self.key_for(layer, states, self.params)
         self.static_states = states.detach().clone().requires_grad_(states.requires_grad)
-        self.surface = tuple(t for t in (self.static_states, *self.params) if t.requires_grad)
         self.capture(step, layer)
 
     @staticmethod
@@ -84,8 +85,19 @@ class RegisterStepGraphs:
 
     def _run(self, step, layer):
         """The step on the static input: its tensors (``next states, *prefix``), the prefix's None entries left out
-        (``self.layout`` says where they go back)."""
-        h, prefix = step(layer, self.static_states)
+        (``self.layout`` says where they go back).
+
+        The step reads the trainable parameters through aliases made here (``p.view_as(p)``, swapped in for the
+        run), and ``self.surface`` (what ``_grads`` differentiates by) holds the aliases, not the parameters: the
+        gradients stop at the aliases, so the parameters' gradient accumulators take no part in a capture.  Those
+        accumulators record the stream they were made on, and DDP keeps them alive from its construction on the
+        default stream: differentiated by the parameters, the backward capture under DDP touched the default
+        (legacy) stream and failed ("operation would make the legacy stream depend on a capturing blocking stream",
+        benchmarks/results/h100-2026-11-27h, calls 2 and 3)."""
+        aliases = {name: p.view_as(p) for name, p in zip(self.names, self.params)}
+        with _reparametrize_module(layer, aliases):
+            h, prefix = step(layer, self.static_states)
+        self.surface = tuple(t for t in (self.static_states, *aliases.values()) if t.requires_grad)
         self.layout = tuple(p is not None for p in prefix)
         return (h, *(p for p in prefix if p is not None))
 
