@@ -44,9 +44,9 @@ WARMUP_RUNS = 2
 MAX_CAPTURES = 4
 # ``torch.cuda.graph``'s ``capture_error_mode`` (``HF_RBF_REGISTER_GRAPH_CAPTURE_MODE``): "global" (PyTorch's default:
 # a CUDA call of any thread that is unsafe during a capture fails it), "thread_local" (only the capturing thread's) or
-# "relaxed".  Under DDP on two H100s (NCCL) the backward capture failed in "global" mode with "operation would make the
-# legacy stream depend on a capturing blocking stream" (benchmarks/results/h100-2026-11-27h, call 2); another thread
-# (NCCL's watchdog, DDP's reducer) is the suspect, which "thread_local" would let through.
+# "relaxed".  (Under DDP the backward capture once failed with "operation would make the legacy stream depend on a
+# capturing blocking stream" in "global" and "thread_local" mode alike: not another thread but the parameters'
+# gradient accumulators, which ``_run``'s aliases now keep out of the capture; benchmarks/results/h100-2026-11-27h.)
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 capture_error_mode = os.environ.get("HF_RBF_REGISTER_GRAPH_CAPTURE_MODE", "global")
 

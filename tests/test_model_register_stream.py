@@ -377,15 +377,22 @@ def test_a_bad_register_path_from_the_environment_is_named(tmp_path):
     assert "HF_RBF_REGISTER_PATH" in proc.stderr
 
 
-def test_auto_keeps_the_compiled_step_for_several_processes(monkeypatch):
-    """"auto" replays the register step as CUDA graphs only in a process of its own: under several processes (DDP)
-    it keeps the compiled step until the graphed step's DDP test has passed on GPUs."""
+def test_auto_takes_the_graphed_step_under_ddp_not_under_fsdp(monkeypatch):
+    """"auto" replays the register step as CUDA graphs in a process of its own and under DDP (several processes, the
+    weights in place), and keeps the compiled step where the weights move (FSDP2's ``fully_shard`` makes the layer an
+    ``FSDPModule``)."""
     import torch.distributed as dist
 
     layer = build_model("rbf", dict(num_register_tokens=1)).model.layers[0]
     assert modeling_decoder._graphs_fit(layer)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    assert not modeling_decoder._graphs_fit(layer)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     assert modeling_decoder._graphs_fit(layer)
+    assert modeling_decoder.register_path_for(torch.device("cuda"), layer=layer) == "graphed"
+
+    class FSDPModule:  # the name torch.distributed.fsdp's fully_shard mixes into a sharded module's class
+        pass
+
+    layer.__class__ = type("FSDPDecoderLayer", (FSDPModule, type(layer)), {})
+    assert not modeling_decoder._graphs_fit(layer)
+    assert modeling_decoder.register_path_for(torch.device("cuda"), layer=layer) == "compiled"
