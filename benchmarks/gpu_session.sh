@@ -7,7 +7,8 @@
 # Jobs (default time limits in brackets):
 #   env          versions, GPU, pip installs from ./wheels (datasets, evaluate: the GPU image lacks them)  [120]
 #   gputests     pytest -m gpu over the whole suite (kernels, attention backends, sorted cache; GPUTESTS: the
-#                files to run instead of tests/)                                                                  [240]
+#                files to run instead of tests/, split on spaces: files, node ids (file.py::test), options
+#                without spaces (-rA); a quoted `-k "a or b"` breaks into words, so name node ids instead)       [240]
 #   kernelcheck  benchmarks/check_kernels_gpu.py (full-shape output and gradient checks, pass/fail table)     [240]
 #   bench        benchmarks/bench_attention.py (training sweep and decode rows, ratios against SDPA-flash)    [300]
 #   sorted       recipes/bench_sorted_decode.py --device cuda (sorted-window decode vs exact)               [120]
