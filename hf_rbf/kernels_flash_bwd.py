@@ -221,7 +221,10 @@ if HAS_TRITON:
                 qs = tl.load(QS_ptr + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
                 beta = tl.load(BETA_ptr + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
                 dd = qs[None, :] - ks[:, None]
-                sT -= dd * dd * (beta * 1.4426950408889634)[None, :]
+                # u = beta_i log2(e) (qs_i - ks_j) serves the score (one fma) and the scalar-key gradient below (its
+                # log2(e) taken out once per key at the store): one multiply per pair fewer than two products
+                u = dd * (beta * 1.4426950408889634)[None, :]
+                sT -= u * dd
             if MODE == 1:
                 ok = row_ok[None, :] & (
                     _allowed((t0 + offs_m)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW) | is_prefix
@@ -238,7 +241,7 @@ if HAS_TRITON:
             if HAS_KB:
                 c_acc += tl.sum(dsT, 1)
             if SCALAR:
-                dks_acc += tl.sum(dsT * dd * beta[None, :], 1)
+                dks_acc += tl.sum(dsT * u, 1)
         return dk, dv, c_acc, dks_acc
 
     @triton.jit
@@ -555,7 +558,7 @@ if HAS_TRITON:
             if STORE_DKB:
                 tl.store(DKB + bh * NK + j, c_acc, mask=key_ok)
             if SCALAR:
-                tl.store(DKS + bh * NK + j, 2.0 * dks_acc, mask=key_ok)
+                tl.store(DKS + bh * NK + j, (2.0 * 0.6931471805599453) * dks_acc, mask=key_ok)  # 2 ln(2): see u
         if not KV_SAME:
             _store_key_rows(
                 dv,
