@@ -126,12 +126,16 @@ def fsdp_layer_units(model: nn.Module) -> list:
     return []
 
 
+def _check_prefetch_layers(layers, who: str) -> None:
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"{who}: layers must be an integer >= 1; got {layers!r}")
+
+
 def set_fsdp_prefetch(model: nn.Module, layers: int) -> int:
     """Explicit FSDP2 prefetching over ``model``'s layer stack: layer ``i`` issues the all-gathers of layers ``i+1 ..
     i+layers`` after its own in forward, and of ``i-1 .. i-layers`` in backward.  Returns the number of layers set (0
     without FSDP2)."""
-    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"FSDP prefetch: layers must be an integer >= 1; got {layers!r}")
+    _check_prefetch_layers(layers, "FSDP prefetch")
     units = fsdp_layer_units(model)
     for i, unit in enumerate(units):
         unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + layers])
@@ -144,8 +148,7 @@ class FSDPPrefetchCallback(TrainerCallback):
     after ``accelerator.prepare``); ``self.units``: how many layers it set (0: the model is not under FSDP2)."""
 
     def __init__(self, layers: int = 1):
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise ValueError(f"FSDPPrefetchCallback: layers must be an integer >= 1; got {layers!r}")
+        _check_prefetch_layers(layers, "FSDPPrefetchCallback")
         self.layers = layers
         self.units = None
 
