@@ -505,13 +505,37 @@ def worker_command(args, variant: str, seed: int, output: str) -> list[str]:
     return cmd
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs a worker may be pinned to, as ``CUDA_VISIBLE_DEVICES`` entries: the parent's own list when it set one,
+    else ``0 .. n-1`` for the devices torch counts (NVML, without initialising CUDA here); empty without CUDA."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001  (no torch / no driver: the workers run on the CPU)
+        return []
+
+
+def pick_gpu(gpus: list[str], busy: list[str]) -> str | None:
+    """The GPU with the fewest running workers (``busy``: one entry per running worker), the lowest first on a tie;
+    None without GPUs.  On a machine of several GPUs the runs spread out instead of all sharing ``cuda:0``."""
+    if not gpus:
+        return None
+    return min(gpus, key=lambda g: (busy.count(g), gpus.index(g)))
+
+
 def run_in_workers(args, jobs: list, output: str, t_start: float) -> int:
     """Run ``jobs`` (``(variant, seed)`` pairs) in up to ``args.workers`` processes at once; returns how many failed.
     Finished runs are skipped without a process; each process writes its own files, so the only shared state is the
-    prepared tokenizer and data, built before."""
+    prepared tokenizer and data, built before.  With several GPUs each process sees one (``CUDA_VISIBLE_DEVICES``),
+    the least busy (``pick_gpu``); with one GPU they share it."""
     import subprocess
 
     pending = [(v, s) for v, s in jobs if not os.path.exists(os.path.join(run_dir(output, v, s), RESULT_FILE))]
+    gpus = visible_gpus()
     running: dict = {}
     failed = 0
     while pending or running:
@@ -522,14 +546,18 @@ def run_in_workers(args, jobs: list, output: str, t_start: float) -> int:
             d = run_dir(output, variant, seed)
             os.makedirs(d, exist_ok=True)
             log = open(os.path.join(d, "worker.log"), "a", encoding="utf-8")  # noqa: SIM115  (closed when it exits)
-            proc = subprocess.Popen(worker_command(args, variant, seed, output), stdout=log, stderr=subprocess.STDOUT)
-            running[proc] = (variant, seed, log, time.time())
-            print(f"[science] {variant} seed {seed}: started (worker pid {proc.pid}, log {log.name})", flush=True)
+            gpu = pick_gpu(gpus, [r[4] for r in running.values()]) if len(gpus) > 1 else None
+            env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+            cmd = worker_command(args, variant, seed, output)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[proc] = (variant, seed, log, time.time(), gpu)
+            where = "" if gpu is None else f", GPU {gpu}"
+            print(f"[science] {variant} seed {seed}: started (pid {proc.pid}{where}, log {log.name})", flush=True)
         if not running:
             break
         time.sleep(1.0)
         for proc in [p for p in running if p.poll() is not None]:
-            variant, seed, log, t0 = running.pop(proc)
+            variant, seed, log, t0, _ = running.pop(proc)
             log.close()
             ok = proc.returncode == 0
             failed += 0 if ok else 1

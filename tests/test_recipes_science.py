@@ -160,6 +160,48 @@ def test_workers_train_runs_in_their_own_processes(tmp_path, keep_threads):
     assert _results(out, "rbf", 0)["metrics"]["eval_loss"] == _results(out_serial, "rbf", 0)["metrics"]["eval_loss"]
 
 
+def test_workers_spread_over_the_visible_gpus(tmp_path, monkeypatch):
+    """With several GPUs each worker sees one (``CUDA_VISIBLE_DEVICES``), the least busy; the parent's own list is
+    kept; with one GPU the workers share it and the environment is left alone."""
+    import subprocess
+    import types
+
+    from recipes import science_table
+    from recipes.science_table import pick_gpu, run_in_workers, visible_gpus
+
+    assert pick_gpu([], []) is None
+    assert pick_gpu(["0", "1", "2"], ["0", "1"]) == "2"
+    assert pick_gpu(["0", "1"], ["0", "1", "0"]) == "1"
+    assert pick_gpu(["3", "5"], []) == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
+    assert visible_gpus() == ["3", "5"]
+
+    started = []
+
+    class FakeProc:
+        def __init__(self, cmd, stdout=None, stderr=None, env=None):
+            started.append((cmd[cmd.index("--only") + 1], None if env is None else env["CUDA_VISIBLE_DEVICES"]))
+            self.pid, self.returncode = len(started), 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(science_table.time, "sleep", lambda s: None)
+    monkeypatch.setattr(science_table, "store_run", lambda *a: None)
+    args = types.SimpleNamespace(workers=2, max_minutes=None, config=CPU_CONFIG, overrides=None, stop_at_step=None,
+                                 store=None)
+    jobs = [("rbf", 0), ("dot", 0), ("llama", 0)]
+    assert run_in_workers(args, jobs, str(tmp_path), 0.0) == 0
+    # each round starts two workers on the two GPUs; the third starts on the first GPU again once they finished
+    assert started == [("rbf", "3"), ("dot", "5"), ("llama", "3")]
+
+    started.clear()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert run_in_workers(args, jobs, str(tmp_path), 0.0) == 0
+    assert started == [("rbf", None), ("dot", None), ("llama", None)]
+
+
 def test_initial_model_is_the_one_pretrain_started_from(tmp_path, keep_threads):
     """With learning rate 0 the trained weights are the initial ones: the rebuilt start must equal them exactly."""
     from recipes.pretrain import run
