@@ -125,6 +125,24 @@ def n_bucket(n: int) -> int:
     return max(16, next_pow2(n))
 
 
+def planes_bucket(planes: int) -> int:
+    """The autotune key for how many (batch, head) planes one launch covers: 16, 64, 256 or 1024 (for 1024 and more).
+
+    The best tiles depend on how many programs a launch has for the GPU's SMs, not only on the length: a few planes
+    favour small tiles (more programs), many planes large ones (fewer, longer programs).  Without it the first launch
+    of a length bucket chose for every later one, and the choice persists on disk (``cache_results``): a batch-2
+    warm-up, an evaluation batch or a ``generate`` prefill chose the tiles that training at batch 64 then used.  The
+    H100 kernel table of 2026-11-27 shows the pattern: at N = 512, the one length its parallel warm-up (B2) tuned, the
+    forward of rbf, GKA and hybrid ran at 1.30-1.32x SDPA-flash, against 1.0-1.1x at the lengths tuned at their own
+    batch (``benchmarks/results/h100-2026-11-27i``).  Powers of 4: few keys (each costs one timing round per config,
+    not a compile: the value is a plain integer argument, divisible by 16 like every other bucket, so it adds no
+    specialisation)."""
+    bucket = 16
+    while bucket < min(int(planes), 1024):
+        bucket *= 4
+    return bucket
+
+
 def triton_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dims=()) -> str | None:
     """None when the fused kernels can serve tensors on ``device`` of ``dtype``; otherwise why not."""
     if not HAS_TRITON:

@@ -40,6 +40,7 @@ from .kernels_common import (
     make_configs,
     n_bucket,
     padded_dim,
+    planes_bucket,
     shared_memory_fits,
 )
 from .kernels_flash_fwd import prefix_args
@@ -306,6 +307,7 @@ if HAS_TRITON:
         P,
         WINDOW,
         N_BUCKET,
+        PLANES,
         D: tl.constexpr,
         DV_: tl.constexpr,
         D_PAD: tl.constexpr,
@@ -728,6 +730,7 @@ if HAS_TRITON:
         WINDOW,
         LOG2_EPS,
         N_BUCKET,
+        PLANES,
         D: tl.constexpr,
         DV: tl.constexpr,
         D_PAD: tl.constexpr,
@@ -1018,7 +1021,7 @@ if HAS_TRITON:
         else:
             tl.store(W_rows + 2 * plane, delta, mask=row_ok)
 
-    _BWD_KEY = ["D_PAD", "DV_PAD", "N_BUCKET", "CAUSAL", "HAS_WINDOW", "SCALAR", "NORMALIZE", "KV_SAME"]
+    _BWD_KEY = ["D_PAD", "DV_PAD", "N_BUCKET", "PLANES", "CAUSAL", "HAS_WINDOW", "SCALAR", "NORMALIZE", "KV_SAME"]
     _distance_bwd_dkdv = autotune(make_configs(DKDV_CONFIGS, _INTERPRET_CONFIG_DKDV), _BWD_KEY, _prune_dkdv)(
         _distance_bwd_dkdv_kernel
     )
@@ -1178,6 +1181,7 @@ def distance_backward(
     }
     hpg = heads // groups
     nb = n_bucket(max(nq, nk))
+    planes = planes_bucket(bsz * heads)
     need_dbeta = dbeta is not None
     grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
     launch_tuned(
@@ -1203,6 +1207,7 @@ def distance_backward(
         window or 0,
         math.log2(eps) if eps > 0 else 0.0,
         nb,
+        planes,
         D=d,
         DV=dv_dim,
         QNORM=qnorm,
@@ -1239,6 +1244,7 @@ def distance_backward(
         num_prefix_keys,
         window or 0,
         nb,
+        planes,
         D=d,
         DV_=dv_dim,
         KNORM=knorm,

@@ -41,6 +41,7 @@ from .kernels_common import (
     n_bucket,
     next_pow2,
     padded_dim,
+    planes_bucket,
     shared_memory_fits,
 )
 
@@ -279,6 +280,7 @@ if HAS_TRITON:
         WINDOW,
         LOG2_EPS,
         N_BUCKET,
+        PLANES,
         D: tl.constexpr,
         DV: tl.constexpr,
         D_PAD: tl.constexpr,
@@ -583,7 +585,8 @@ if HAS_TRITON:
             out = tl.sum(acc, 0)
         tl.store(OUT + b * sob + h * soh + row * son + offs_dv, out.to(OUT.dtype.element_ty), mask=offs_dv < DV)
 
-    _FWD_KEY = ["D_PAD", "DV_PAD", "N_BUCKET", "CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME"]
+    _FWD_KEY = ["D_PAD", "DV_PAD", "N_BUCKET", "PLANES"]
+    _FWD_KEY += ["CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME"]
     _distance_fwd = autotune(make_configs(FWD_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(_distance_fwd_kernel)
     _distance_decode = autotune(make_configs(DECODE_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(
         _distance_fwd_kernel
@@ -649,6 +652,7 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
         window or 0,
         math.log2(eps) if eps > 0 else 0.0,
         n_bucket(max(nq, nk)),
+        planes_bucket(bsz * heads),
     )
     return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta + sprefix, scalars
 

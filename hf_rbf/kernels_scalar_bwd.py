@@ -36,6 +36,7 @@ from .kernels_common import (
     make_configs,
     n_bucket,
     padded_dim,
+    planes_bucket,
 )
 from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, tau_args
 
@@ -226,6 +227,7 @@ if HAS_TRITON:
         P,
         WINDOW,
         N_BUCKET,
+        PLANES,
         HP_REQ,
         DV_: tl.constexpr,
         DV_PAD: tl.constexpr,
@@ -377,6 +379,7 @@ if HAS_TRITON:
         P,
         WINDOW,
         N_BUCKET,
+        PLANES,
         HP_REQ,
         DV: tl.constexpr,
         DV_PAD: tl.constexpr,
@@ -526,7 +529,8 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
         TAU_TENSOR=tau_tensor,
         DOT_PREC=dot_precision(v.dtype),
     )
-    sizes = (heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)), requested_heads_per_program())
+    sizes = (heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)), planes_bucket(bsz * heads))
+    sizes += (requested_heads_per_program(),)
     s_qkv = (*bcast_strides(qs, (bsz, heads, nq)), *bcast_strides(ks, (bsz, heads, nk)), *v.stride()[:3])
     s_do = dout.stride()[:3]
     kbt = kb if kb is not None else lse

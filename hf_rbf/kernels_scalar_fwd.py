@@ -30,6 +30,7 @@ from .kernels_common import (
     make_configs,
     n_bucket,
     padded_dim,
+    planes_bucket,
     shared_memory_fits,
 )
 
@@ -262,6 +263,7 @@ if HAS_TRITON:
         P,
         WINDOW,
         N_BUCKET,
+        PLANES,
         HP_REQ,
         DV: tl.constexpr,
         DV_PAD: tl.constexpr,
@@ -353,7 +355,7 @@ if HAS_TRITON:
         )
         tl.store(LSE + (b * H + h_r) * NQ + i, lse, mask=row_ok)
 
-    SCALAR_KEY = ["DV_PAD", "HPG", "HP_REQ", "N_BUCKET", "CAUSAL", "HAS_WINDOW"]
+    SCALAR_KEY = ["DV_PAD", "HPG", "HP_REQ", "N_BUCKET", "PLANES", "CAUSAL", "HAS_WINDOW"]
     _scalar_fwd = autotune(make_configs(SCALAR_FWD_CONFIGS, INTERPRET_CONFIGS), SCALAR_KEY, _prune)(_scalar_fwd_kernel)
 
 
@@ -410,6 +412,7 @@ def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys):
         num_prefix_keys,
         window or 0,
         n_bucket(max(nq, nk)),
+        planes_bucket(bsz * heads),
         requested_heads_per_program(),
         DV=dv,
         DV_PAD=padded_dim(dv),

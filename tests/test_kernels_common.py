@@ -155,6 +155,42 @@ def test_autotune_subset_times_every_config_only_for_large_buckets(monkeypatch):
     assert kernels_common.autotune_subset(configs, {"N_BUCKET": 2 * small}) == ["a"]
 
 
+def test_planes_bucket_is_a_power_of_four_from_16_to_1024():
+    from hf_rbf.kernels_common import planes_bucket
+
+    assert [planes_bucket(n) for n in (1, 16, 17, 64, 65, 192, 256, 257, 1024, 2048, 10**6)] == [
+        16, 16, 64, 64, 256, 256, 256, 1024, 1024, 1024, 1024
+    ]
+
+
+def test_every_tuned_launch_keys_on_the_planes(monkeypatch):
+    """The autotune key of each fused kernel holds the bucket of batch x heads (``PLANES``), so a launch at batch 2
+    (a warm-up, an evaluation, a prefill) and one at batch 64 are tuned apart: recorded here from the launcher's
+    arguments for the forward, dQ and dK/dV passes of a distance family and the three scalar passes."""
+    from hf_rbf import kernels_flash_bwd, kernels_scalar_bwd, kernels_scalar_fwd
+
+    seen = []
+    real = kernels_common.launch_tuned
+
+    def recording(kernel, grid, *args, **kwargs):
+        assert "PLANES" in kernel.keys, kernel.fn.__name__
+        names = dict(kernels_common._key_positions(kernel))
+        seen.append((kernel.fn.__name__, args[names["PLANES"]]))
+        return real(kernel, grid, *args, **kwargs)
+
+    for module in (kernels_flash_fwd, kernels_flash_bwd, kernels_scalar_fwd, kernels_scalar_bwd):
+        monkeypatch.setattr(module, "launch_tuned", recording)
+    for bsz, heads, planes in ((1, 2, 16), (8, 4, 64)):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(bsz, heads, 19, 16, generator=g, requires_grad=True) for _ in range(3))
+        hf_rbf.rbf_attention(q, k, v, causal=True, backend="triton").sum().backward()
+        qs, ks = (torch.randn(bsz, heads, 19, generator=g, requires_grad=True) for _ in range(2))
+        hf_rbf.scalar_attention(qs, ks, v.detach(), tau=0.5, causal=True, backend="triton").sum().backward()
+        names = sorted(name for name, p in seen if p == planes)
+        assert len(names) == 6 and len(set(names)) == 6, (bsz, heads, seen)
+        seen.clear()
+
+
 def test_auto_order_for_decoding():
     """Decode rows: naive first on the CPU for every family, and on CUDA for a family without a split-K decode
     kernel (scalar); prefill keeps the family's order, with triton last on the CPU."""
