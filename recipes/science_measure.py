@@ -318,6 +318,19 @@ def language_model_curve(log_history: list[dict], model_config: dict) -> list[di
     return out
 
 
+def curve_metrics(log_history: list[dict]) -> dict:
+    """The numbers of the validation curve (Trainer's evaluations): ``first_eval_loss`` (the first scheduled
+    evaluation: "converges faster"), ``best_eval_loss`` and ``best_eval_step`` (its lowest point: where a run that
+    repeats its data many times stops improving and starts to overfit, the early-stopping point)."""
+    evals = [row for row in log_history if row.get("eval_loss") is not None]
+    best = min(evals, key=lambda row: row["eval_loss"], default=None)
+    return {
+        "first_eval_loss": evals[0]["eval_loss"] if evals else None,
+        "best_eval_loss": None if best is None else best["eval_loss"],
+        "best_eval_step": None if best is None else best.get("step"),
+    }
+
+
 def flat_metrics(
     summary: dict,
     measured: dict,
@@ -343,14 +356,13 @@ def flat_metrics(
     if cm.get("contexts"):
         k = claim_window if claim_window is not None else cm["windows"][-1]
         long_mass = cm["mean_mass"].get(f"{cm['contexts'][-1]}:{k}")
-    first_eval = next((row["eval_loss"] for row in log_history if "eval_loss" in row), None)
     return {
+        **curve_metrics(log_history),
         "eval_loss": _finite(measured["validation_lm_loss"]),
         "trainer_eval_loss": _finite(summary.get("eval_loss")),
         "bits_per_byte": _finite(summary.get("bits_per_byte")),
         "core": (core or {}).get("core_metric"),
         "mean_train_loss": _finite(summary.get("mean_train_loss")),
-        "first_eval_loss": first_eval,
         "train_val_gap": measured["train_val_gap"]["gap"],
         "num_parameters": summary.get("num_parameters"),
         "attention_parameters": measured["attention_parameters"],

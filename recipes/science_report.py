@@ -152,6 +152,8 @@ def verdict(claim: dict, results: dict) -> dict:
 
 TABLE_COLUMNS = (
     ("eval_loss", "validation loss", ".4f"),
+    ("best_eval_loss", "lowest validation loss", ".4f"),
+    ("best_eval_step", "at step", ".0f"),
     ("bits_per_byte", "bits per byte", ".4f"),
     ("core", "CORE", ".4f"),
     ("train_val_gap", "validation - train loss", ".4f"),
@@ -165,6 +167,8 @@ TABLE_COLUMNS = (
 
 EVERY_RUN_METRICS = (
     "eval_loss",
+    "best_eval_loss",
+    "best_eval_step",
     "bits_per_byte",
     "core",
     "train_val_gap",
@@ -220,8 +224,11 @@ def results_table(results: dict, variants: list[str], seeds: list[int], failures
         "Mean ± sample standard deviation over the seeds (n = seeds with results; n=1: no spread). Validation loss: "
         "nats per token of the language-model term on every held-out block, the final model in float32 (the same "
         "computation for every variant; Trainer's eval loss of a regularized scalar-sort model adds the "
-        "regularizers); validation loss at 1st eval: Trainer's, left out for regularized models; validation - train loss: the final model's loss on validation blocks "
-        "minus on as many training blocks (the first packed ones: the first training source's text); register mass: the largest over layers of the mean attention share on the "
+        "regularizers); lowest validation loss: the lowest of Trainer's evaluations during training (left out for "
+        "regularized models), at the step named beside it: below the final loss where a run repeats its data until "
+        "it overfits; validation loss at 1st eval: Trainer's, left out for regularized models; validation - train "
+        "loss: the final model's loss on validation blocks minus on as many training blocks (the first packed ones: "
+        "the first training source's text); register mass: the largest over layers of the mean attention share on the "
         "register keys; tau: mean over layers and heads at initialisation and after training; captured mass: share of "
         "exact attention mass in the sorted cache's window at the longest measured context. `not measured`: the "
         "config did not ask for it (CORE off, or no bundle); an empty cell: the variant has no such quantity."

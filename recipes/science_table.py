@@ -381,12 +381,16 @@ def prepare(science: dict, output: str, extra=(), log=print) -> str:
 
 def collect_results(science: dict, output: str) -> tuple[dict, dict]:
     """``({variant: {seed: results.json}}, {(variant, seed): failure message})`` for the config's variants and seeds."""
+    from recipes.science_measure import curve_metrics
+
     results, failures = {}, {}
     for variant in science["variants"]:
         for seed in science["seeds"]:
             d = run_dir(output, variant, seed)
             r = _read_json(os.path.join(d, RESULT_FILE))
             if r is not None:
+                # numbers of the curve added to the report after a run was stored are derived from its curve
+                r["metrics"] = {**curve_metrics(r.get("log_history") or []), **r["metrics"]}
                 results.setdefault(variant, {})[seed] = r
                 continue
             f = _read_json(os.path.join(d, "failure.json"))

@@ -352,6 +352,30 @@ def test_language_model_curve():
     assert plain == [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "eval_loss": 4.5}]
 
 
+def test_curve_metrics_find_the_early_stopping_point(tmp_path):
+    """The lowest validation loss and its step (a run that overfits ends above it), also for runs stored before the
+    report had these numbers (``collect_results`` derives them from the stored curve)."""
+    import json
+
+    from recipes.science_measure import curve_metrics
+    from recipes.science_table import collect_results, run_dir
+
+    curve = [{"step": 1, "loss": 4.0}, {"step": 2, "eval_loss": 3.5}, {"step": 4, "eval_loss": 2.8},
+             {"step": 6, "eval_loss": 3.9}]
+    assert curve_metrics(curve) == {"first_eval_loss": 3.5, "best_eval_loss": 2.8, "best_eval_step": 4}
+    assert curve_metrics([{"step": 1, "loss": 4.0}]) == {
+        "first_eval_loss": None, "best_eval_loss": None, "best_eval_step": None
+    }
+    science = {"variants": {"a": {}}, "seeds": [0]}
+    d = run_dir(str(tmp_path), "a", 0)
+    os.makedirs(d)
+    with open(os.path.join(d, "results.json"), "w") as f:
+        json.dump({"metrics": {"eval_loss": 3.9, "first_eval_loss": 3.4}, "log_history": curve}, f)
+    results, _ = collect_results(science, str(tmp_path))
+    metrics = results["a"][0]["metrics"]
+    assert (metrics["best_eval_loss"], metrics["best_eval_step"], metrics["first_eval_loss"]) == (2.8, 4, 3.4)
+
+
 def test_capped_contexts():
     from recipes.science_measure import capped_contexts
 
