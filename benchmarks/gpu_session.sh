@@ -8,7 +8,8 @@
 #   env          versions, GPU, pip installs from ./wheels (datasets, evaluate: the GPU image lacks them)  [120]
 #   gputests     pytest -m gpu over the whole suite (kernels, attention backends, sorted cache; GPUTESTS: the
 #                files to run instead of tests/, split on spaces: files, node ids (file.py::test), options
-#                without spaces (-rA); a quoted `-k "a or b"` breaks into words, so name node ids instead)       [240]
+#                without spaces (-rA); a quoted `-k "a or b"` breaks into words, so name node ids instead; only
+#                tests marked `gpu` run: a CPU/interpreter test named here is deselected)                         [240]
 #   kernelcheck  benchmarks/check_kernels_gpu.py (full-shape output and gradient checks, pass/fail table)     [240]
 #   bench        benchmarks/bench_attention.py (training sweep and decode rows, ratios against SDPA-flash)    [300]
 #   sorted       recipes/bench_sorted_decode.py --device cuda (sorted-window decode vs exact)               [120]
@@ -20,7 +21,8 @@
 #   lm           recipes/gpu_all.sh (every family: train, val loss, bpb, CORE-20, throughput, cards)       [560]
 #   multi        recipes/gpu_multi.sh (1 GPU vs DDP vs FSDP on 2 GPUs, STEPS env)                          [400]
 #   hostops      benchmarks/probe_triton_launch.py (where a triton launch's host time goes) and
-#                benchmarks/count_host_ops.py --time (launches, aten ops and host ms per fused call; twice)      [120]
+#                benchmarks/count_host_ops.py --time (launches, aten ops and host ms per fused call; twice: about
+#                200 s for every call on an H100 host, 100 s gave five rows)                                       [240]
 #   profile      benchmarks/profile_training.py, the run-5 command (every family vs Llama, d256 and d768,
 #                best of 3 interleaved rounds; PROFILE_ARGS replaces the defaults, PROFILE_VARIANTS the variants)                              [500]
 #   staticdecode benchmarks/bench_sorted_static_decode.py (fused vs torch vs dense SDPA per layer step,
@@ -65,7 +67,7 @@ for d in .whl wheels; do
         --upgrade --target "$SITE" "$d"/*.whl 2>&1 | tail -3
 done
 
-declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=120 [profile]=500 [staticdecode]=400 [generate]=500 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
+declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [profile]=500 [staticdecode]=400 [generate]=500 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
                   [lm]=560 [multi]=400 [throughput]=150 [scaling]=540 [nonfinite]=300)
 
 job_env() {
