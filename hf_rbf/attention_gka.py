@@ -68,11 +68,15 @@ def gka_attention_naive(
 
 
 def _candidates(query, x, log_sigma, eps, mask, backend):
-    """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
+    """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve (None
+    when it can), worked out only when ``choose_backend`` reaches it."""
     candidates = {
-        "triton": (gka_attention_triton, gka_triton_reason(query, x, log_sigma, eps, mask)),
-        "sdpa": (gka_attention_sdpa, gka_sdpa_reason(mask)),
-        "flex": (gka_attention_flex, flex_auto_reason(x.device, backend) or gka_flex_reason(query, x, log_sigma, mask)),
+        "triton": (gka_attention_triton, lambda: gka_triton_reason(query, x, log_sigma, eps, mask)),
+        "sdpa": (gka_attention_sdpa, lambda: gka_sdpa_reason(mask)),
+        "flex": (
+            gka_attention_flex,
+            lambda: flex_auto_reason(x.device, backend) or gka_flex_reason(query, x, log_sigma, mask),
+        ),
         "naive": (gka_attention_naive, None),
     }
     return auto_order(candidates, x.device, mask.nq)

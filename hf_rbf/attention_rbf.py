@@ -73,11 +73,15 @@ def rbf_attention_naive(
 
 
 def _candidates(q, k, v, gamma, normalize, mask, backend):
-    """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
+    """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve (None
+    when it can), worked out only when ``choose_backend`` reaches it."""
     candidates = {
-        "triton": (rbf_attention_triton, rbf_triton_reason(q, k, v, gamma, normalize, mask)),
-        "sdpa": (rbf_attention_sdpa, rbf_sdpa_reason(q, normalize, mask)),
-        "flex": (rbf_attention_flex, flex_auto_reason(q.device, backend) or rbf_flex_reason(q, k, v, gamma, mask)),
+        "triton": (rbf_attention_triton, lambda: rbf_triton_reason(q, k, v, gamma, normalize, mask)),
+        "sdpa": (rbf_attention_sdpa, lambda: rbf_sdpa_reason(q, normalize, mask)),
+        "flex": (
+            rbf_attention_flex,
+            lambda: flex_auto_reason(q.device, backend) or rbf_flex_reason(q, k, v, gamma, mask),
+        ),
         "naive": (rbf_attention_naive, None),
     }
     return auto_order(candidates, q.device, mask.nq)

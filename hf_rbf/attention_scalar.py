@@ -64,13 +64,14 @@ SCALAR_SDPA_MIN_KEYS = 8192
 
 
 def _candidates(qs, ks, v, tau, mask, backend):
-    """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve or None."""
+    """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve (None
+    when it can), worked out only when ``choose_backend`` reaches it."""
     candidates = {
-        "triton": (scalar_attention_triton, scalar_triton_reason(qs, ks, v, tau, mask)),
-        "sdpa": (scalar_attention_sdpa, scalar_sdpa_reason(mask)),
+        "triton": (scalar_attention_triton, lambda: scalar_triton_reason(qs, ks, v, tau, mask)),
+        "sdpa": (scalar_attention_sdpa, lambda: scalar_sdpa_reason(mask)),
         "flex": (
             scalar_attention_flex,
-            flex_auto_reason(v.device, backend) or scalar_flex_reason(qs, ks, v, tau, mask),
+            lambda: flex_auto_reason(v.device, backend) or scalar_flex_reason(qs, ks, v, tau, mask),
         ),
         "naive": (scalar_attention_naive, None),
     }

@@ -454,7 +454,9 @@ def choose_backend(op: str, requested: str, device: torch.device, candidates: di
     """Pick the implementation.
 
     ``candidates`` maps a backend name to ``(fn, reason)`` where ``reason`` is ``None`` when the backend can serve
-    this call and otherwise a sentence saying why not.  An explicit backend that cannot serve raises; "auto" takes
+    this call and otherwise a sentence saying why not, or a function of no arguments that returns one of the two:
+    such a reason is only worked out when the choice reaches its backend (the fastest backend usually serves, and the
+    checks of the others cost host time on every call).  An explicit backend that cannot serve raises; "auto" takes
     the first that can in the order of ``candidates`` (fastest first) and logs its choice once.
     """
     check_backend(op, requested)
@@ -463,12 +465,14 @@ def choose_backend(op: str, requested: str, device: torch.device, candidates: di
             available = ", ".join(repr(b) for b in ("auto", *candidates))
             raise ValueError(f"{op}: backend={requested!r} is not available for this function (available: {available})")
         fn, reason = candidates[requested]
+        reason = reason() if callable(reason) else reason
         if reason is not None:
             raise ValueError(f"{op}: backend={requested!r} cannot serve this call: {reason}")
         _note_choice(op, requested, device, requested, [])
         return requested, fn
     skipped = []
     for name, (fn, reason) in candidates.items():
+        reason = reason() if callable(reason) else reason
         if reason is None:
             _note_choice(op, name, device, requested, skipped)
             return name, fn

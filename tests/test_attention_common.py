@@ -276,6 +276,46 @@ def test_backend_that_cannot_serve_says_why():
         hf_rbf.rbf_attention(Q, Q[:, :, :0], Q[:, :, :0], backend="sdpa")
 
 
+def test_backend_reasons_are_worked_out_only_when_the_choice_reaches_them(monkeypatch):
+    """A family's candidates give the later backends' reasons as functions: "auto" evaluates them in order up to the
+    first backend that serves (the checks of the others cost host time on every call), an explicit backend only its
+    own; the skipped ones still explain themselves."""
+    evaluated = []
+
+    def reason(name, value):
+        def check():
+            evaluated.append(name)
+            return value
+
+        return check
+
+    candidates = {
+        "triton": ("t", reason("triton", "no GPU")),
+        "sdpa": ("s", reason("sdpa", None)),
+        "flex": ("f", reason("flex", "never")),
+        "naive": ("n", None),
+    }
+    assert attention_utils.choose_backend("op", "auto", torch.device("cpu"), candidates) == ("sdpa", "s")
+    assert evaluated == ["triton", "sdpa"]
+    evaluated.clear()
+    assert attention_utils.choose_backend("op", "naive", torch.device("cpu"), candidates) == ("naive", "n")
+    assert evaluated == []
+    with pytest.raises(ValueError, match="backend='flex' cannot serve this call: never"):
+        attention_utils.choose_backend("op", "flex", torch.device("cpu"), candidates)
+    assert evaluated == ["flex"]
+    evaluated.clear()
+    del candidates["sdpa"]
+    assert attention_utils.choose_backend("op", "auto", torch.device("cpu"), candidates) == ("naive", "n")
+    assert evaluated == ["triton", "flex"]
+    # the real families: a call served by the first backend never asks the others
+    calls = []
+    real = hf_rbf.attention_rbf.rbf_flex_reason
+    monkeypatch.setattr(hf_rbf.attention_rbf, "rbf_flex_reason", lambda *a: calls.append(a) or real(*a))
+    q = torch.randn(1, 2, 5, 8)
+    hf_rbf.rbf_attention(q, q, q, gamma=0.5, backend="sdpa")
+    assert calls == []
+
+
 def test_flex_without_grad_mode_accepts_leaves_that_require_grad():
     """Under torch.no_grad() flex serves CPU calls even when the inputs are leaves that require grad."""
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
