@@ -182,13 +182,21 @@ def test_every_tuned_launch_keys_on_the_planes(monkeypatch):
         monkeypatch.setattr(module, "launch_tuned", recording)
     for bsz, heads, planes in ((1, 2, 16), (8, 4, 64)):
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(bsz, heads, 19, 16, generator=g, requires_grad=True) for _ in range(3))
+        q, k, v = (torch.randn(bsz, heads, 19, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
         hf_rbf.rbf_attention(q, k, v, causal=True, backend="triton").sum().backward()
-        qs, ks = (torch.randn(bsz, heads, 19, generator=g, requires_grad=True) for _ in range(2))
+        qs, ks = (torch.randn(bsz, heads, 19, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
         hf_rbf.scalar_attention(qs, ks, v.detach(), tau=0.5, causal=True, backend="triton").sum().backward()
         names = sorted(name for name, p in seen if p == planes)
         assert len(names) == 6 and len(set(names)) == 6, (bsz, heads, seen)
         seen.clear()
+
+
+@pytest.mark.gpu
+def test_every_tuned_launch_keys_on_the_planes_on_gpu(monkeypatch):
+    """The same on the GPU (``pytest -m gpu``), where every pass has several configs and the autotuner chooses."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA device")
+    test_every_tuned_launch_keys_on_the_planes(monkeypatch)
 
 
 def test_auto_order_for_decoding():
