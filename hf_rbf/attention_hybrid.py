@@ -60,13 +60,13 @@ def hybrid_attention_naive(q, k, v, qs, ks, tau, scale, mask: MaskArgs, return_w
 def _candidates(q, k, v, qs, ks, tau, scale, mask, backend):
     """Backends in order of preference for "auto" (fastest first), each with the reason it cannot serve (None
     when it can), worked out only when ``choose_backend`` reaches it."""
-    def flex_reason():
-        return flex_auto_reason(q.device, backend) or hybrid_flex_reason(q, k, v, qs, ks, tau, scale, mask)
-
     candidates = {
         "triton": (hybrid_attention_triton, lambda: hybrid_triton_reason(q, k, v, qs, ks, tau, scale, mask)),
         "sdpa": (hybrid_attention_sdpa, lambda: hybrid_sdpa_reason(mask)),
-        "flex": (hybrid_attention_flex, flex_reason),
+        "flex": (
+            hybrid_attention_flex,
+            lambda: flex_auto_reason(q.device, backend) or hybrid_flex_reason(q, k, v, qs, ks, tau, scale, mask),
+        ),
         "naive": (hybrid_attention_naive, None),
     }
     return auto_order(candidates, q.device, mask.nq)

@@ -585,8 +585,10 @@ if HAS_TRITON:
             out = tl.sum(acc, 0)
         tl.store(OUT + b * sob + h * soh + row * son + offs_dv, out.to(OUT.dtype.element_ty), mask=offs_dv < DV)
 
-    _FWD_KEY = ["D_PAD", "DV_PAD", "N_BUCKET", "PLANES"]
-    _FWD_KEY += ["CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME"]
+    _FWD_KEY = [
+        *("D_PAD", "DV_PAD", "N_BUCKET", "PLANES"),
+        *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME"),
+    ]
     _distance_fwd = autotune(make_configs(FWD_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(_distance_fwd_kernel)
     _distance_decode = autotune(make_configs(DECODE_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(
         _distance_fwd_kernel

@@ -529,8 +529,10 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
         TAU_TENSOR=tau_tensor,
         DOT_PREC=dot_precision(v.dtype),
     )
-    sizes = (heads, hpg, nq, nk, num_prefix_keys, window or 0, n_bucket(max(nq, nk)), planes_bucket(bsz * heads))
-    sizes += (requested_heads_per_program(),)
+    sizes = (
+        *(heads, hpg, nq, nk, num_prefix_keys, window or 0),
+        *(n_bucket(max(nq, nk)), planes_bucket(bsz * heads), requested_heads_per_program()),
+    )
     s_qkv = (*bcast_strides(qs, (bsz, heads, nq)), *bcast_strides(ks, (bsz, heads, nk)), *v.stride()[:3])
     s_do = dout.stride()[:3]
     kbt = kb if kb is not None else lse
