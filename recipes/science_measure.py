@@ -331,6 +331,31 @@ def curve_metrics(log_history: list[dict]) -> dict:
     }
 
 
+# Every number ``flat_metrics`` gives a run: what a science config's claims may name as ``metric``.
+RUN_METRICS = (
+    "first_eval_loss",
+    "best_eval_loss",
+    "best_eval_step",
+    "eval_loss",
+    "trainer_eval_loss",
+    "bits_per_byte",
+    "core",
+    "mean_train_loss",
+    "train_val_gap",
+    "num_parameters",
+    "attention_parameters",
+    "register_mass_mean",
+    "register_mass_max",
+    "self_weight_mean",
+    "gka_sigma_end",
+    "tau_start",
+    "tau_end",
+    "captured_mass_longest",
+    "captured_mass_context",
+    "tokens_per_second",
+)
+
+
 def flat_metrics(
     summary: dict,
     measured: dict,
@@ -379,6 +404,7 @@ def flat_metrics(
 
 
 __all__ = [
+    "RUN_METRICS",
     "attention_parameters",
     "capped_contexts",
     "captured_mass_curve",

@@ -78,6 +78,10 @@ def check_claim(claim: dict) -> dict:
     for key in ("claim", "source", "metric", "test", "a"):
         if key not in claim:
             raise ValueError(f"claim {claim.get('claim', claim)!r}: missing `{key}`")
+    from recipes.science_measure import RUN_METRICS
+
+    if claim["metric"] not in RUN_METRICS:
+        raise ValueError(f"claim {claim['claim']!r}: `metric` must be one of {RUN_METRICS}; got {claim['metric']!r}")
     if claim["test"] not in CLAIM_TESTS:
         raise ValueError(f"claim {claim['claim']!r}: `test` must be one of {CLAIM_TESTS}; got {claim['test']!r}")
     if claim["test"] in ("less", "greater", "close") and "b" not in claim:

@@ -448,6 +448,15 @@ def test_verdict_close_within_and_missing():
     assert verdict(_claim("less"), _fake({"b": [3.0, 3.1]}))["verdict"] == "not run"
 
 
+def test_run_metrics_list_every_number_of_a_run():
+    """The names a claim may use are exactly the numbers a run's results carry."""
+    from recipes.science_measure import RUN_METRICS, flat_metrics
+
+    measured = {"validation_lm_loss": 3.0, "train_val_gap": {"gap": 0.1}, "attention_parameters": 10}
+    metrics = flat_metrics({"eval_loss": 3.1}, measured, None, [{"step": 2, "eval_loss": 3.2}])
+    assert sorted(metrics) == sorted(RUN_METRICS)
+
+
 def test_claim_and_config_errors(tmp_path):
     from recipes.science_report import check_claim
     from recipes.science_table import load_science_config
@@ -458,6 +467,8 @@ def test_claim_and_config_errors(tmp_path):
         check_claim(_claim("close"))
     with pytest.raises(ValueError, match=r"needs `range: \[lo, hi\]`"):
         check_claim(_claim("within", range=[2, 1]))
+    with pytest.raises(ValueError, match="`metric` must be one of .*'best_eval_loss'.*; got 'best_eval_los'"):
+        check_claim({**_claim("less"), "metric": "best_eval_los"})
     path = tmp_path / "bad.yaml"
     path.write_text(f"variants: {{x: {{recipe: {os.path.join(REPO, 'recipes/configs/cpu_test.yaml')}}}}}\nseed: 1\n")
     with pytest.raises(ValueError, match="unknown keys \\['seed'\\]"):
