@@ -189,6 +189,41 @@ def bench_sdpa_dot(backend_name, b, h, n, d, dtype):
     return measure(fwd, fwdbwd, [q, k, v])
 
 
+_FLEX_DIRECT = {}
+
+
+def bench_flex_direct(b, h, n, d, dtype):
+    """FlexAttention used the way its documentation shows, with the RBF score: ``torch.compile(flex_attention)``, a
+    causal ``create_block_mask`` made once, ``q' = 2 gamma q`` and a ``score_mod`` adding the per-key bias
+    ``-gamma ||k_j||^2`` (float32, computed per call in eager mode and differentiated).  The yardstick of issue 18's
+    "the flex backend at least as fast as FlexAttention used directly": the rbf/flex row does the same through
+    ``hf_rbf.rbf_attention(backend="flex")``."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX_DIRECT:
+        _FLEX_DIRECT["fn"] = torch.compile(flex_attention)
+    flex = _FLEX_DIRECT["fn"]
+    block_mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, n, n, device="cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to("cuda", dtype).requires_grad_() for _ in range(3))
+    dout = torch.randn(b, h, n, d, generator=g).to("cuda", dtype)
+    gamma = 1.0 / math.sqrt(d)
+
+    def fwd():
+        bias = -gamma * k.float().square().sum(-1)  # [B, H, N]
+
+        def score_mod(score, b_, h_, qi, ki):
+            return score + bias[b_, h_, ki]
+
+        return flex(q * (2.0 * gamma), k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0)
+
+    def fwdbwd():
+        fwd().backward(dout)
+
+    return measure(fwd, fwdbwd, [q, k, v])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------------------------------------------
@@ -457,6 +492,16 @@ def main() -> int:
             row["tflops_fwdbwd"] = (
                 model_flops("rbf", b, h, n, d, True, None, True) / row.get("fwdbwd_ms", math.inf) / 1e9
             )
+            rows.append(row)
+            _print_row(row)
+        if "flex" in args.impls and _flex_selected(args, n, d, "causal") and (n, d, "flex-direct") not in have_ref:
+            have_ref.add((n, d, "flex-direct"))
+            row = dict(kind="train", family="dot", impl="flex-direct (rbf score)", b=b, n=n, d=d, mask="causal")
+            try:
+                row.update(bench_flex_direct(b, h, n, d, dtype))
+                row["tflops_fwdbwd"] = model_flops("rbf", b, h, n, d, True, None, True) / row["fwdbwd_ms"] / 1e9
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
             _print_row(row)
         for fam in args.families:

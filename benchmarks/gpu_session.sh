@@ -23,6 +23,8 @@
 #   hostops      benchmarks/probe_triton_launch.py (where a triton launch's host time goes) and
 #                benchmarks/count_host_ops.py --time (launches, aten ops and host ms per fused call; twice: about
 #                200 s for every call on an H100 host, 100 s gave five rows)                                       [240]
+#   backwardhost benchmarks/probe_backward_host.py (host time of each phase of a fused call's backward: our
+#                Python, the launches, autotuner fall-throughs, the autograd engine; torch.profiler per node)    [200]
 #   profile      benchmarks/profile_training.py, the run-5 command (every family vs Llama, d256 and d768,
 #                best of 3 interleaved rounds; PROFILE_ARGS replaces the defaults, PROFILE_VARIANTS the variants)                              [500]
 #   staticdecode benchmarks/bench_sorted_static_decode.py (fused vs torch vs dense SDPA per layer step,
@@ -67,7 +69,7 @@ for d in .whl wheels; do
         --upgrade --target "$SITE" "$d"/*.whl 2>&1 | tail -3
 done
 
-declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [profile]=500 [staticdecode]=400 [generate]=500 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
+declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [backwardhost]=200 [profile]=500 [staticdecode]=400 [generate]=500 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
                   [lm]=560 [multi]=400 [throughput]=150 [scaling]=540 [nonfinite]=300)
 
 job_env() {
@@ -98,6 +100,7 @@ job_hostops() {
     python3 benchmarks/count_host_ops.py --time --calls 300 --json "$1/host_ops_1.json"
     python3 benchmarks/count_host_ops.py --time --calls 300 --json "$1/host_ops_2.json"
 }
+job_backwardhost() { python3 benchmarks/probe_backward_host.py --out "$1" ${BACKWARDHOST_ARGS:-}; }
 job_profile() {
     # PROFILE_VARIANTS: the --variants list on its own (its names hold spaces, which PROFILE_ARGS would split)
     local variants=${PROFILE_VARIANTS:-"llama;rbf (1 register, SuSiE);rbf (no registers, RoPE);gka;hybrid_sort;scalar_sort"}
