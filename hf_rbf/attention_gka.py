@@ -25,6 +25,7 @@ from .attention_utils import (
     choose_backend,
     choose_weights_backend,
     compute_dtype,
+    constant_vector,
     flex_auto_reason,
     masked_kernel_average,
     normalize_mask_args,
@@ -273,7 +274,7 @@ def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs) -> tor
     if isinstance(log_sigma, torch.Tensor):
         ls = log_sigma.float()
     else:
-        ls = torch.full((heads,), float(log_sigma), device=x.device, dtype=torch.float32)
+        ls = constant_vector(float(log_sigma), (heads,), x.device)
     c = 0.5 * torch.exp(-2.0 * ls)  # 1 / (2 sigma^2)
     return distance_attention(
         query,

@@ -27,6 +27,7 @@ from .attention_utils import (
     choose_backend,
     choose_weights_backend,
     compute_dtype,
+    constant_vector,
     expand_value_groups,
     flex_auto_reason,
     masked_kernel_average,
@@ -235,15 +236,14 @@ def hybrid_flex_reason(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> str | Non
 def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs, prefix=None) -> torch.Tensor:
     """Fused hybrid attention; same arguments and result as ``hybrid_attention_naive`` (``prefix``: the separate
     ``(prefix_keys, prefix_values)`` of :func:`hf_rbf.hybrid_attention`, read in place)."""
-    heads = q.shape[1]
     if isinstance(scale, torch.Tensor):
         a = scale.float()
     else:
-        a = torch.full((heads,), float(scale), device=q.device, dtype=torch.float32)
+        a = constant_vector(float(scale), (q.shape[1],), q.device)
     if isinstance(tau, torch.Tensor):
         beta = 1.0 / tau.float()
     else:
-        beta = torch.full((1, 1, 1), 1.0 / float(tau), device=q.device, dtype=torch.float32)
+        beta = constant_vector(1.0 / float(tau), (1, 1, 1), q.device)
     return distance_attention(
         q,
         k,
@@ -252,7 +252,7 @@ def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs, prefix=
         ks,
         beta,
         a,
-        a.detach(),  # b: unread without norm terms (qnorm = knorm = False); no zero fill
+        a if not a.requires_grad else a.detach(),  # b: unread without norm terms (qnorm = knorm = False)
         mask,
         normalize=True,
         qnorm=False,

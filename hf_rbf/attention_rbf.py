@@ -28,6 +28,7 @@ from .attention_utils import (
     choose_backend,
     choose_weights_backend,
     compute_dtype,
+    constant_vector,
     flex_auto_reason,
     masked_kernel_average,
     normalize_mask_args,
@@ -278,7 +279,7 @@ def _per_head(value, heads: int, device) -> torch.Tensor:
     """A float or a tensor ``[H]`` as a float32 tensor ``[H]`` (differentiable)."""
     if isinstance(value, torch.Tensor):
         return value.float()
-    return torch.full((heads,), float(value), device=device, dtype=torch.float32)
+    return constant_vector(float(value), (heads,), device)
 
 
 def rbf_attention_triton(q, k, v, gamma, normalize: bool, mask: MaskArgs, prefix=None) -> torch.Tensor:

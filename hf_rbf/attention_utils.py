@@ -238,6 +238,27 @@ def normalize_mask_args(
     )
 
 
+# float arguments as the fused kernels' coefficient tensors, made once per (value, shape, device) and never written:
+# a model's layers pass the same float at every call, and a new device tensor per call is one more op of host work per
+# layer and step (bounded: cleared when it reaches _CONSTANTS_MAX entries)
+_CONSTANTS: dict = {}
+_CONSTANTS_MAX = 256
+
+
+def constant_vector(value: float, shape: tuple, device) -> torch.Tensor:
+    """A float32 tensor of ``shape`` filled with ``value`` on ``device``, cached (read-only: the kernels only read it;
+    under ``torch.compile`` a fresh graph constant)."""
+    if torch.compiler.is_compiling():
+        return torch.full(shape, value, device=device, dtype=torch.float32)
+    key = (value, shape, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) >= _CONSTANTS_MAX:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.full(shape, value, device=device, dtype=torch.float32)
+    return t
+
+
 def per_head_param(op: str, name: str, value, heads: int, device, *, positive: bool = True, allow_none=False):
     """A float or a per-head tensor ``[H]`` (a 0-d tensor is expanded to ``[H]``); returns a float or a tensor [H]."""
     if value is None:

@@ -560,7 +560,8 @@ if HAS_TRITON:
             if STORE_DKB:
                 tl.store(DKB + bh * NK + j, c_acc, mask=key_ok)
             if SCALAR:
-                tl.store(DKS + bh * NK + j, (2.0 * 0.6931471805599453) * dks_acc, mask=key_ok)  # 2 ln(2): see u
+                dks_val = (2.0 * 0.6931471805599453) * dks_acc  # 2 ln(2): see u
+                tl.store(DKS + bh * NK + j, dks_val.to(DKS.dtype.element_ty), mask=key_ok)
         if not KV_SAME:
             _store_key_rows(
                 dv,
@@ -1013,7 +1014,8 @@ if HAS_TRITON:
             mask=row_ok[:, None] & (offs_d[None, :] < D),
         )
         if SCALAR:
-            tl.store(DQS + bh * NQ + offs_m, -2.0 * beta_r * (a1 - dacc * b1), mask=row_ok)
+            dqs_val = -2.0 * beta_r * (a1 - dacc * b1)
+            tl.store(DQS + bh * NQ + offs_m, dqs_val.to(DQS.dtype.element_ty), mask=row_ok)
             if NEED_DBETA:
                 tl.store(DBETA + bh * NQ + offs_m, dacc * b2 - a2, mask=row_ok)
             # the exact delta, not the rounded one, for the dK/dV kernel, which runs after this one
@@ -1069,7 +1071,7 @@ def distance_backward(
     ``dk`` holds key plus value gradient and ``dv`` is empty); fp32 ``dkb [B,H,Nk]`` (``sum_i dS_ij``, the key
     log-weights' gradient: with ``kb`` and ``need_dkb`` only), ``dab [2, H]`` (the per-head gradients of the dot
     coefficient ``a`` and the norm coefficient ``b``, ``need_ab`` only; ``[1, H]``, the gradient of ``a``, for the
-    distance form ``b = None``: see ``distance_forward``), ``dqs [B,H,Nq]``, ``dks [B,H,Nk]``,
+    distance form ``b = None``: see ``distance_forward``), ``dqs [B,H,Nq]``, ``dks [B,H,Nk]`` (in qs's / ks's dtypes),
     ``dbeta [B,H,Nq]`` (scalar term; natural-log-score gradients), ``dpk``, ``dpv`` (the separate prefix's
     gradients in its shapes and dtype: summed over the batch when it is shared).  Unused outputs are None (no allocation: the
     custom op ``distance_bwd`` turns them into the empty tensors its schema needs).
@@ -1103,8 +1105,9 @@ def distance_backward(
     dv = None if kv_same else torch.empty_like(v)
     work = torch.empty(3, bsz, heads, nq + nk, **f32)
     dkb = torch.empty(bsz, heads, nk, **f32) if store_dkb else None
-    dqs = torch.empty(bsz, heads, nq, **f32) if scalar else None
-    dks = torch.empty(bsz, heads, nk, **f32) if scalar else None
+    # the scalar gradients in qs's / ks's dtypes (the kernels cast at the store): no cast op per call after them
+    dqs = torch.empty(bsz, heads, nq, device=dev, dtype=qs.dtype) if scalar else None
+    dks = torch.empty(bsz, heads, nk, device=dev, dtype=ks.dtype) if scalar else None
     dbeta = torch.empty(bsz, heads, nq, **f32) if scalar and need_dbeta else None
     dpk = dpv = None
     if prefix is not None:

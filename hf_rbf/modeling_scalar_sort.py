@@ -378,7 +378,9 @@ class ScalarSortAttention(DecoderAttention):
             ts = [getattr(p, name) for p in parts]
             if ts[0] is None:
                 return None
-            return torch.cat([t.expand(batch, *t.shape[1:]) for t in ts], dim=dim)
+            ts = [t if t.shape[0] == batch else t.expand(batch, *t.shape[1:]) for t in ts]
+            # one part (the sink alone as the prefix, every layer and step): the tensor itself, not a copy of it
+            return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
 
         return _Projections(qs=None, ks=cat("ks", 2), v=cat("v", 2), k=cat("k", 2))
 
