@@ -485,3 +485,41 @@ def test_gpu_auto_order():
     assert hf_rbf.last_backend("scalar_attention") == "triton"
     with pytest.raises(ValueError, match=r"flex cannot differentiate `qs`, `ks`"):
         hf_rbf.scalar_attention(qs, qs, q.detach(), 1.0, backend="flex")
+
+
+def _aten_ops(fn) -> list[str]:
+    """The aten ops ``fn()`` dispatches, outside triton's interpreter (its own tensor work is not the host path)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return ops
+
+
+def test_float_coefficients_are_cached_device_constants():
+    """A float gamma / scale / tau becomes the kernels' coefficient tensor once per (value, shape, device): the same
+    tensor again (no fill op per call and layer), a different one for another value or shape."""
+    a = attention_utils.constant_vector(0.5, (4,), torch.device("cpu"))
+    assert attention_utils.constant_vector(0.5, (4,), "cpu") is a
+    assert attention_utils.constant_vector(0.25, (4,), "cpu") is not a
+    assert attention_utils.constant_vector(0.5, (1, 1, 1), "cpu").shape == (1, 1, 1)
+    assert a.dtype == torch.float32 and torch.equal(a, torch.full((4,), 0.5))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=g) for _ in range(3))
+    qs, ks = torch.randn(1, 2, 5, generator=g), torch.randn(1, 2, 5, generator=g)
+    calls = {
+        "rbf": lambda: hf_rbf.rbf_attention(q, k, v, gamma=0.3, causal=True, backend="triton"),
+        "hybrid": lambda: hf_rbf.hybrid_attention(q, k, v, qs, ks, 0.7, scale=0.25, causal=True, backend="triton"),
+    }
+    for name, fn in calls.items():
+        first = fn()
+        ops = _aten_ops(fn)
+        assert "full" not in ops and "fill_" not in ops, f"{name}: {ops}"
+        torch.testing.assert_close(fn(), first)

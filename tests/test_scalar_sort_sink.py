@@ -120,3 +120,21 @@ def test_save_load_keeps_the_sink_off(case, tmp_path):
         torch.testing.assert_close(
             model(ids, attention_mask=mask).logits, back.eval()(ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5
         )
+
+
+@pytest.mark.parametrize("family", ["scalar_sort", "hybrid_sort"])
+def test_the_sink_alone_is_the_prefix_without_a_copy(family):
+    """Without registers the prefix of every layer call is the sink itself: its key and value tensors, not copies
+    (a one-part concatenation would be three copy ops per layer and step, forward and backward); with registers the
+    two parts are concatenated."""
+    model = build_model(family, {"num_hidden_layers": 1})
+    attn = model.model.layers[0].self_attn
+    sink = attn.sink_entries(torch.float32, torch.device("cpu"))
+    assert sink is not None
+    prefix, count = attn._prefix_of(sink, None)
+    assert count == 1
+    for name in ("ks", "v", "k"):
+        assert getattr(prefix, name) is getattr(sink, name)
+    joined, count = attn._prefix_of(sink, sink)
+    assert count == 2 and joined.ks.shape[-1] == 2
+    torch.testing.assert_close(joined.v[:, :, :1], sink.v)
