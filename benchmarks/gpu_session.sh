@@ -25,6 +25,9 @@
 #                200 s for every call on an H100 host, 100 s gave five rows)                                       [240]
 #   backwardhost benchmarks/probe_backward_host.py (host time of each phase of a fused call's backward: our
 #                Python, the launches, autotuner fall-throughs, the autograd engine; torch.profiler per node)    [200]
+#   firststeps   benchmarks/profile_training.py --first-steps twice, each in a fresh process: "cold" (this machine's first
+#                compile and autotune of the d256 shapes, unless an earlier job compiled them) then "warm" (what a
+#                user's second run pays: triton's and the autotuner's disk caches filled); FIRST_VARIANTS: the list [300]
 #   profile      benchmarks/profile_training.py, the run-5 command (every family vs Llama, d256 and d768,
 #                best of 3 interleaved rounds; PROFILE_ARGS replaces the defaults, PROFILE_VARIANTS the variants)                              [500]
 #   staticdecode benchmarks/bench_sorted_static_decode.py (fused vs torch vs dense SDPA per layer step,
@@ -69,7 +72,7 @@ for d in .whl wheels; do
         --upgrade --target "$SITE" "$d"/*.whl 2>&1 | tail -3
 done
 
-declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [backwardhost]=200 [profile]=500 [staticdecode]=400 [generate]=500 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
+declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [backwardhost]=200 [firststeps]=300 [profile]=500 [staticdecode]=400 [generate]=500 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
                   [lm]=560 [multi]=400 [throughput]=150 [scaling]=540 [nonfinite]=300)
 
 job_env() {
@@ -101,6 +104,11 @@ job_hostops() {
     python3 benchmarks/count_host_ops.py --time --calls 300 --json "$1/host_ops_2.json"
 }
 job_backwardhost() { python3 benchmarks/probe_backward_host.py --out "$1" ${BACKWARDHOST_ARGS:-}; }
+job_firststeps() {
+    local variants=${FIRST_VARIANTS:-"llama;rbf (1 register, SuSiE);gka;hybrid_sort (1 register);scalar_sort (1 register)"}
+    python3 benchmarks/profile_training.py --out "$1/cold" --first-steps --variants "$variants"
+    python3 benchmarks/profile_training.py --out "$1/warm" --first-steps --variants "$variants"
+}
 job_profile() {
     # PROFILE_VARIANTS: the --variants list on its own (its names hold spaces, which PROFILE_ARGS would split)
     local variants=${PROFILE_VARIANTS:-"llama;rbf (1 register, SuSiE);rbf (no registers, RoPE);gka;hybrid_sort;scalar_sort"}

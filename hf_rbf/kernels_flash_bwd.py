@@ -660,14 +660,17 @@ if HAS_TRITON:
                 # Row sums for the scalar-query / temperature gradients with the *exact* delta_i = sum_j W_ij dP_ij
                 # (the dS above uses dO.O with O rounded to the input dtype, which in bf16 costs the temperature
                 # gradient, a sum of cancelling terms, several per cent): sum_j dS_ij d_ij = A1_i - delta_i B1_i.
+                # Softmax-free: dS = W dP has no delta, so A1 and A2 are the sums themselves.
                 pd = p * dp
                 dacc += tl.sum(pd, 1)
                 a1 += tl.sum(pd * dd, 1)
-                b1 += tl.sum(p * dd, 1)
+                if NORMALIZE:
+                    b1 += tl.sum(p * dd, 1)
                 if NEED_DBETA:
                     dd2 = dd * dd
                     a2 += tl.sum(pd * dd2, 1)
-                    b2 += tl.sum(p * dd2, 1)
+                    if NORMALIZE:
+                        b2 += tl.sum(p * dd2, 1)
         return dq, dacc, a1, b1, a2, b2
 
     @triton.jit
@@ -1014,10 +1017,13 @@ if HAS_TRITON:
             mask=row_ok[:, None] & (offs_d[None, :] < D),
         )
         if SCALAR:
-            dqs_val = -2.0 * beta_r * (a1 - dacc * b1)
+            if NORMALIZE:  # sum_j dS_ij d_ij^k with dS = W (dP - delta*): A_k - delta* B_k
+                a1 -= dacc * b1
+                a2 -= dacc * b2
+            dqs_val = -2.0 * beta_r * a1
             tl.store(DQS + bh * NQ + offs_m, dqs_val.to(DQS.dtype.element_ty), mask=row_ok)
             if NEED_DBETA:
-                tl.store(DBETA + bh * NQ + offs_m, dacc * b2 - a2, mask=row_ok)
+                tl.store(DBETA + bh * NQ + offs_m, -a2, mask=row_ok)
             # the exact delta, not the rounded one, for the dK/dV kernel, which runs after this one
             tl.store(W_rows + 2 * plane, dacc, mask=row_ok)
         else:

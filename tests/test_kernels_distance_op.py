@@ -207,6 +207,14 @@ def test_key_bias_path_with_weights_and_padding(dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scalar_term_softmax_free(dtype):
+    """The scalar term without the softmax: dS = W dP has no delta, so the scalar-query and temperature gradients are
+    the plain row sums (the dQ kernel once subtracted the softmax's delta term here too: 40-130% errors)."""
+    t, am = _make(dtype=dtype, scalar=True, nq=15, nk=22, seed=6)
+    _check(t, am, dtype, **MASKS["causal"], normalize=False, qnorm=True, knorm=True, kv_same=False, eps=0.0)
+
+
 def test_scalar_term_with_norms():
     """The hybrid's scalar term next to both norm terms (a combination no family uses, every code path at once)."""
     t, am = _make(dtype=torch.float32, scalar=True, nq=15, nk=22, seed=6)
