@@ -209,7 +209,7 @@ def hybrid_attention_flex(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> torch.
     ct = compute_dtype(q.dtype)
     h = q.shape[1]
     s = scale if isinstance(scale, float) else scale.to(ct).view(1, -1, 1, 1)
-    q_scaled = (s * q.to(ct)).to(q.dtype)
+    q_scaled = (s * q).to(q.dtype)  # float32 math by type promotion (a float: opmath), no float32 copy of q
     captured = scalar_captured(qs, ks, tau, mask, ct)
     out, _ = run_flex(q_scaled, k, expand_value_groups(v, h), scalar_score_mod, captured, mask, return_lse=False)
     return zero_rows_without_live_keys(out, mask)
