@@ -183,8 +183,12 @@ class _ReplayStep(torch.autograd.Function):
             if buffer is not None:
                 buffer.copy_(grad)
         graphs._replay_backward()
-        # copies: autograd may keep a returned tensor as a parameter's .grad, which the next replay would overwrite
-        grads = iter(g.clone() if g is not None else None for g in graphs.static_grads)
+        # copies: autograd may keep a returned tensor as a parameter's .grad, which the next replay would overwrite;
+        # contiguous ones, as the parameters are: a captured gradient may carry other strides (a [1, H] parameter's
+        # came back as (1, 1)), which DDP copies through its bucket with a "grad strides do not match" warning
+        grads = iter(
+            g.clone(memory_format=torch.contiguous_format) if g is not None else None for g in graphs.static_grads
+        )
         states_grad = next(grads) if graphs.static_states.requires_grad else None
         param_grads = tuple(next(grads) for _ in graphs.params)
         return (None, states_grad, *param_grads)

@@ -301,3 +301,21 @@ def test_replays_with_lora_adapters(graphed):
         out[path] = _step(model, ids)
     assert out["graphed"][1] and all("lora_" in n for n in out["graphed"][1])
     _assert_same(out["rows"], out["graphed"])
+
+
+def test_replayed_gradients_have_the_parameters_strides(graphed):
+    """The gradients a backward replay returns are laid out as their parameters (contiguous): DDP copies each into
+    a contiguous bucket view and warns ("grad strides do not match bucket view strides") when they are not, which the
+    hybrid's [1, H] register scalar offsets did on 4 H100s (benchmarks/results/h100-2026-11-27j, call 4)."""
+    graphed("graphed")
+    model = build_model("hybrid_sort", dict(num_register_tokens=1)).train()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        _step(model, ids)
+    assert model.model.last_register_path == "graphed"
+    bad = {
+        n: (tuple(p.stride()), tuple(p.grad.stride()))
+        for n, p in model.named_parameters()
+        if p.grad is not None and p.grad.stride() != p.stride()
+    }
+    assert not bad, bad
