@@ -36,7 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from count_host_ops import _clear, make_calls  # noqa: E402
+from count_host_ops import _clear, host_ms, make_calls  # noqa: E402
 
 CALLS = (
     "sdpa (dot product, reference)",
@@ -102,25 +102,6 @@ def _install(timers: _Timers) -> None:
             timers.wrap(mod, "launch_tuned", label)
     timers.wrap(kernels_common, "key_bias", "  key_bias")
     timers.wrap(autotuner.Autotuner, "run", "autotuner fall-through (Autotuner.run)")
-
-
-def _host_ms(fn, leaves, calls: int, backward: bool) -> float:
-    for _ in range(10):
-        out = fn()
-        if backward:
-            out.backward(torch.ones_like(out))
-            _clear(leaves)
-    dout = torch.ones_like(out.detach())
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        out = fn()
-        if backward:
-            out.backward(dout)
-            _clear(leaves)
-    t1 = time.perf_counter()
-    _sync()
-    return (t1 - t0) * 1e3 / calls
 
 
 def _phases(fn, leaves, calls: int, timers: _Timers) -> dict:
@@ -191,8 +172,8 @@ def main(argv=None) -> int:
             continue
         fn, leaves = calls[name]
         row = {
-            "host ms forward": _host_ms(fn, leaves, args.calls, backward=False),
-            "host ms forward+backward": _host_ms(fn, leaves, args.calls, backward=True),
+            "host ms forward": host_ms(fn, leaves, args.calls, backward=False),
+            "host ms forward+backward": host_ms(fn, leaves, args.calls, backward=True),
         }
         row.update(_phases(fn, leaves, args.calls, timers))
         rows[name] = row
