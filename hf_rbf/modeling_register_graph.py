@@ -87,14 +87,20 @@ class RegisterStepGraphs:
         """The step on the static input: its tensors (``next states, *prefix``), the prefix's None entries left out
         (``self.layout`` says where they go back).
 
-        The step reads the trainable parameters through aliases made here (``p.view_as(p)``, swapped in for the
-        run), and ``self.surface`` (what ``_grads`` differentiates by) holds the aliases, not the parameters: the
-        gradients stop at the aliases, so the parameters' gradient accumulators take no part in a capture.  Those
-        accumulators record the stream they were made on, and DDP keeps them alive from its construction on the
-        default stream: differentiated by the parameters, the backward capture under DDP touched the default
-        (legacy) stream and failed ("operation would make the legacy stream depend on a capturing blocking stream",
-        benchmarks/results/h100-2026-11-27h, calls 2 and 3)."""
-        aliases = {name: p.view_as(p) for name, p in zip(self.names, self.params)}
+        The step reads the trainable parameters through aliases made here, swapped in for the run: new leaves on
+        the parameters' memory (``p.detach().requires_grad_()``: a replay reads the weights where the optimiser
+        updates them), and ``self.surface`` (what ``_grads`` differentiates by) holds the aliases, not the
+        parameters, so the parameters' gradient accumulators take no part in a capture.  Those accumulators record
+        the stream they were made on:
+
+        - differentiated by the parameters, the backward capture under DDP (which keeps them alive from its
+          construction on the default stream) touched the default (legacy) stream and failed ("operation would make
+          the legacy stream depend on a capturing blocking stream", benchmarks/results/h100-2026-11-27h, calls 2-3);
+        - aliases that were views (``p.view_as(p)``) made each parameter's accumulator on the capture's side stream
+          when none existed yet (a first training step without DDP) and kept it alive through ``self.surface``: every
+          later backward then accumulated across streams ("The AccumulateGrad node's stream does not match the
+          stream of the node that produced the incoming gradient", benchmarks/results/h100-2026-11-27j, call 6)."""
+        aliases = {name: p.detach().requires_grad_() for name, p in zip(self.names, self.params)}
         with _reparametrize_module(layer, aliases):
             h, prefix = step(layer, self.static_states)
         self.surface = tuple(t for t in (self.static_states, *aliases.values()) if t.requires_grad)
