@@ -525,6 +525,9 @@ def main() -> int:
                     row["tflops_fwd"] = model_flops(fam, b, h, n, d, True, window, False) / row["fwd_ms"] / 1e9
                 rows.append(row)
                 _print_row(row)
+                # the tables so far after every row: a job cut by its time limit still leaves them (a cut during the
+                # first shape left none, benchmarks/results/h100-2026-11-27j call 2); the kernel report per shape
+                _write(out_dir, env, rows, [])
                 if impl == "naive":
                     torch.cuda.empty_cache()
         _write(out_dir, env, rows, [], kernel_report())
