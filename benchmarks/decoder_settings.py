@@ -9,14 +9,19 @@ import contextlib
 
 @contextlib.contextmanager
 def decoder_settings(settings: dict):
-    """``settings`` (name -> value) set on ``hf_rbf.modeling_decoder`` while the block runs."""
-    from hf_rbf import modeling_decoder
+    """``settings`` (name -> value) set on ``hf_rbf.modeling_decoder`` while the block runs; a name of the form
+    ``"module.name"`` sets ``hf_rbf.<module>.<name>`` instead (``"kernels_launch.DIRECT_LAUNCH"``)."""
+    import importlib
 
-    saved = {k: getattr(modeling_decoder, k) for k in settings}
+    def owner_and_name(key: str):
+        module, _, name = key.rpartition(".")
+        return importlib.import_module(f"hf_rbf.{module or 'modeling_decoder'}"), name
+
+    saved = {k: getattr(*owner_and_name(k)) for k in settings}
     for k, v in settings.items():
-        setattr(modeling_decoder, k, v)
+        setattr(*owner_and_name(k), v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(modeling_decoder, k, v)
+            setattr(*owner_and_name(k), v)

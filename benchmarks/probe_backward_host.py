@@ -2,7 +2,7 @@
 path, the autotuner fall-throughs, and torch.profiler's view of every autograd node on the engine's thread, for each
 fused family call at a tiny shape (B1 H4 N128 D64, bf16; the GPU idle, so the host is the whole cost), next to SDPA.
 
-    PYTHONPATH=. python benchmarks/probe_backward_host.py --out DIR [--calls 300] [--only rbf,gka]
+    PYTHONPATH=. python benchmarks/probe_backward_host.py --out DIR [--calls 300] [--only rbf,gka] [--direct-rounds 3]
 
 Why: on an H100 host a fused forward+backward cost 0.97 ms of host time against SDPA's 0.16 ms (session 12,
 ``benchmarks/results/h100-2026-11-27i``), and the Python and aten work counted on the CPU explained only about half of
@@ -16,6 +16,10 @@ the saved tensors, checking every returned gradient).  This splits that time:
   config): each costs about 0.15 ms, and should be 0 after warm-up;
 * ``profiler``: ``torch.profiler`` (CPU activity, every thread) over ``--profile-calls`` calls, the top ops and
   autograd nodes by self CPU time.
+
+* ``direct launches``: forward+backward host time with ``hf_rbf.kernels_launch``'s direct launches off (triton's
+  ``JITFunction.run`` at every launch) and on, in interleaved rounds in this process (the host differs between
+  machines by 2-3x: compare only within one run).
 
 Writes ``DIR/backward_host.md`` and ``DIR/backward_host.json``.
 """
@@ -154,7 +158,14 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--profile-calls", type=int, default=50)
     p.add_argument("--only", default="", help="comma-separated substrings of the call names")
+    p.add_argument(
+        "--direct-rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of forward+backward host time, kernels_launch's direct launches off / on (0: skip)",
+    )
     args = p.parse_args(argv)
+    from hf_rbf import kernels_launch
     cuda = torch.cuda.is_available()
     if not cuda:  # a smoke run only (kernels in triton's interpreter): the numbers say nothing about a GPU host
         print("no CUDA: running in triton's interpreter at the same shape; the times are not host costs")
@@ -171,14 +182,27 @@ def main(argv=None) -> int:
         if only and not any(s in name for s in only):
             continue
         fn, leaves = calls[name]
-        row = {
-            "host ms forward": host_ms(fn, leaves, args.calls, backward=False),
-            "host ms forward+backward": host_ms(fn, leaves, args.calls, backward=True),
-        }
+        row = {}
+        if args.direct_rounds:  # the same call with triton's launcher at every launch, then with direct launches
+            times = {False: [], True: []}
+            for _ in range(args.direct_rounds):
+                for direct in (False, True):
+                    kernels_launch.DIRECT_LAUNCH = direct
+                    times[direct].append(host_ms(fn, leaves, args.calls, backward=True))
+            kernels_launch.DIRECT_LAUNCH = True
+            row["host ms forward+backward, triton's launch path (best of rounds)"] = min(times[False])
+            row["host ms forward+backward, direct launches (best of rounds)"] = min(times[True])
+            row["  rounds, triton's launch path"] = times[False]
+            row["  rounds, direct launches"] = times[True]
+        row["host ms forward"] = host_ms(fn, leaves, args.calls, backward=False)
+        row["host ms forward+backward"] = host_ms(fn, leaves, args.calls, backward=True)
         row.update(_phases(fn, leaves, args.calls, timers))
         rows[name] = row
         section = [f"## {name}", "", "| phase | ms per call |", "|---|---|"]
-        section += [f"| {k} | {v:.4f} |" for k, v in row.items()]
+        section += [
+            f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {', '.join(f'{x:.4f}' for x in v)} |"
+            for k, v in row.items()
+        ]
         table = _profile(fn, leaves, args.profile_calls)
         section += ["", f"torch.profiler, {args.profile_calls} forward+backward calls (CPU, all threads):", ""]
         section += ["```", table, "```", ""]

@@ -45,17 +45,18 @@ def main() -> int:
 
     def compile_and_capture(self, *args, grid, warmup, **kwargs):
         kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
-        captured.append((self, args, dict(kwargs)))
+        captured.append((self, args, dict(kwargs), grid))
         return kernel
 
     JITFunction.run = compile_and_capture
+    from hf_rbf import kernels_launch
     from hf_rbf.kernels_flash_fwd import distance_forward
 
     h, n, d = 4, 128, 64
     q, k, v = (torch.randn(1, h, n, d).bfloat16() for _ in range(3))
     flags = dict(causal=True, window=None, num_prefix_keys=0, normalize=True, qnorm=False, kv_same=False, eps=0.0)
     distance_forward(q, k, v, None, None, None, None, torch.full((h,), 0.125), None, knorm_inline=True, **flags)
-    fn, args, kwargs = captured[-1]
+    fn, args, kwargs, _grid = captured[-1]
     kwargs.update(debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
     _cache, key_cache, _target, _backend, binder = fn.device_caches[0]
     _bound, specialization, options = binder(*args, **kwargs)
@@ -63,6 +64,24 @@ def main() -> int:
     print(f"triton {triton.__version__}; {len(args)} arguments {dict(types)}, {len(kwargs)} keyword arguments")
     print(f"binder: {_per_call_us(lambda: binder(*args, **kwargs)):.1f} us per launch")
     print(f"cache key: {_per_call_us(lambda: compute_cache_key(key_cache, specialization, options)):.1f} us per launch")
+
+    # The whole launch path up to the driver call: triton's JITFunction.run against kernels_launch.launch_jit, both
+    # ending in a launcher that does nothing (no GPU here), on the device / stream stand-ins of the offline driver.
+    JITFunction.run = original
+    compiled = fn.device_caches[0][0][compute_cache_key(key_cache, specialization, options)]
+    compiled._run, compiled.function = (lambda *launch_args: None), 0
+    compiled._init_handles = lambda: None  # the module is "loaded"
+    torch.cuda.current_device = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    kernels_launch.direct_launch_state = lambda: None  # the offline driver is no interpreter: compiled kernels
+    grid = captured[-1][3]
+    kw = {k: v for k, v in kwargs.items() if k not in ("debug", "instrumentation_mode")}
+    us = _per_call_us(lambda: fn.run(*args, grid=grid, warmup=False, **kw))
+    print(f"JITFunction.run without the driver call: {us:.1f} us per launch")
+    kernels_launch.launch_jit(fn, grid, args, kw)  # records the call signature
+    us = _per_call_us(lambda: kernels_launch.launch_jit(fn, grid, args, kw))
+    print(f"kernels_launch.launch_jit, the same: {us:.1f} us per launch")
+    print(f"  of which its key: {_per_call_us(lambda: kernels_launch.call_key(args, kw, 0)):.1f} us")
     return 0
 
 

@@ -211,6 +211,14 @@ VARIANTS = {
     "rbf (1 register, SuSiE, compiled)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
     "scalar_sort (1 register, compiled)": ("scalar_sort", dict(num_register_tokens=1)),
     "hybrid_sort (1 register, compiled)": ("hybrid_sort", dict(num_register_tokens=1)),
+    # triton's JITFunction.run at every kernel launch instead of hf_rbf.kernels_launch's direct launches: an A/B
+    "rbf (1 register, SuSiE, triton launch path)": (
+        "rbf",
+        dict(num_register_tokens=1, position_embedding_type="susie"),
+    ),
+    "gka (triton launch path)": ("gka", dict()),
+    "scalar_sort (1 register, triton launch path)": ("scalar_sort", dict(num_register_tokens=1)),
+    "hybrid_sort (1 register, triton launch path)": ("hybrid_sort", dict(num_register_tokens=1)),
 }
 # variant-name suffix -> the `hf_rbf.modeling_decoder` settings its steps run with (restored after each step)
 SETTING_SUFFIXES = {
@@ -220,6 +228,7 @@ SETTING_SUFFIXES = {
     ", rows)": {"register_path": "rows"},
     ", no cudagraph)": {"register_compile_mode": "default"},
     ", cudagraph)": {"register_compile_mode": "reduce-overhead"},
+    "triton launch path)": {"kernels_launch.DIRECT_LAUNCH": False},
 }
 
 

@@ -42,6 +42,8 @@ except ImportError:  # the package works without triton; the "triton" backend th
     tl = None
     HAS_TRITON = False
 
+from .kernels_launch import launch_jit  # noqa: E402  (after the triton guard, as its own)
+
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -236,13 +238,14 @@ def launch_tuned(kernel, grid, *args, **kwargs):
     (the values of the autotuner's ``key`` arguments, then the dtypes of the tensor arguments, in order, exactly as
     ``Autotuner.run`` does); when the autotuner already holds a config for it (chosen in this process or loaded from
     its disk cache), the JIT function is launched directly with that config.  Otherwise the autotuner runs as usual
-    and records its choice.
+    and records its choice.  The launch itself goes through :func:`hf_rbf.kernels_launch.launch_jit` (the compiled
+    kernel's launcher directly, once this call signature has been launched).
     """
     configs = getattr(kernel, "configs", None)
     if configs is None:  # not autotuned
-        return kernel[grid](*args, **kwargs)
+        return launch_jit(kernel, grid, args, kwargs)
     if len(configs) == 1:
-        return kernel.fn.run(*args, grid=grid, warmup=False, **kwargs, **configs[0].all_kwargs())
+        return launch_jit(kernel.fn, grid, args, {**kwargs, **_config_kwargs(configs[0])})
     n = len(args)
     key = [
         args[i] if 0 <= i < n else kwargs[name] for name, i in _key_positions(kernel) if 0 <= i < n or name in kwargs
@@ -253,7 +256,15 @@ def launch_tuned(kernel, grid, *args, **kwargs):
     config = kernel.cache.get(tuple(key))
     if config is None or config.pre_hook is not None:
         return kernel[grid](*args, **kwargs)
-    return kernel.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
+    return launch_jit(kernel.fn, grid, args, {**kwargs, **_config_kwargs(config)})
+
+
+def _config_kwargs(config) -> dict:
+    """``config.all_kwargs()`` (its constexprs and compile options), built once per config."""
+    merged = config.__dict__.get("_hf_rbf_all_kwargs")
+    if merged is None:
+        merged = config._hf_rbf_all_kwargs = config.all_kwargs()
+    return merged
 
 
 def _key_positions(kernel) -> list[tuple[str, int]]:
@@ -478,29 +489,35 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
     block = 16 if DEFINED_INTERPRETED else 128
     dummy = kb
     grid = (triton.cdiv(nk, block), batch * heads)
-    _key_bias_kernel[grid](
-        k if knorm else dummy,
-        klw if klw is not None else dummy,
-        am if am is not None else dummy,
-        coef if knorm else dummy,
-        kb,
-        kn if knorm else dummy,
-        k.stride(0) if knorm else 0,
-        k.stride(1) if knorm else 0,
-        k.stride(2) if knorm else 0,
-        slb,
-        slh,
-        sln,
-        am.stride(0) if am is not None else 0,
-        heads,
-        nk,
-        D=d,
-        D_PAD=padded_dim(d),
-        KNORM=knorm,
-        HAS_KLW=klw is not None,
-        HAS_AM=am is not None,
-        BLOCK=block,
-        num_warps=4,
+    launch_jit(
+        _key_bias_kernel,
+        grid,
+        (
+            k if knorm else dummy,
+            klw if klw is not None else dummy,
+            am if am is not None else dummy,
+            coef if knorm else dummy,
+            kb,
+            kn if knorm else dummy,
+            k.stride(0) if knorm else 0,
+            k.stride(1) if knorm else 0,
+            k.stride(2) if knorm else 0,
+            slb,
+            slh,
+            sln,
+            am.stride(0) if am is not None else 0,
+            heads,
+            nk,
+        ),
+        dict(
+            D=d,
+            D_PAD=padded_dim(d),
+            KNORM=knorm,
+            HAS_KLW=klw is not None,
+            HAS_AM=am is not None,
+            BLOCK=block,
+            num_warps=4,
+        ),
     )
     return kb, kn
 

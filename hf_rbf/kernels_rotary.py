@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .kernels_common import HAS_TRITON, next_pow2, triton_unavailable_reason
+from .kernels_launch import launch_jit
 
 if HAS_TRITON:
     import triton
@@ -126,28 +127,34 @@ def _launch(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, head_dim: 
     ko = None if kt is None else torch.empty(bsz, n, kt.shape[2], d, device=k.device, dtype=k.dtype)
     hk = 1 if kt is None else kt.shape[2]
     cos_b = cos.stride(0) if cos.shape[0] > 1 else 0
-    _rotary_kernel[(bsz * n,)](
-        qt,
-        qt if kt is None else kt,
-        cos,
-        sin,
-        qo,
-        qo if ko is None else ko,
-        qt.stride(0),
-        qt.stride(1),
-        qt.stride(2),
-        *((0, 0, 0) if kt is None else (kt.stride(0), kt.stride(1), kt.stride(2))),
-        cos_b,
-        cos.stride(1),
-        n,
-        hq,
-        hk,
-        sign,
-        HAS_K=kt is not None,
-        HALF=half,
-        HALF_PAD=next_pow2(max(half, 1)),
-        BLOCK_HQ=next_pow2(hq),
-        BLOCK_HK=next_pow2(hk),
+    launch_jit(
+        _rotary_kernel,
+        (bsz * n,),
+        (
+            qt,
+            qt if kt is None else kt,
+            cos,
+            sin,
+            qo,
+            qo if ko is None else ko,
+            qt.stride(0),
+            qt.stride(1),
+            qt.stride(2),
+            *((0, 0, 0) if kt is None else (kt.stride(0), kt.stride(1), kt.stride(2))),
+            cos_b,
+            cos.stride(1),
+            n,
+            hq,
+            hk,
+            sign,
+        ),
+        dict(
+            HAS_K=kt is not None,
+            HALF=half,
+            HALF_PAD=next_pow2(max(half, 1)),
+            BLOCK_HQ=next_pow2(hq),
+            BLOCK_HK=next_pow2(hk),
+        ),
     )
 
     def layout(t):

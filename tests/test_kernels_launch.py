@@ -1,0 +1,200 @@
+"""``kernels_launch.launch_jit``: a repeated call signature goes to the compiled launcher directly, with the same
+launch arguments triton's own ``JITFunction.run`` would pass; anything that could change the launch goes through
+``run``.
+
+The CPU tests drive it with a real ``triton.runtime.jit.JITFunction`` whose ``run`` is replaced by a recorder (the
+CPU has no compiled kernels); the GPU test compares real kernels launched both ways."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from hf_rbf import kernels_launch  # noqa: E402
+
+
+def _kernel(x_ptr, n, scale, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False):  # noqa: F821
+    pass  # never compiled: the test replaces ``run``
+
+
+class _Compiled:
+    """What ``JITFunction.run`` returns: the launcher and what it is called with."""
+
+    def __init__(self, launches):
+        self.function = 1234
+        self.packed_metadata = ("meta",)
+        self.launches = launches
+
+    def run(self, *launch_args):
+        self.launches.append(launch_args)
+
+
+@pytest.fixture
+def jit(monkeypatch):
+    """A JIT function whose ``run`` records its calls and returns a fake compiled kernel; device 0, stream 77."""
+    fn = JITFunction(_kernel)
+    runs, launches = [], []
+    compiled = _Compiled(launches)
+
+    def run(*args, grid, warmup, **kwargs):
+        runs.append((args, grid, kwargs))
+        return compiled
+
+    fn.run = run
+    monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(kernels_launch, "direct_launch_state", lambda: None)
+    monkeypatch.setattr(kernels_launch, "_STATE", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    return fn, runs, launches
+
+
+def test_second_launch_goes_to_the_launcher_with_runs_arguments(jit):
+    fn, runs, launches = jit
+    x = torch.zeros(64)
+    grid = lambda meta: (triton.cdiv(100, meta["BLOCK"]), 3)  # noqa: E731
+    kwargs = {"BLOCK": 32, "num_warps": 4}
+    kernels_launch.launch_jit(fn, grid, (x, 100, 0.5), kwargs)
+    assert len(runs) == 1 and launches == []
+    kernels_launch.launch_jit(fn, grid, (x, 100, 0.25), kwargs)  # another float value: the same specialisation
+    assert len(runs) == 1
+    # grid from the keywords, stream of the current device, no launch metadata or hooks, then every parameter in
+    # signature order: the positional ones, the constexpr from the keywords, the default of the one not given
+    assert launches == [(4, 3, 1, 77, 1234, ("meta",), None, None, None, x, 100, 0.25, 32, False)]
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["dtype", "alignment", "int value", "int type", "keyword", "new keyword"],
+)
+def test_anything_triton_specialises_on_goes_through_run(jit, change):
+    fn, runs, launches = jit
+    x = torch.zeros(64)
+    args, kwargs = (x, 16, 0.5), {"BLOCK": 32}
+    kernels_launch.launch_jit(fn, (1,), args, kwargs)
+    other_args, other_kwargs = list(args), dict(kwargs)
+    if change == "dtype":
+        other_args[0] = torch.zeros(64, dtype=torch.float16)
+    elif change == "alignment":
+        other_args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "int value":
+        other_args[1] = 1  # triton makes 1 a constant, 16 is "divisible by 16"
+    elif change == "int type":
+        other_args[1] = 16.0
+    elif change == "keyword":
+        other_kwargs["BLOCK"] = 64
+    else:
+        other_kwargs["FLAG"] = True
+    kernels_launch.launch_jit(fn, (1,), tuple(other_args), other_kwargs)
+    assert len(runs) == 2 and launches == []
+    kernels_launch.launch_jit(fn, (1,), tuple(other_args), other_kwargs)  # now known: direct
+    assert len(runs) == 2 and len(launches) == 1
+
+
+def test_call_key_is_at_least_as_fine_as_triton_specialisation():
+    """Equal keys must mean equal specialisations: tensors by dtype and 16-byte alignment, integers by value."""
+    x = torch.zeros(64)
+    key = kernels_launch.call_key
+    assert key((x, 3), {}, 0) == key((torch.ones(64), 3), {}, 0)
+    assert key((x, 3), {}, 0) != key((x[4:], 3), {}, 0) or x[4:].data_ptr() % 16 == x.data_ptr() % 16
+    assert key((x[1:], 3), {}, 0) != key((x, 3), {}, 0)
+    assert key((x, 3), {}, 0) != key((x, 3), {}, 1)  # device
+    assert key((x, 2**31), {}, 0) != key((x, 2**31 - 1), {}, 0)  # i64 against i32
+    assert key((x, True), {}, 0) == key((x, True), {}, 0)
+    assert key((x, None), {"A": 1}, 0) != key((x, None), {"A": 2}, 0)
+
+
+@pytest.mark.parametrize("what", ["turned off", "enter hook", "pre-run hook", "not a compiled kernel"])
+def test_direct_path_stays_out_of_the_way(jit, monkeypatch, what):
+    fn, runs, launches = jit
+    x = torch.zeros(64)
+    if what == "turned off":
+        monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", False)
+        monkeypatch.setattr(kernels_launch, "direct_launch_state", lambda: "off")
+    elif what == "enter hook":
+        hook = kernels_launch._knobs.runtime.launch_enter_hook
+        if hasattr(hook, "calls"):  # triton 3.6+: a HookChain
+            monkeypatch.setattr(hook, "calls", [print])
+        else:
+            monkeypatch.setattr(kernels_launch._knobs.runtime, "launch_enter_hook", print)
+    elif what == "pre-run hook":
+        monkeypatch.setattr(fn, "pre_run_hooks", [lambda *a, **k: None])
+    else:
+        monkeypatch.setitem(fn.__dict__, "_hf_rbf_direct", False)
+    for _ in range(3):
+        kernels_launch.launch_jit(fn, (1,), (x, 5, 1.0), {"BLOCK": 16})
+    assert len(runs) == 3 and launches == []
+
+
+def test_cache_is_bounded(jit, monkeypatch):
+    fn, runs, launches = jit
+    monkeypatch.setattr(kernels_launch, "CACHE_LIMIT", 4)
+    x = torch.zeros(64)
+    for n in range(10):  # ten lengths, as a decode loop makes
+        kernels_launch.launch_jit(fn, (1,), (x, n, 1.0), {"BLOCK": 16})
+    assert len(fn._hf_rbf_direct) <= 4
+    kernels_launch.launch_jit(fn, (1,), (x, 9, 1.0), {"BLOCK": 16})
+    assert len(runs) == 10 and len(launches) == 1
+
+
+def test_tail_names_a_missing_parameter():
+    fn = JITFunction(_kernel)
+    with pytest.raises(TypeError, match="BLOCK"):
+        kernels_launch._tail(fn, 3, {})
+    assert kernels_launch._tail(fn, 3, {"BLOCK": 8}) == (8, False)
+    assert inspect.Parameter.empty is not False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: compiled kernels")
+def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
+    """rbf / GKA / hybrid / scalar forward+backward on the fused kernels: the first call goes through triton, the
+    repeats through the direct path; results equal (bitwise) those with the direct path off."""
+    from hf_rbf import gka_attention, hybrid_attention, rbf_attention, scalar_attention
+    from hf_rbf import kernels_common
+
+    if kernels_launch.direct_launch_state() is not None:
+        pytest.skip(f"direct launches not available: {kernels_launch.direct_launch_state()}")
+    torch.manual_seed(0)
+    b, h, n, d = 2, 4, 200, 64
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    qs, ks = (torch.randn(b, h, n, device="cuda", requires_grad=True) for _ in range(2))
+    calls = {
+        "rbf": lambda: rbf_attention(q, k, v, backend="triton", window=64),
+        "gka": lambda: gka_attention(q, 0.5, backend="triton"),
+        "hybrid": lambda: hybrid_attention(q, k, v, qs, ks, tau=2.0, backend="triton"),
+        "scalar": lambda: scalar_attention(qs, ks, v, tau=2.0, backend="triton"),
+    }
+
+    def run(fn):
+        for t in (q, k, v, qs, ks):
+            t.grad = None
+        out = fn()
+        out.float().square().sum().backward()
+        return [out.detach().clone()] + [t.grad.clone() for t in (q, k, v, qs, ks) if t.grad is not None]
+
+    for name, fn in calls.items():
+        monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", False)
+        expected = run(fn)
+        monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", True)
+        run(fn)  # records the call signatures
+        got = run(fn)  # launched directly
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert kernels_common.HAS_TRITON
+    assert any(getattr(f, "_hf_rbf_direct", None) for f in _jit_functions())
+
+
+def _jit_functions():
+    from hf_rbf import kernels_flash_bwd, kernels_flash_fwd, kernels_scalar_bwd, kernels_scalar_fwd
+
+    for module in (kernels_flash_fwd, kernels_flash_bwd, kernels_scalar_fwd, kernels_scalar_bwd):
+        for value in vars(module).values():
+            fn = getattr(value, "fn", value)
+            if isinstance(fn, JITFunction):
+                yield fn
