@@ -163,7 +163,7 @@ def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
     torch.manual_seed(0)
     b, h, n, d = 2, 4, 200, 64
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    qs, ks = (torch.randn(b, h, n, device="cuda", requires_grad=True) for _ in range(2))
+    qs, ks = (torch.randn(b, h, n, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     calls = {
         "rbf": lambda: rbf_attention(q, k, v, backend="triton", window=64),
         "gka": lambda: gka_attention(q, 0.5, backend="triton"),
