@@ -49,8 +49,17 @@ def main() -> int:
         return kernel
 
     JITFunction.run = compile_and_capture
-    from hf_rbf import kernels_launch
+    from hf_rbf import kernels_common, kernels_flash_fwd, kernels_launch
     from hf_rbf.kernels_flash_fwd import distance_forward
+
+    tuned_calls = []
+
+    def capture_tuned(kernel, grid, *args, **kwargs):
+        tuned_calls.append((kernel, grid, args, kwargs))
+        return kernels_common.launch_tuned(kernel, grid, *args, **kwargs)
+
+    kernels_flash_fwd.launch_tuned = capture_tuned
+    kernels_launch.DIRECT_LAUNCH = False  # compiling: the offline driver cannot load a kernel for the direct path
 
     h, n, d = 4, 128, 64
     q, k, v = (torch.randn(1, h, n, d).bfloat16() for _ in range(3))
@@ -73,7 +82,7 @@ def main() -> int:
     compiled._init_handles = lambda: None  # the module is "loaded"
     torch.cuda.current_device = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda device: 0
-    kernels_launch.direct_launch_state = lambda: None  # the offline driver is no interpreter: compiled kernels
+    kernels_launch.DIRECT_LAUNCH = True
     grid = captured[-1][3]
     kw = {k: v for k, v in kwargs.items() if k not in ("debug", "instrumentation_mode")}
     us = _per_call_us(lambda: fn.run(*args, grid=grid, warmup=False, **kw))
@@ -82,6 +91,11 @@ def main() -> int:
     us = _per_call_us(lambda: kernels_launch.launch_jit(fn, grid, args, kw))
     print(f"kernels_launch.launch_jit, the same: {us:.1f} us per launch")
     print(f"  of which its key: {_per_call_us(lambda: kernels_launch.call_key(args, kw, 0)):.1f} us")
+    # the same launch as our kernels make it: kernels_common.launch_tuned (the autotuner's choice, then launch_jit)
+    tuned, tgrid, targs, tkw = tuned_calls[-1]
+    kernels_common.launch_tuned(tuned, tgrid, *targs, **tkw)
+    us = _per_call_us(lambda: kernels_common.launch_tuned(tuned, tgrid, *targs, **tkw))
+    print(f"kernels_common.launch_tuned (autotuned kernel, direct launches): {us:.1f} us per launch")
     return 0
 
 

@@ -42,7 +42,7 @@ except ImportError:  # the package works without triton; the "triton" backend th
     tl = None
     HAS_TRITON = False
 
-from .kernels_launch import launch_jit  # noqa: E402  (after the triton guard, as its own)
+from .kernels_launch import launch_cached, launch_jit  # noqa: E402  (after the triton guard, as its own)
 
 
 LOG2E = 1.4426950408889634
@@ -238,25 +238,37 @@ def launch_tuned(kernel, grid, *args, **kwargs):
     (the values of the autotuner's ``key`` arguments, then the dtypes of the tensor arguments, in order, exactly as
     ``Autotuner.run`` does); when the autotuner already holds a config for it (chosen in this process or loaded from
     its disk cache), the JIT function is launched directly with that config.  Otherwise the autotuner runs as usual
-    and records its choice.  The launch itself goes through :func:`hf_rbf.kernels_launch.launch_jit` (the compiled
-    kernel's launcher directly, once this call signature has been launched).
+    and records its choice.  Once a call signature has been launched with a known config, its repeats skip even this
+    key: :func:`hf_rbf.kernels_launch.launch_cached` launches the compiled kernel through its launcher directly.
     """
-    configs = getattr(kernel, "configs", None)
-    if configs is None:  # not autotuned
+    if getattr(kernel, "configs", None) is None:  # not autotuned
         return launch_jit(kernel, grid, args, kwargs)
+    return launch_cached(kernel, kernel.fn, grid, args, kwargs, lambda: _launch_with_config(kernel, grid, args, kwargs))
+
+
+def _launch_with_config(kernel, grid, args, kwargs):
+    """Launch through the JIT function with the autotuner's config for this call when it holds one (returns the
+    compiled kernel and the keywords with the config's), else through the autotuner (returns ``(None, None)``: its
+    choice is known from the next call on)."""
+    configs = kernel.configs
     if len(configs) == 1:
-        return launch_jit(kernel.fn, grid, args, {**kwargs, **_config_kwargs(configs[0])})
-    n = len(args)
-    key = [
-        args[i] if 0 <= i < n else kwargs[name] for name, i in _key_positions(kernel) if 0 <= i < n or name in kwargs
-    ]
-    for arg in args:
-        if hasattr(arg, "dtype"):
-            key.append(str(arg.dtype))
-    config = kernel.cache.get(tuple(key))
-    if config is None or config.pre_hook is not None:
-        return kernel[grid](*args, **kwargs)
-    return launch_jit(kernel.fn, grid, args, {**kwargs, **_config_kwargs(config)})
+        config = configs[0]
+    else:
+        n = len(args)
+        key = [
+            args[i] if 0 <= i < n else kwargs[name]
+            for name, i in _key_positions(kernel)
+            if 0 <= i < n or name in kwargs
+        ]
+        for arg in args:
+            if hasattr(arg, "dtype"):
+                key.append(str(arg.dtype))
+        config = kernel.cache.get(tuple(key))
+        if config is None or config.pre_hook is not None:
+            kernel[grid](*args, **kwargs)
+            return None, None
+    launched = {**kwargs, **_config_kwargs(config)}
+    return kernel.fn.run(*args, grid=grid, warmup=False, **launched), launched
 
 
 def _config_kwargs(config) -> dict:

@@ -8,16 +8,20 @@ machines everything before the launcher takes 27-31 us per forward launch, again
 ``benchmarks/probe_triton_binder_offline.py``); on the H100 hosts a whole launch cost 0.05-0.18 ms
 (``benchmarks/results/h100-2026-11-27j``), three per forward+backward of every layer.
 
-:func:`launch_jit` keeps, per kernel, a dict from a cheap key of the call (tensor dtypes and 16-byte alignment, the
+:func:`launch_jit` (and, for autotuned kernels, ``kernels_common.launch_tuned`` through :func:`launch_cached`)
+keeps, per kernel, a dict from a cheap key of the call (tensor dtypes, 16-byte alignment and being on a GPU, the
 values of the integer and other non-float arguments, the keyword arguments, the device) to what triton compiled for
-it (the launcher, the CUDA function and its packed metadata, the constexpr values in signature order).  The key is
-at least as fine as triton's specialisation (equal keys mean equal specialisations), so a hit launches exactly the
-kernel ``fn.run`` would, through the same launcher call; a miss goes through ``fn.run`` (which compiles if needed)
-and records the result.  Nothing is skipped that could change the launch: launches with triton's launch hooks
-(proton, ``knobs.runtime.launch_enter_hook``), pre-run hooks or a stage-inspection hook installed go through
-``fn.run``, as do launches under the interpreter and triton versions whose launch protocol is not the one checked
-here (3.4-3.9: ``CompiledKernel.run(grid..., stream, function, packed_metadata, launch_metadata, enter_hook,
-exit_hook, *every_parameter)``).
+it (the launcher, the CUDA function and its packed metadata, the constexpr values in signature order, the keywords it
+launched with: an autotuned kernel's config among them).  The key is at least as fine as triton's specialisation and
+the autotuner's tuning key (equal keys mean equal specialisations and configs), so a hit launches exactly the kernel
+``fn.run`` would, through the same launcher call, the tensors passed as data pointers; a miss goes through triton
+(which compiles and tunes if needed) and records the result.  Measured offline (triton 3.6, this project's CPU):
+an autotuned forward launch through ``launch_tuned`` costs 15 us before the driver call, against 32 us for the
+autotune key plus ``JITFunction.run`` before.  Nothing is skipped that could change the launch: launches with
+triton's launch hooks (proton, ``knobs.runtime.launch_enter_hook``), pre-run hooks or a stage-inspection hook
+installed go through triton, as do launches under the interpreter and triton versions whose launch protocol is not
+the one checked here (3.4-3.9: ``CompiledKernel.run(grid..., stream, function, packed_metadata, launch_metadata,
+enter_hook, exit_hook, *every_parameter)``).
 
 ``HF_RBF_TRITON_DIRECT_LAUNCH=0`` (or ``kernels_launch.DIRECT_LAUNCH = False``) turns it off; ``direct_launch_state()``
 says whether it is on and why not.
@@ -110,32 +114,41 @@ def _getter(positions: list[int]):
 
 
 def _layout(types: tuple) -> tuple:
-    """Getters of the tensor arguments and of the specialised non-tensor ones (everything but floats, which triton
-    never specialises) for one tuple of argument types."""
+    """For one tuple of argument types: a getter of the tensor arguments, a getter of the specialised non-tensor ones
+    (everything but floats, which triton never specialises) and the tensors' positions."""
     tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
     others = [i for i, t in enumerate(types) if not issubclass(t, torch.Tensor) and t is not float]
-    return _getter(tensors), _getter(others)
+    return _getter(tensors), _getter(others), tuple(tensors)
 
 
-_LAYOUTS: dict = {}  # tuple of argument types -> (tensor getter, other getter)
+_LAYOUTS: dict = {}  # tuple of argument types -> (tensor getter, other getter, tensor positions)
 
 
-def call_key(args, kwargs, device: int) -> tuple:
-    """The cache key of a launch: every argument's type; tensors by dtype and 16-byte alignment (what triton
-    specialises a tensor on); floats by type alone (triton never specialises them); every other argument (integers,
-    None, flags) and every keyword by value.  Equal keys mean equal specialisations."""
+def _key_and_pointers(args, kwargs, device: int):
+    """``(key, tensor positions, tensor data pointers)`` of a launch: see :func:`call_key`."""
     types = tuple(map(type, args))
     layout = _LAYOUTS.get(types)
     if layout is None:
         layout = _LAYOUTS[types] = _layout(types)
-    tensors, others = layout
-    return (
+    tensor_getter, other_getter, positions = layout
+    tensors = tensor_getter(args)
+    pointers = [t.data_ptr() for t in tensors]
+    key = (
         device,
         tuple(kwargs.items()),
         types,
-        others(args),
-        *[(t.dtype, t.data_ptr() & 15) for t in tensors(args)],
+        other_getter(args),
+        *[(t.dtype, p & 15, t.is_cuda) for t, p in zip(tensors, pointers)],
     )
+    return key, positions, pointers
+
+
+def call_key(args, kwargs, device: int) -> tuple:
+    """The cache key of a launch: every argument's type; tensors by dtype, 16-byte alignment (what triton
+    specialises a tensor on) and whether they are on a GPU; floats by type alone (triton never specialises them);
+    every other argument (integers, None, flags) and every keyword by value; the device.  Equal keys mean equal
+    specialisations."""
+    return _key_and_pointers(args, kwargs, device)[0]
 
 
 def _tail(fn, n_args: int, kwargs) -> tuple:
@@ -158,40 +171,59 @@ def launch_jit(fn, grid, args, kwargs):
     """``fn[grid](*args, **kwargs)`` for a ``triton.jit`` function, through the compiled kernel's launcher directly
     when this exact call signature was launched before (see the module docstring).  ``grid``: a tuple or a callable
     of the keyword arguments (``meta["BLOCK_M"]``)."""
-    cache = fn.__dict__.get("_hf_rbf_direct")
+
+    def through_triton():
+        return fn.run(*args, grid=grid, warmup=False, **kwargs), kwargs
+
+    return launch_cached(fn, fn, grid, args, kwargs, through_triton)
+
+
+def launch_cached(owner, fn, grid, args, kwargs, through_triton):
+    """Launch ``fn`` (a ``triton.jit`` function) for ``args`` / ``kwargs`` directly when ``owner`` (``fn`` itself, or
+    the autotuner around it) has launched this call signature before; otherwise ``through_triton()``, which launches
+    the usual way and returns ``(compiled kernel or None, the keywords it launched with)``: a compiled kernel is
+    recorded under this call's key, with those keywords (the autotuner's config included) for the grid.
+
+    On a hit the tensors go to the launcher as their data pointers (integers): the launcher then neither calls
+    ``data_ptr()`` nor asks the driver to check each pointer (``cuPointerGetAttribute``), which triton did for this
+    signature at its first launch (the key holds each tensor's dtype, alignment and being on a GPU)."""
+    cache = owner.__dict__.get("_hf_rbf_direct")
     if cache is None:  # a compiled kernel's JIT function (the interpreter's stand-in has no compiled launcher)
-        cache = fn._hf_rbf_direct = {} if isinstance(fn, triton.runtime.jit.JITFunction) else False
+        cache = owner._hf_rbf_direct = {} if isinstance(fn, triton.runtime.jit.JITFunction) else False
     if cache is False or not _enabled() or _hooks_installed(fn):
-        return fn.run(*args, grid=grid, warmup=False, **kwargs)
+        return through_triton()[0]
     device = torch.cuda.current_device()
-    key = call_key(args, kwargs, device)
+    key, positions, pointers = _key_and_pointers(args, kwargs, device)
     try:
         entry = cache.get(key)
     except TypeError:  # an unhashable argument (a tensor descriptor, say): triton's own path
-        return fn.run(*args, grid=grid, warmup=False, **kwargs)
+        return through_triton()[0]
     if entry is None:
-        compiled = fn.run(*args, grid=grid, warmup=False, **kwargs)
+        compiled, launched_kwargs = through_triton()
         if compiled is not None and hasattr(compiled, "packed_metadata"):
             if len(cache) >= CACHE_LIMIT:
                 cache.clear()
-            cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, _tail(fn, len(args), kwargs))
+            tail = _tail(fn, len(args), launched_kwargs)
+            cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail, launched_kwargs)
         return compiled
-    launcher, function, packed_metadata, tail = entry
+    launcher, function, packed_metadata, tail, launched_kwargs = entry
     if callable(grid):
-        grid = grid(kwargs)
-    stream = torch._C._cuda_getCurrentRawStream(device)
+        grid = grid(launched_kwargs)
+    launch_args = list(args)
+    for i, p in zip(positions, pointers):
+        launch_args[i] = p
     n = len(grid)
     launcher(
         grid[0],
         grid[1] if n > 1 else 1,
         grid[2] if n > 2 else 1,
-        stream,
+        torch._C._cuda_getCurrentRawStream(device),
         function,
         packed_metadata,
         None,  # launch metadata: only built for launch hooks, and there are none (checked above)
         None,
         None,
-        *args,
+        *launch_args,
         *tail,
     )
     return None

@@ -64,8 +64,9 @@ def test_second_launch_goes_to_the_launcher_with_runs_arguments(jit):
     kernels_launch.launch_jit(fn, grid, (x, 100, 0.25), kwargs)  # another float value: the same specialisation
     assert len(runs) == 1
     # grid from the keywords, stream of the current device, no launch metadata or hooks, then every parameter in
-    # signature order: the positional ones, the constexpr from the keywords, the default of the one not given
-    assert launches == [(4, 3, 1, 77, 1234, ("meta",), None, None, None, x, 100, 0.25, 32, False)]
+    # signature order: the positional ones (tensors as their data pointers), the constexpr from the keywords, the
+    # default of the one not given
+    assert launches == [(4, 3, 1, 77, 1234, ("meta",), None, None, None, x.data_ptr(), 100, 0.25, 32, False)]
 
 
 @pytest.mark.parametrize(
@@ -140,6 +141,24 @@ def test_cache_is_bounded(jit, monkeypatch):
     assert len(fn._hf_rbf_direct) <= 4
     kernels_launch.launch_jit(fn, (1,), (x, 9, 1.0), {"BLOCK": 16})
     assert len(runs) == 10 and len(launches) == 1
+
+
+def test_autotuned_kernel_launches_its_chosen_config_then_directly(jit):
+    """``kernels_common.launch_tuned``: the autotuner's cached choice for the call's tuning key is launched through
+    the JIT function with the config's keywords; the repeat goes to the launcher, its grid from the config."""
+    from hf_rbf import kernels_common
+
+    fn, runs, launches = jit
+    configs = [triton.Config({"BLOCK": 16}, num_warps=2), triton.Config({"BLOCK": 64}, num_warps=4)]
+    tuned = triton.autotune(configs=configs, key=["n"])(fn)
+    x = torch.zeros(64)
+    tuned.cache[(100, str(x.dtype))] = configs[1]  # what the autotuner chose for n = 100
+    grid = lambda meta: (triton.cdiv(100, meta["BLOCK"]),)  # noqa: E731
+    kernels_common.launch_tuned(tuned, grid, x, 100, 0.5, FLAG=True)
+    assert len(runs) == 1 and runs[0][2] == {"FLAG": True, **configs[1].all_kwargs()}
+    kernels_common.launch_tuned(tuned, grid, x, 100, 0.5, FLAG=True)
+    assert len(runs) == 1
+    assert launches == [(2, 1, 1, 77, 1234, ("meta",), None, None, None, x.data_ptr(), 100, 0.5, 64, True)]
 
 
 def test_tail_names_a_missing_parameter():
