@@ -86,6 +86,7 @@ def _forward_impl(
     knorm,
     kv_same,
     eps,
+    tau_in,
 ):
     """Launch the key-bias pass (only for key weights or padding) and the flash forward: ``(out, lse, kb | None)``."""
     kb = None
@@ -122,6 +123,7 @@ def _forward_impl(
         eps=eps,
         knorm_inline=inline,
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
+        tau_in=tau_in,
     )
     return out, lse, kb
 
@@ -148,6 +150,7 @@ def distance_fwd(
     knorm: bool,
     kv_same: bool,
     eps: float,
+    tau_in: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     out, lse, kb = _forward_impl(
         q,
@@ -170,6 +173,7 @@ def distance_fwd(
         knorm,
         kv_same,
         eps,
+        tau_in,
     )
     # an empty placeholder: a custom op returns tensors
     kb = torch.empty(0, device=q.device, dtype=torch.float32) if kb is None else kb
@@ -198,6 +202,7 @@ def _(
     knorm,
     kv_same,
     eps,
+    tau_in,
 ):
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
@@ -234,6 +239,7 @@ def _backward_impl(
     need_dbeta,
     need_ab,
     need_dkb,
+    tau_in,
 ):
     """The backward kernels: ``(dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv)`` (see ``distance_backward``)."""
     return distance_backward(
@@ -262,6 +268,7 @@ def _backward_impl(
         need_dkb=need_dkb,
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
         knorm_inline=_knorm_inline(knorm, kb, None, prefix_k),
+        tau_in=tau_in,
     )
 
 
@@ -292,6 +299,7 @@ def distance_bwd(
     need_dbeta: bool,
     need_ab: bool,
     need_dkb: bool,
+    tau_in: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = _backward_impl(
         dout,
@@ -319,6 +327,7 @@ def distance_bwd(
         need_dbeta,
         need_ab,
         need_dkb,
+        tau_in,
     )
     # the unused outputs as empty tensors (a custom op returns tensors, and its outputs must not alias each other)
     return tuple(
@@ -354,6 +363,7 @@ def _(
     need_dbeta,
     need_ab,
     need_dkb,
+    tau_in,
 ):
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
@@ -380,7 +390,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, qs, ks, beta, a, b, klw, _am, pk, pv = inputs[:12]
     out, lse, kb = output
     ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, pk, pv)
-    ctx.flags = tuple(inputs[12:])  # causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
+    ctx.flags = tuple(inputs[12:])  # causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps, tau_in
     ctx.klw_shape = None if klw is None else tuple(klw.shape)
     ctx.klw_dtype = None if klw is None else klw.dtype
     ctx.mark_non_differentiable(lse, kb)
@@ -397,7 +407,7 @@ def _gradients(ctx, dout, run_backward):
     ``torch.compile``) and :class:`_DistanceFunction` (eager).  ``run_backward`` is ``distance_bwd`` (the op) or
     ``_backward_impl`` (the same kernels without the op's dispatch)."""
     q, k, v, qs, ks, beta, a, b, out, lse, kb, pk, pv = ctx.saved_tensors
-    causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps = ctx.flags
+    causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps, tau_in = ctx.flags
     need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
     need_ab = bool(need["a"] or need["b"])
     dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv = run_backward(
@@ -426,6 +436,7 @@ def _gradients(ctx, dout, run_backward):
         bool(need["beta"]),
         need_ab,
         bool(need["key_log_weights"]),
+        tau_in,
     )
     grads = {"q": dq, "k": dk, "v": None if kv_same else dv}
     if pk is not None:
@@ -446,7 +457,7 @@ def _gradients(ctx, dout, run_backward):
             grads["ks"] = dks.to(ks.dtype)
         if need["beta"]:
             grads["beta"] = _reduce_to(dbeta, tuple(beta.shape)).to(beta.dtype)
-    return tuple(grads.get(name) for name in _FWD_ARGS) + (None,) * 8
+    return tuple(grads.get(name) for name in _FWD_ARGS) + (None,) * 9  # no gradients for the 9 flags
 
 
 def _backward(ctx, dout, _dlse, _dkb):
@@ -472,7 +483,7 @@ class _DistanceFunction(torch.autograd.Function):
         out, lse, kb = _forward_impl(*args)
         q, k, v, qs, ks, beta, a, b, klw, _am, pk, pv = args[:12]
         ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, pk, pv)
-        ctx.flags = tuple(args[12:])  # causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps
+        ctx.flags = tuple(args[12:])  # causal .. eps, tau_in (as in _setup_context)
         ctx.klw_shape = None if klw is None else tuple(klw.shape)
         ctx.klw_dtype = None if klw is None else klw.dtype
         return out
@@ -503,6 +514,7 @@ def _decode_impl(
     knorm,
     kv_same,
     eps,
+    tau_in,
 ):
     bsz, heads, _, _ = q.shape
     nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
@@ -527,6 +539,7 @@ def _decode_impl(
         kv_same=kv_same,
         eps=eps,
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
+        tau_in=tau_in,
     )
 
 
@@ -552,6 +565,7 @@ def distance_decode_op(
     knorm: bool,
     kv_same: bool,
     eps: float,
+    tau_in: bool,
 ) -> Tensor:
     return _decode_impl(
         q,
@@ -574,6 +588,7 @@ def distance_decode_op(
         knorm,
         kv_same,
         eps,
+        tau_in,
     )
 
 
@@ -599,6 +614,7 @@ def _(
     knorm,
     kv_same,
     eps,
+    tau_in,
 ):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
 
@@ -649,6 +665,7 @@ def distance_attention(
     kv_same: bool,
     eps: float,
     prefix: tuple[Tensor, Tensor] | None = None,
+    tau_in: bool = False,
 ) -> Tensor:
     """Run the fused op: the split-K decode kernel for a few query rows without gradients, else the flash op.
 
@@ -656,7 +673,8 @@ def distance_attention(
     D], pv [B|1, G, P, Dv])`` (a batch of 1 is shared by every batch element; with ``kv_same`` ``pv`` is ignored):
     the result is that of ``k = cat([pk.expand(B, ...), k], 2)`` (and ``v`` alike), without the copies.  ``k`` and
     ``v`` then hold only the sequence keys, while ``mask`` (key log-weights, padding) and the scalar keys ``ks``
-    cover all ``P + N`` keys.
+    cover all ``P + N`` keys.  ``tau_in``: ``beta`` holds the temperature ``tau`` of the scalar term (the kernels take
+    ``1 / tau`` per row and write ``tau``'s gradient: no reciprocal op and its backward per call).
     """
     q, k, a, b = _contig(q), _contig(k), _contig(a), _contig(b)
     v = k if kv_same else _contig(v)
@@ -684,6 +702,7 @@ def distance_attention(
         knorm,
         kv_same,
         float(eps),
+        bool(tau_in),
     )
     differentiable = (q, k, v, qs, ks, beta, a, b, mask.key_log_weights, pk, pv)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)

@@ -228,7 +228,8 @@ def hybrid_flex_reason(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> str | Non
 # Hybrid scalar + dot-product attention on the fused Triton kernels (``backend="triton"``).
 #
 # ``S_ij = scale_h q_i.k_j - (qs_i - ks_j)^2 / tau_i + log w_j``: the shared distance op with ``a = scale``, ``b = 0``
-# and the scalar term with ``beta = 1 / tau`` evaluated per score element in fp32 (the exact difference, not an
+# and the scalar term with ``beta = 1 / tau`` (formed per row inside the kernels from ``tau``: ``tau_in``) evaluated
+# per score element in fp32 (the exact difference, not an
 # expanded product, so large scalar keys lose no precision).  Grouped values ``[B, G, Nk, Dv]`` are indexed by group
 # in the forward and their gradient is summed over the group's heads inside the dK/dV program.
 
@@ -240,17 +241,15 @@ def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs, prefix=
         a = scale.float()
     else:
         a = constant_vector(float(scale), (q.shape[1],), q.device)
-    if isinstance(tau, torch.Tensor):
-        beta = 1.0 / tau.float()
-    else:
-        beta = constant_vector(1.0 / float(tau), (1, 1, 1), q.device)
+    # tau as it is (the kernels take 1 / tau per row and write tau's gradient: no reciprocal op and backward per call)
+    tau_t = tau.float() if isinstance(tau, torch.Tensor) else constant_vector(float(tau), (1, 1, 1), q.device)
     return distance_attention(
         q,
         k,
         v,
         qs,
         ks,
-        beta,
+        tau_t,
         a,
         a if not a.requires_grad else a.detach(),  # b: unread without norm terms (qnorm = knorm = False)
         mask,
@@ -260,6 +259,7 @@ def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs, prefix=
         kv_same=False,
         eps=0.0,
         prefix=prefix,
+        tau_in=True,
     )
 
 

@@ -195,6 +195,7 @@ if HAS_TRITON:
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
         SCALAR: tl.constexpr,
+        TAU_IN: tl.constexpr,
         NORMALIZE: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
@@ -220,7 +221,11 @@ if HAS_TRITON:
                 sT += kb[:, None]
             if SCALAR:
                 qs = tl.load(QS_ptr + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-                beta = tl.load(BETA_ptr + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
+                if TAU_IN:  # the scalar tensor holds tau: beta = 1 / tau, IEEE-rounded as in the dQ kernel
+                    tau = tl.load(BETA_ptr + offs_m * sbn, mask=row_ok, other=1.0).to(tl.float32)
+                    beta = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tau)
+                else:
+                    beta = tl.load(BETA_ptr + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
                 dd = qs[None, :] - ks[:, None]
                 # u = beta_i log2(e) (qs_i - ks_j) serves the score (one fma) and the scalar-key gradient below (its
                 # log2(e) taken out once per key at the store): one multiply per pair fewer than two products
@@ -320,6 +325,7 @@ if HAS_TRITON:
         KEY_BIAS: tl.constexpr,
         STORE_DKB: tl.constexpr,
         SCALAR: tl.constexpr,
+        TAU_IN: tl.constexpr,
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
@@ -451,6 +457,7 @@ if HAS_TRITON:
                 HAS_WINDOW,
                 KEY_BIAS,
                 SCALAR,
+                TAU_IN,
                 NORMALIZE,
                 DOT_PREC,
             )
@@ -491,6 +498,7 @@ if HAS_TRITON:
                 HAS_WINDOW,
                 KEY_BIAS,
                 SCALAR,
+                TAU_IN,
                 NORMALIZE,
                 DOT_PREC,
             )
@@ -531,6 +539,7 @@ if HAS_TRITON:
                 HAS_WINDOW,
                 KEY_BIAS,
                 SCALAR,
+                TAU_IN,
                 NORMALIZE,
                 DOT_PREC,
             )
@@ -745,6 +754,7 @@ if HAS_TRITON:
         KNORM_INLINE: tl.constexpr,
         QNORM: tl.constexpr,
         SCALAR: tl.constexpr,
+        TAU_IN: tl.constexpr,
         NORMALIZE: tl.constexpr,
         HAS_EPS: tl.constexpr,
         KV_SAME: tl.constexpr,
@@ -791,7 +801,11 @@ if HAS_TRITON:
         b_log2 = b_nat * 1.4426950408889634
         if SCALAR:
             qs_r = tl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-            beta_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
+            if TAU_IN:  # the scalar tensor holds tau: beta = 1 / tau, IEEE-rounded (torch's 1 / tau; `/` is div.full)
+                tau_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=1.0).to(tl.float32)
+                beta_r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tau_r)
+            else:
+                beta_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
         else:
             qs_r = tl.zeros([BLOCK_M], dtype=tl.float32)
             beta_r = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -1022,8 +1036,8 @@ if HAS_TRITON:
                 a2 -= dacc * b2
             dqs_val = -2.0 * beta_r * a1
             tl.store(DQS + bh * NQ + offs_m, dqs_val.to(DQS.dtype.element_ty), mask=row_ok)
-            if NEED_DBETA:
-                tl.store(DBETA + bh * NQ + offs_m, -a2, mask=row_ok)
+            if NEED_DBETA:  # d/dbeta = -a2; with TAU_IN the tau gradient -beta^2 d/dbeta instead
+                tl.store(DBETA + bh * NQ + offs_m, a2 * beta_r * beta_r if TAU_IN else -a2, mask=row_ok)
             # the exact delta, not the rounded one, for the dK/dV kernel, which runs after this one
             tl.store(W_rows + 2 * plane, dacc, mask=row_ok)
         else:
@@ -1065,22 +1079,24 @@ def distance_backward(
     need_dkb=True,
     prefix=None,
     knorm_inline=None,
+    tau_in=False,
 ):
     """Gradients of :func:`kernels_flash_fwd.distance_forward`: two launches (dQ, then dK/dV) and one sum.
 
     ``kb``: the key-bias vector of the forward (key log-weights, padding, and with ``knorm`` the key norms), or
     None: then the key norms (``knorm``) are computed from the key tiles inside the kernels, as in the forward.
     ``prefix``: None or the separate prefix keys / values ``(pk, pv)`` of the forward (see ``distance_forward``);
-    ``knorm_inline``: the forward's choice (default: ``knorm`` without ``kb``).
+    ``knorm_inline``: the forward's choice (default: ``knorm`` without ``kb``); ``tau_in``: ``beta`` holds the
+    temperature ``tau`` (the kernels take ``1 / tau``, and ``dbeta`` is then ``tau``'s gradient).
 
     Returns ``dq, dk, dv, dkb, dab, dqs, dks, dbeta``: ``dq``/``dk``/``dv`` in the inputs' dtypes (with ``kv_same``
     ``dk`` holds key plus value gradient and ``dv`` is empty); fp32 ``dkb [B,H,Nk]`` (``sum_i dS_ij``, the key
     log-weights' gradient: with ``kb`` and ``need_dkb`` only), ``dab [2, H]`` (the per-head gradients of the dot
     coefficient ``a`` and the norm coefficient ``b``, ``need_ab`` only; ``[1, H]``, the gradient of ``a``, for the
     distance form ``b = None``: see ``distance_forward``), ``dqs [B,H,Nq]``, ``dks [B,H,Nk]`` (in qs's / ks's dtypes),
-    ``dbeta [B,H,Nq]`` (scalar term; natural-log-score gradients), ``dpk``, ``dpv`` (the separate prefix's
-    gradients in its shapes and dtype: summed over the batch when it is shared).  Unused outputs are None (no allocation: the
-    custom op ``distance_bwd`` turns them into the empty tensors its schema needs).
+    ``dbeta [B,H,Nq]`` (scalar term, natural-log-score gradients; of ``tau`` with ``tau_in``), ``dpk``, ``dpv``
+    (the separate prefix's gradients in its shapes and dtype: summed over the batch when it is shared).  Unused
+    outputs are None (no allocation: the custom op ``distance_bwd`` turns them into the empty tensors its schema needs).
 
     The per-head gradients are sums over the batch and the rows or keys of per-row and per-key terms written by the
     kernels into one fp32 work buffer ``[3, B, H, Nq + Nk]`` (query columns, then key columns):
@@ -1182,6 +1198,7 @@ def distance_backward(
         "HAS_KB": kb is not None,
         "KNORM_INLINE": (knorm and kb is None) if knorm_inline is None else knorm_inline,
         "SCALAR": scalar,
+        "TAU_IN": scalar and tau_in,
         "NORMALIZE": normalize,
         "KV_SAME": kv_same,
         "SEP_PREFIX": prefix is not None,

@@ -290,6 +290,7 @@ if HAS_TRITON:
         HAS_KB: tl.constexpr,
         QNORM: tl.constexpr,
         SCALAR: tl.constexpr,
+        TAU_IN: tl.constexpr,
         NORMALIZE: tl.constexpr,
         HAS_EPS: tl.constexpr,
         KV_SAME: tl.constexpr,
@@ -317,7 +318,11 @@ if HAS_TRITON:
         a = tl.load(A + h).to(tl.float32) * 1.4426950408889634
         if SCALAR:
             qs_r = tl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-            beta_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
+            if TAU_IN:  # the scalar tensor holds tau: beta = 1 / tau, IEEE-rounded (torch's 1 / tau; `/` is div.full)
+                tau_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=1.0).to(tl.float32)
+                beta_r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tau_r)
+            else:
+                beta_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
             beta_r = beta_r * 1.4426950408889634
         else:
             qs_r = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -659,7 +664,7 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
     return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta + sprefix, scalars
 
 
-def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied):
+def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in):
     return dict(
         D=d,
         DV=dv,
@@ -670,6 +675,7 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
         HAS_KB=kb is not None,
         QNORM=qnorm,
         SCALAR=qs is not None,
+        TAU_IN=qs is not None and tau_in,
         NORMALIZE=normalize,
         HAS_EPS=normalize and eps > 0,
         KV_SAME=kv_same,
@@ -700,12 +706,14 @@ def distance_forward(
     eps,
     knorm_inline=False,
     prefix=None,
+    tau_in=False,
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
 
     ``q [B,H,Nq,D]``, ``k [B,H,Nk,D]``, ``v [B,G,Nk,Dv]`` (last dim contiguous; ``k is v`` with ``kv_same``);
     ``kb``: key bias from ``key_bias`` or None; ``qs [B,H,Nq]``, ``ks [B,H,Nk]``, ``beta [B|1,H|1,Nq|1]`` (the
-    scalar term, ``1/tau``) or None; ``a``/``b``: ``[H]`` (contiguous, any float dtype) dot and norm coefficients
+    scalar term, ``1/tau``; with ``tau_in`` the temperature ``tau`` itself, whose reciprocal the kernel takes) or
+    None; ``a``/``b``: ``[H]`` (contiguous, any float dtype) dot and norm coefficients
     in natural-log units (the kernel multiplies them by ``log2(e)``), or ``b`` None for the distance form: ``a``
     then holds ``c_h`` and the kernel uses ``a_h = 2 c_h``, ``b_h = -c_h``; ``knorm_inline``: add ``b_h ||k_j||^2``
     computed from the key tiles (the key norms without a key-bias pass; ``kb`` then holds at most the key
@@ -736,7 +744,9 @@ def distance_forward(
         *sstrides,
         *scalars,
         SPLIT=False,
-        **_flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None),
+        **_flags(
+            q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in
+        ),
     )
     return out, lse
 
@@ -776,6 +786,7 @@ def distance_decode(
     kv_same,
     eps,
     prefix=None,
+    tau_in=False,
 ):
     """Forward for a few query rows (a decode step) with the key range split over programs; output only.
 
@@ -795,7 +806,7 @@ def distance_decode(
     lp = torch.empty_like(mp)
     erow = torch.empty(bsz * heads, nq, device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, n_split)  # noqa: E731
-    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm, prefix, b is None)
+    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm, prefix, b is None, tau_in)
     launch_tuned(
         _distance_decode,
         grid,
