@@ -271,12 +271,17 @@ def _launch_with_config(kernel, grid, args, kwargs):
     return kernel.fn.run(*args, grid=grid, warmup=False, **launched), launched
 
 
+_CONFIG_KWARGS: dict = {}  # id(config) -> (config, config.all_kwargs())
+
+
 def _config_kwargs(config) -> dict:
-    """``config.all_kwargs()`` (its constexprs and compile options), built once per config."""
-    merged = config.__dict__.get("_hf_rbf_all_kwargs")
-    if merged is None:
-        merged = config._hf_rbf_all_kwargs = config.all_kwargs()
-    return merged
+    """``config.all_kwargs()`` (its constexprs and compile options), built once per config.  Kept here, not on the
+    config: triton's autotuner writes ``config.__dict__`` into its disk cache and rebuilds ``Config(**that)`` in the
+    next process, so an attribute of ours there breaks every later process (session 14's FSDP2 call)."""
+    entry = _CONFIG_KWARGS.get(id(config))
+    if entry is None or entry[0] is not config:
+        entry = _CONFIG_KWARGS[id(config)] = (config, config.all_kwargs())
+    return entry[1]
 
 
 def _key_positions(kernel) -> list[tuple[str, int]]:

@@ -159,6 +159,11 @@ def test_autotuned_kernel_launches_its_chosen_config_then_directly(jit):
     kernels_common.launch_tuned(tuned, grid, x, 100, 0.5, FLAG=True)
     assert len(runs) == 1
     assert launches == [(2, 1, 1, 77, 1234, ("meta",), None, None, None, x.data_ptr(), 100, 0.5, 64, True)]
+    # the autotuner's disk cache stores config.__dict__ and rebuilds Config(**it) in the next process: nothing of ours
+    # may be added to a config
+    for config in configs:
+        rebuilt = triton.Config(**config.__dict__)
+        assert rebuilt.all_kwargs() == config.all_kwargs()
 
 
 def test_tail_names_a_missing_parameter():
