@@ -146,8 +146,28 @@ class RegisterStepGraphs:
                 outputs = self._run(step, layer)
             self.static_grad_outputs = tuple(torch.zeros_like(o) if o.requires_grad else None for o in outputs)
             with torch.cuda.graph(self._bwd, pool=pool, capture_error_mode=capture_error_mode):
-                self.static_grads = self._grads(outputs, self.static_grad_outputs)
+                self._pack_grads(self._grads(outputs, self.static_grad_outputs))
             self._keep_outputs(outputs)
+
+    def _pack_grads(self, grads) -> None:
+        """Lay the captured gradients out in one flat buffer per dtype (a ``cat`` inside the backward capture), so
+        that a replay's gradients leave the graph's memory in one copy per dtype instead of one per parameter
+        (``_ReplayStep.backward``: 15-20 per layer, each a launch and an allocation on the host).  ``grad_slots[i]``:
+        ``(dtype, offset, numel, shape)`` of gradient ``i`` (None for an unused one)."""
+        groups: dict = {}
+        for i, g in enumerate(grads):
+            if g is not None:
+                groups.setdefault(g.dtype, []).append(i)
+        slots = [None] * len(grads)
+        flat = {}
+        for dtype, indices in groups.items():
+            flat[dtype] = torch.cat([grads[i].reshape(-1) for i in indices])
+            offset = 0
+            for i in indices:
+                slots[i] = (dtype, offset, grads[i].numel(), tuple(grads[i].shape))
+                offset += grads[i].numel()
+        self.grad_slots = tuple(slots)
+        self.flat_grads = flat
 
     def _keep_outputs(self, outputs) -> None:
         """Keep the captured outputs as buffers without their autograd history.  Kept with it, they kept the
@@ -189,11 +209,13 @@ class _ReplayStep(torch.autograd.Function):
             if buffer is not None:
                 buffer.copy_(grad)
         graphs._replay_backward()
-        # copies: autograd may keep a returned tensor as a parameter's .grad, which the next replay would overwrite;
-        # contiguous ones, as the parameters are: a captured gradient may carry other strides (a [1, H] parameter's
-        # came back as (1, 1)), which DDP copies through its bucket with a "grad strides do not match" warning
+        # one copy of each flat buffer: autograd may keep a returned tensor as a parameter's .grad, which the next
+        # replay would overwrite; the gradients are contiguous views of it, shaped as the parameters (a captured
+        # [1, H] gradient with strides (1, 1) made DDP warn "grad strides do not match bucket view strides")
+        flat = {dtype: buffer.clone() for dtype, buffer in graphs.flat_grads.items()}
         grads = iter(
-            g.clone(memory_format=torch.contiguous_format) if g is not None else None for g in graphs.static_grads
+            None if slot is None else flat[slot[0]].narrow(0, slot[1], slot[2]).view(slot[3])
+            for slot in graphs.grad_slots
         )
         states_grad = next(grads) if graphs.static_states.requires_grad else None
         param_grads = tuple(next(grads) for _ in graphs.params)

@@ -26,7 +26,7 @@ class EmulatedGraphs(RegisterStepGraphs):
         live = self._run(step, layer)
         self.static_grad_outputs = tuple(torch.zeros_like(o) if o.requires_grad else None for o in live)
         grads = self._grads(live, self.static_grad_outputs)
-        self.static_grads = tuple(None if g is None else torch.zeros_like(g) for g in grads)
+        self._pack_grads(tuple(None if g is None else torch.zeros_like(g) for g in grads))  # the capture's cat
         self._keep_outputs(tuple(o.clone() for o in live))  # buffers of their own, as a capture's
 
     def _replay_forward(self):
@@ -42,10 +42,10 @@ class EmulatedGraphs(RegisterStepGraphs):
         grads = torch.autograd.grad(
             [o for o, _ in pairs], self.surface, [g for _, g in pairs], allow_unused=True, retain_graph=True
         )
-        with torch.no_grad():
-            for buffer, value in zip(self.static_grads, grads):
-                if buffer is not None:
-                    buffer.copy_(value)
+        with torch.no_grad():  # what the captured cat writes: every gradient into its slot of its dtype's buffer
+            for slot, value in zip(self.grad_slots, grads):
+                if slot is not None:
+                    self.flat_grads[slot[0]].narrow(0, slot[1], slot[2]).copy_(value.reshape(-1))
 
 
 @pytest.fixture
@@ -323,3 +323,34 @@ def test_replayed_gradients_have_the_parameters_strides(graphed):
     }
     assert not bad, bad
 
+
+
+def test_replayed_gradients_leave_the_graph_in_one_copy_per_dtype(graphed, monkeypatch):
+    """A backward replay copies its gradients out of the graph's memory once per dtype (the capture lays them out in
+    one flat buffer: one copy launch per layer instead of one per parameter) and hands autograd views of that copy,
+    shaped and strided as the parameters; never the graph's own buffer, which the next replay overwrites."""
+    returned = []
+    backward = modeling_register_graph._ReplayStep.backward
+
+    def spy(ctx, *grad_outputs):
+        grads = backward(ctx, *grad_outputs)
+        returned.append((ctx.graphs, grads))
+        return grads
+
+    monkeypatch.setattr(modeling_register_graph._ReplayStep, "backward", staticmethod(spy))
+    graphed("graphed")
+    model = build_model("rbf", dict(num_register_tokens=1)).train()
+    _step(model, torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0)))
+    assert len(returned) == len(model.model.layers)
+    for graphs, (_, states_grad, *param_grads) in returned:
+        grads = [g for g in (states_grad, *param_grads) if g is not None]
+        assert len(grads) == sum(slot is not None for slot in graphs.grad_slots) >= len(graphs.params)
+        by_dtype = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, set()).add(g.untyped_storage().data_ptr())
+        assert all(len(storages) == 1 for storages in by_dtype.values()), by_dtype
+        assert len(grads) > 2 * len(by_dtype)  # several gradients per buffer: the check above is not vacuous
+        graph_memory = {b.untyped_storage().data_ptr() for b in graphs.flat_grads.values()}
+        assert not graph_memory & set().union(*by_dtype.values())
+        for g, p in zip(param_grads, graphs.params):  # None: a parameter the register step does not use
+            assert g is None or (g.shape == p.shape and g.stride() == p.stride())
