@@ -291,10 +291,13 @@ def is_kernel(event) -> bool:
     return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
 
 
-def summarise_step_profile(prof, steps: int, wall_ms: float, top: int = 8) -> dict:
+def summarise_step_profile(prof, steps: int, wall_ms: float, top: int = 8, cpu_top: int = 25) -> dict:
     """What one rank's GPU did per step: wall time, compute kernel time and NCCL kernel time (NCCL runs on its own
     streams and may overlap compute: compute + NCCL > wall means overlap, wall > compute means the compute stream waited
-    for the host or for communication), launches, and the top kernels and CPU ops."""
+    for the host or for communication), launches, the top kernels, the top CPU ops by self time, and the top CPU ranges
+    by inclusive time (``cpu_ranges``: FSDP2's per-layer hooks such as "FSDP::pre_forward", DDP's forward, the
+    optimizer step, our autograd Functions, a compiled region: where a host-bound step's time goes, layer work
+    included, which self times split into thousands of small ops)."""
     import torch
 
     events = prof.key_averages()
@@ -313,7 +316,15 @@ def summarise_step_profile(prof, steps: int, wall_ms: float, top: int = 8) -> di
         ],
         "cpu_top": [
             {"name": e.key[:80], "calls_per_step": e.count / steps, "ms_per_step": per_step(e.self_cpu_time_total)}
-            for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+            for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:cpu_top]
+        ],
+        "cpu_ranges": [
+            {"name": e.key[:80], "calls_per_step": e.count / steps, "ms_per_step": per_step(e.cpu_time_total)}
+            for e in sorted(
+                (e for e in events if e.device_type != torch.autograd.DeviceType.CUDA),
+                key=lambda e: getattr(e, "cpu_time_total", 0.0),
+                reverse=True,
+            )[:cpu_top]
         ],
     }
 
@@ -709,6 +720,12 @@ def profile_section(rows: list[dict]) -> list[str]:
             "  top CPU ops (self ms/step): "
             + "; ".join(f"`{k['name']}` {k['ms_per_step']:.1f}" for k in r["profile"]["cpu_top"][:5])
         ]
+        ranges = r["profile"].get("cpu_ranges")
+        if ranges:
+            lines.append(
+                "  top CPU ranges (inclusive ms/step): "
+                + "; ".join(f"`{k['name']}` {k['ms_per_step']:.1f}" for k in ranges[:8])
+            )
         if r["profile"].get("idle_gaps_error"):
             lines.append(f"  idle-gap summary failed: {r['profile']['idle_gaps_error']}")
         gaps = r["profile"].get("idle_gaps")

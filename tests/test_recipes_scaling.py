@@ -437,9 +437,10 @@ def test_step_profile_summary_splits_nccl_from_compute():
     bench_scaling = _bench_module()
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
-    def event(key, device_type, device_us=0.0, cpu_us=0.0, count=1):
+    def event(key, device_type, device_us=0.0, cpu_us=0.0, count=1, cpu_total_us=None):
         return SimpleNamespace(
-            key=key, device_type=device_type, self_device_time_total=device_us, self_cpu_time_total=cpu_us, count=count
+            key=key, device_type=device_type, self_device_time_total=device_us, self_cpu_time_total=cpu_us, count=count,
+            cpu_time_total=cpu_us if cpu_total_us is None else cpu_total_us,
         )
 
     events = [
@@ -447,10 +448,12 @@ def test_step_profile_summary_splits_nccl_from_compute():
         event("ncclDevKernel_AllGather_RING_LL", cuda, device_us=2000.0, count=4),
         event("_distance_fwd_kernel", cuda, device_us=1000.0, count=2),
         event("cudaLaunchKernel", cpu, cpu_us=800.0, count=16),
+        # a range whose time is its children's (FSDP2's per-layer hook): little self time, much inclusive time
+        event("FSDP::pre_forward", cpu, cpu_us=100.0, count=24, cpu_total_us=3000.0),
         # a user annotation's range on the GPU timeline (it spans host gaps): not a kernel
         SimpleNamespace(
             key="DistributedDataParallel.forward", device_type=cuda, self_device_time_total=9000.0,
-            self_cpu_time_total=0.0, count=1, is_user_annotation=True,
+            self_cpu_time_total=0.0, count=1, is_user_annotation=True, cpu_time_total=0.0,
         ),
     ]
     prof = SimpleNamespace(key_averages=lambda: events)
@@ -463,6 +466,9 @@ def test_step_profile_summary_splits_nccl_from_compute():
         "_distance_fwd_kernel",
     ]
     assert s["cpu_top"][0] == {"name": "cudaLaunchKernel", "calls_per_step": 8.0, "ms_per_step": 0.4}
+    # inclusive ranking of the host's ranges: the hook first, no GPU-timeline event
+    assert s["cpu_ranges"][0] == {"name": "FSDP::pre_forward", "calls_per_step": 12.0, "ms_per_step": 1.5}
+    assert all(k["name"] != "DistributedDataParallel.forward" for k in s["cpu_ranges"])
 
 
 def test_idle_gaps_name_the_op_that_ended_each_gap():
