@@ -93,7 +93,7 @@ def _enabled() -> bool:
 
 def _hooks_installed(fn) -> bool:
     """Whether a launch would run code of someone else's that the direct path skips."""
-    if fn.pre_run_hooks:
+    if getattr(fn, "pre_run_hooks", None):
         return True
     runtime = _knobs.runtime
     for name in ("launch_enter_hook", "launch_exit_hook"):
