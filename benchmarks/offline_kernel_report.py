@@ -32,6 +32,8 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["HF_RBF_TRITON_AUTOTUNE"] = "0"
+# every launch here is a compile: no launcher to call directly (hf_rbf.kernels_launch would ask for a CUDA device)
+os.environ["HF_RBF_TRITON_DIRECT_LAUNCH"] = "0"
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
