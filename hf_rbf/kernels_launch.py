@@ -45,7 +45,19 @@ except ImportError:  # the package works without triton
 
 logger = logging.getLogger(__name__)
 
-DIRECT_LAUNCH = os.environ.get("HF_RBF_TRITON_DIRECT_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+_SWITCH_VALUES = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
+}
+
+
+def parse_switch(value: str):
+    """``HF_RBF_TRITON_DIRECT_LAUNCH``'s value as a bool; an unknown value is kept as it is, and the first fused
+    launch then raises (:func:`direct_launch_state`) instead of guessing."""
+    return _SWITCH_VALUES.get(value.strip().lower(), value)
+
+
+DIRECT_LAUNCH = parse_switch(os.environ.get("HF_RBF_TRITON_DIRECT_LAUNCH", "1"))
 # one entry per distinct call signature (shapes and strides are part of it); a decode loop over growing lengths makes
 # one per length, so the dict is emptied when it reaches this size (the next launches go through triton and refill it)
 CACHE_LIMIT = 4096
@@ -63,7 +75,13 @@ def _triton_version() -> tuple[int, int] | None:
 
 
 def direct_launch_state() -> str | None:
-    """None when :func:`launch_jit` launches compiled kernels directly, else why not (a sentence)."""
+    """None when :func:`launch_jit` launches compiled kernels directly, else why not (a sentence).  Raises
+    ``ValueError`` for a ``DIRECT_LAUNCH`` (``HF_RBF_TRITON_DIRECT_LAUNCH``) that is not one of the switch values."""
+    if not isinstance(DIRECT_LAUNCH, bool):
+        raise ValueError(
+            f"HF_RBF_TRITON_DIRECT_LAUNCH (hf_rbf.kernels_launch.DIRECT_LAUNCH) must be one of "
+            f"{', '.join(_SWITCH_VALUES)} (or True / False); got {DIRECT_LAUNCH!r}"
+        )
     if not DIRECT_LAUNCH:
         return "turned off (HF_RBF_TRITON_DIRECT_LAUNCH=0 or kernels_launch.DIRECT_LAUNCH = False)"
     version = _triton_version()

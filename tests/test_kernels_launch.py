@@ -132,6 +132,20 @@ def test_direct_path_stays_out_of_the_way(jit, monkeypatch, what):
     assert len(runs) == 3 and launches == []
 
 
+def test_a_bad_switch_value_is_named(monkeypatch):
+    """``HF_RBF_TRITON_DIRECT_LAUNCH=maybe`` is neither on nor off: the first launch says so, naming the variable and
+    the values it takes, instead of picking one."""
+    assert kernels_launch.parse_switch(" OFF ") is False and kernels_launch.parse_switch("1") is True
+    fn = JITFunction(_kernel)
+    runs = []
+    fn.run = lambda *args, grid, warmup, **kwargs: runs.append(args)
+    monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", kernels_launch.parse_switch("maybe"))
+    monkeypatch.setattr(kernels_launch, "_STATE", {})
+    with pytest.raises(ValueError, match=r"HF_RBF_TRITON_DIRECT_LAUNCH .* must be one of 1, true, .*'maybe'"):
+        kernels_launch.launch_jit(fn, (1,), (torch.zeros(4), 1, 1.0), {"BLOCK": 16})
+    assert runs == []
+
+
 def test_cache_is_bounded(jit, monkeypatch):
     fn, runs, launches = jit
     monkeypatch.setattr(kernels_launch, "CACHE_LIMIT", 4)
