@@ -229,9 +229,9 @@ def hybrid_flex_reason(q, k, v, qs, ks, tau, scale, mask: MaskArgs) -> str | Non
 #
 # ``S_ij = scale_h q_i.k_j - (qs_i - ks_j)^2 / tau_i + log w_j``: the shared distance op with ``a = scale``, ``b = 0``
 # and the scalar term with ``beta = 1 / tau`` (formed per row inside the kernels from ``tau``: ``tau_in``) evaluated
-# per score element in fp32 (the exact difference, not an
-# expanded product, so large scalar keys lose no precision).  Grouped values ``[B, G, Nk, Dv]`` are indexed by group
-# in the forward and their gradient is summed over the group's heads inside the dK/dV program.
+# per score element in fp32 (the exact difference, not an expanded product, so large scalar keys lose no precision).
+# Grouped values ``[B, G, Nk, Dv]`` are indexed by group in the forward and their gradient is summed over the group's
+# heads inside the dK/dV program.
 
 
 def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs, prefix=None) -> torch.Tensor:

@@ -38,10 +38,10 @@ import torch
 
 try:
     import triton
-    from triton import knobs as _knobs
 except ImportError:  # the package works without triton
     triton = None
-    _knobs = None
+# triton's settings and hooks (3.4+; older tritons are refused by direct_launch_state before the hooks are read)
+_knobs = getattr(triton, "knobs", None)
 
 logger = logging.getLogger(__name__)
 
