@@ -15,10 +15,18 @@ the same values an earlier one did as long as the parameters are unchanged: two 
 case that corrupts any CUDA-graphed training step) read identical register values.
 
 What a replay assumes, checked on every call (``RegisterStepGraphs.key_for``): the parameters' storage (a capture reads
-the weights where they were: ``model.to(...)``, FSDP's reallocated unsharded weights or a ``load_state_dict(...,
-assign=True)`` change it and trigger a new capture; a layer that needs more than ``MAX_CAPTURES`` captures goes back
-to the plain step, with a warning), which of them require gradients (LoRA), the states' shape and dtype, the autocast
-state, and training mode.  Dropout inside the step would be replayed with fresh random numbers, as CUDA graphs do.
+the weights where they were: ``model.to(...)`` or a ``load_state_dict(..., assign=True)`` change it and trigger a new
+capture; a layer that needs more than ``MAX_CAPTURES`` captures goes back to the plain step, with a warning), which of
+them require gradients (LoRA), the states' shape and dtype, the autocast state, and training mode.  Dropout inside the
+step would be replayed with fresh random numbers, as CUDA graphs do.
+
+Under FSDP2 (``fully_shard``: the layer is an ``FSDPModule``) the unsharded weights are gathered into new memory for
+every forward, so a capture cannot read them where they are.  There the graphs own a copy of the layer's parameters
+(``copies_parameters``): each replay first copies the current unsharded weights into it (one ``_foreach_copy_``
+launch, a read and write of the layer's weights in the compute dtype), the capture depends on the parameters' dtypes
+and shapes instead of their addresses, and the backward hands the gradients to the parameters of this forward, which
+FSDP2 reduce-scatters as any other.  The copy costs that memory once more per layer (at d768 in bf16 about 14 MB a
+layer).
 
 The gradients a backward replay returns are copied out of the graph's buffers: autograd may keep a returned gradient
 as a parameter's ``.grad``, and the next replay would then overwrite it (gradient accumulation would lose a step).
@@ -28,6 +36,7 @@ one more copy of them (the price of a graph that computes full weight gradients:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -65,7 +74,10 @@ class RegisterStepGraphs:
     def __init__(self, step, layer: nn.Module, states: torch.Tensor):
         self.names = tuple(name for name, p in layer.named_parameters() if p.requires_grad)
         self.params = tuple(p for p in layer.parameters() if p.requires_grad)
+        self.copies_parameters = copies_parameters(layer)
         self.key = self.key_for(layer, states, self.params)
+        # with copies_parameters the capture reads its own copy of the weights, refreshed before every replay
+        self.static_params = [p.detach().clone() for p in self.params] if self.copies_parameters else None
         self.static_states = states.detach().clone().requires_grad_(states.requires_grad)
         self.capture(step, layer)
 
@@ -73,6 +85,10 @@ class RegisterStepGraphs:
     def key_for(layer: nn.Module, states: torch.Tensor, params: tuple | None = None) -> tuple:
         if params is None:
             params = tuple(p for p in layer.parameters() if p.requires_grad)
+        if copies_parameters(layer):  # the weights are copied in: their layout matters, not where they are
+            where = ("copied", tuple((p.dtype, tuple(p.shape)) for p in params))
+        else:
+            where = tuple(p.data_ptr() for p in params)
         return (
             tuple(states.shape),
             states.dtype,
@@ -80,7 +96,7 @@ class RegisterStepGraphs:
             states.requires_grad,
             _autocast_state(states.device.type),
             layer.training,
-            tuple(p.data_ptr() for p in params),
+            where,
         )
 
     def _run(self, step, layer):
@@ -100,7 +116,8 @@ class RegisterStepGraphs:
           when none existed yet (a first training step without DDP) and kept it alive through ``self.surface``: every
           later backward then accumulated across streams ("The AccumulateGrad node's stream does not match the
           stream of the node that produced the incoming gradient", benchmarks/results/h100-2026-11-27j, call 6)."""
-        aliases = {name: p.detach().requires_grad_() for name, p in zip(self.names, self.params)}
+        sources = self.params if self.static_params is None else self.static_params
+        aliases = {name: p.detach().requires_grad_() for name, p in zip(self.names, sources)}
         with _reparametrize_module(layer, aliases):
             h, prefix = step(layer, self.static_states)
         self.surface = tuple(t for t in (self.static_states, *aliases.values()) if t.requires_grad)
@@ -183,9 +200,14 @@ class RegisterStepGraphs:
     def _replay_backward(self) -> None:
         self._bwd.replay()
 
-    def replay(self, states: torch.Tensor):
-        """``(next states, prefix)`` from the captured forward; differentiable (the backward replays its graph)."""
-        outputs = _ReplayStep.apply(self, states, *self.params)
+    def replay(self, states: torch.Tensor, layer: nn.Module | None = None):
+        """``(next states, prefix)`` from the captured forward; differentiable (the backward replays its graph).
+        ``layer``: where the parameters of this forward are read with ``copies_parameters`` (FSDP2 swaps the
+        unsharded ones in for each forward); the gradients go to them."""
+        params = self.params
+        if self.copies_parameters:
+            params = tuple(p for p in layer.parameters() if p.requires_grad)
+        outputs = _ReplayStep.apply(self, states, *params)
         tensors = iter(outputs[1:])
         return outputs[0], tuple(next(tensors) if present else None for present in self.layout)
 
@@ -196,6 +218,8 @@ class _ReplayStep(torch.autograd.Function):
         ctx.graphs = graphs
         if states.data_ptr() != graphs.static_states.data_ptr():
             graphs.static_states.detach().copy_(states)
+        if graphs.static_params is not None:
+            torch._foreach_copy_(graphs.static_params, list(params))
         graphs._replay_forward()
         outputs = tuple(o.detach() for o in graphs.static_outputs)
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, graphs.differentiable) if not d])
@@ -262,7 +286,18 @@ def graphed_register_step(step, layer: nn.Module, states: torch.Tensor):
         _GRAPHS.pop(layer, None)  # free the old capture's memory first
         graphs = graphs_class(step, layer, states)
         _GRAPHS[layer] = graphs
-    return graphs.replay(states)
+    return graphs.replay(states, layer)
+
+
+def copies_parameters(layer: nn.Module) -> bool:
+    """Whether ``layer``'s graphs copy its parameters in before each replay: under FSDP2 (``fully_shard`` mixes
+    ``FSDPModule`` into the layer's class), whose unsharded parameters are new tensors in new memory every forward."""
+    return _is_fsdp2_module(type(layer))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_fsdp2_module(cls: type) -> bool:
+    return any(c.__name__ == "FSDPModule" for c in cls.__mro__)
 
 
 def captures(layer: nn.Module) -> int:

@@ -354,3 +354,112 @@ def test_replayed_gradients_leave_the_graph_in_one_copy_per_dtype(graphed, monke
         assert not graph_memory & set().union(*by_dtype.values())
         for g, p in zip(param_grads, graphs.params):  # None: a parameter the register step does not use
             assert g is None or (g.shape == p.shape and g.stride() == p.stride())
+
+
+def _one_rank_group(backend: str, device: str):
+    """A one-process group and device mesh, for FSDP2 (``fully_shard``) in a test."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return init_device_mesh(device, (1,))
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group and a CPU device mesh."""
+    import torch.distributed as dist
+
+    mesh = _one_rank_group("gloo", "cpu")
+    try:
+        yield mesh
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp2_training(use_path, family, path, mesh, ids, dtype, device, addresses=None):
+    """Three training steps (an optimiser step and an evaluation forward after each) of ``family`` on register path
+    ``path`` (set by ``use_path``) under FSDP2 (``fully_shard`` per decoder layer, without resharding after the
+    forward, and on the model, as accelerate's FSDP2 plugin wraps them): ``(model, [(logits, full gradients), ...])``.
+    ``addresses``: a list that collects the first layer's parameter addresses at each forward."""
+    from torch.distributed.fsdp import fully_shard
+
+    use_path(path)
+    overrides = dict(num_register_tokens=2)
+    if device == "cuda":
+        overrides.update(attention_backend="auto", hidden_size=64, num_attention_heads=2)
+    model = build_model(family, overrides).to(device=device, dtype=dtype).train()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    if addresses is not None:
+        model.model.layers[0].register_forward_pre_hook(
+            lambda module, args: addresses.append(tuple(p.data_ptr() for p in module.parameters()))
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    results = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out.logits.detach(), grads))
+        opt.step()
+        with torch.no_grad():
+            results.append((model(input_ids=ids).logits, {}))
+    assert model.model.last_register_path == ("graphed" if path == "graphed" else "rows")
+    return model, results
+
+
+@pytest.mark.parametrize("family", ["rbf", "hybrid_sort"])
+def test_replays_under_fsdp2_copy_the_gathered_weights_in(family, graphed, one_rank_group):
+    """FSDP2 gathers each layer's unsharded weights into new memory for every forward (checked below: the addresses
+    move), so the graphs copy them into weights of their own before each replay (``copies_parameters``): one capture
+    per layer for every step, and three training steps with an optimiser and an evaluation forward between them give
+    the rows path's logits and gradients (float64, one rank; without the copy the replays would read the first
+    step's weights, without the address-free key every step would capture again)."""
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    addresses = []
+    _, ref = _fsdp2_training(graphed, family, "rows", one_rank_group, ids, torch.float64, "cpu")
+    model, got = _fsdp2_training(graphed, family, "graphed", one_rank_group, ids, torch.float64, "cpu", addresses)
+    for r, g in zip(ref, got):
+        _assert_same(r, g)
+    layers = model.model.layers
+    assert all(modeling_register_graph.copies_parameters(layer) for layer in layers)
+    assert len(set(addresses)) > 1  # the gathered weights moved between forwards: a capture could not read them
+    assert [modeling_register_graph.captures(layer) for layer in layers] == [1] * len(layers)
+    for layer in layers:  # the graphs read their own copy of the weights, not the gathered ones
+        graphs = modeling_register_graph._GRAPHS[layer]
+        own = {p.untyped_storage().data_ptr() for p in graphs.static_params}
+        assert not own & {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["rbf", "hybrid_sort"])
+def test_cuda_graphs_under_fsdp2_equal_the_rows_path(family, monkeypatch):
+    """The real graphs under FSDP2 on one GPU (nccl, one rank; inductor's compiled step captured, the fused kernels)
+    against the rows path in float32: the weights copied in before each replay, one capture per layer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import torch.distributed as dist
+
+    def use_path(path):
+        monkeypatch.setattr(modeling_decoder, "register_path", path)
+
+    for name in ("_GRAPHS", "_CAPTURES"):
+        monkeypatch.setattr(modeling_register_graph, name, modeling_register_graph.weakref.WeakKeyDictionary())
+    ids = torch.randint(0, 128, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mesh = _one_rank_group("nccl", "cuda")
+    try:
+        _, ref = _fsdp2_training(use_path, family, "rows", mesh, ids, torch.float32, "cuda")
+        model, got = _fsdp2_training(use_path, family, "graphed", mesh, ids, torch.float32, "cuda")
+    finally:
+        dist.destroy_process_group()
+    for r, g in zip(ref, got):
+        _assert_same(r, g, rtol=1e-4)
+    assert [modeling_register_graph.captures(layer) for layer in model.model.layers] == [1] * len(model.model.layers)
