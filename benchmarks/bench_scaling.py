@@ -291,7 +291,7 @@ def is_kernel(event) -> bool:
     return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
 
 
-def summarise_step_profile(prof, steps: int, wall_ms: float, top: int = 8, cpu_top: int = 25) -> dict:
+def summarise_step_profile(prof, steps: int, wall_ms: float, top: int = 25, cpu_top: int = 25) -> dict:
     """What one rank's GPU did per step: wall time, compute kernel time and NCCL kernel time (NCCL runs on its own
     streams and may overlap compute: compute + NCCL > wall means overlap, wall > compute means the compute stream waited
     for the host or for communication), launches, the top kernels, the top CPU ops by self time, and the top CPU ranges
@@ -713,9 +713,8 @@ def profile_section(rows: list[dict]) -> list[str]:
     for r in profiled:
         recipe = os.path.splitext(os.path.basename(r["config"]))[0]
         lines += ["", f"{recipe} {r['strategy']} x{r['processes']}, top GPU kernels (ms/step, calls/step):"]
-        lines += [
-            f"- {k['ms_per_step']:.2f} ms, {k['calls_per_step']:.0f}x `{k['name']}`" for k in r["profile"]["gpu_top"]
-        ]
+        top = r["profile"]["gpu_top"][:8]  # the JSON keeps 25
+        lines += [f"- {k['ms_per_step']:.2f} ms, {k['calls_per_step']:.0f}x `{k['name']}`" for k in top]
         lines += [
             "  top CPU ops (self ms/step): "
             + "; ".join(f"`{k['name']}` {k['ms_per_step']:.1f}" for k in r["profile"]["cpu_top"][:5])

@@ -38,7 +38,7 @@ from .cache_static import StaticDecoderCache, StaticKeyValueLayer, static_cache_
 from .configuration_decoder import DecoderConfig
 from .kernels_common import pin_triton_cache_dir
 from .kernels_rotary import rotary_fused, rotary_reason
-from .modeling_register_graph import graphed_register_step
+from .modeling_register_graph import copies_parameters, graphed_register_step
 
 logger = logging.getLogger("hf_rbf")
 
@@ -628,7 +628,8 @@ def register_layer_step(layer: DecoderLayer, register_states: torch.Tensor):
 #               with gradients (``modeling_register_graph``): one launch each in place of those kernels; forwards
 #               without gradients run the compiled step.  CUDA only;
 #   "auto"      on CUDA "graphed" where a capture stays valid from step to step (``_graphs_fit``: the parameters keep
-#               their storage: one process or DDP, not FSDP or checkpointing), else "compiled"; "rows" elsewhere (on a CPU the host is not the
+#               their storage: one process or DDP; or FSDP2, whose gathered weights the graphs copy in; not under
+#               checkpointing), else "compiled"; "rows" elsewhere (on a CPU the host is not the
 #               bottleneck) and inside a graph being compiled (``torch.compile`` of the model, the static decode step:
 #               the whole graph fuses anyway).  On an H100 (benchmarks/results/h100-2026-11-27h) the graphed step took
 #               the d768 training step from 56.3 / 57.2 / 75.9 ms (compiled) to 47.0 / 47.2 / 62.2 ms (rbf /
@@ -708,12 +709,17 @@ def _keeps_parameter_addresses(layer: nn.Module) -> bool:
 
 def _graphs_fit(layer: nn.Module) -> bool:
     """Whether "auto" replays ``layer``'s register step as CUDA graphs ("graphed"): its parameters keep their storage
-    (``_keeps_parameter_addresses``; FSDP's reallocated weights would force a new capture every step).  One process
-    or DDP: on 2 H100s DDP with the graphed step matches the rows path's losses
+    (``_keeps_parameter_addresses``: one process or DDP), or the graphs copy them in before each replay (FSDP2,
+    ``modeling_register_graph.copies_parameters``), outside activation checkpointing and accelerate's hooks.  On 2
+    H100s DDP with the graphed step matches the rows path's losses
     (``test_ddp_with_graphed_register_steps_matches_the_rows_path``) and scales at 0.98 (rbf) / 0.93 (hybrid_sort)
     against 0.94 / 0.95 on the compiled step, at 5% / 6% more tokens per GPU (benchmarks/results/h100-2026-11-27h,
-    call 4)."""
-    return _keeps_parameter_addresses(layer)
+    call 4).  Under FSDP2 the compiled step's launches came 0.9 ms late per layer (benchmarks/results/h100-2026-11-27k,
+    call 3)."""
+    if _keeps_parameter_addresses(layer):
+        return True
+    moving = getattr(layer, "gradient_checkpointing", False) or hasattr(layer, "_hf_hook")
+    return not moving and copies_parameters(layer)
 
 
 def register_compile_mode_for(layer: nn.Module, device: torch.device) -> str:

@@ -377,10 +377,10 @@ def test_a_bad_register_path_from_the_environment_is_named(tmp_path):
     assert "HF_RBF_REGISTER_PATH" in proc.stderr
 
 
-def test_auto_takes_the_graphed_step_under_ddp_not_under_fsdp(monkeypatch):
+def test_auto_takes_the_graphed_step_under_ddp_and_fsdp2_not_under_checkpointing(monkeypatch):
     """"auto" replays the register step as CUDA graphs in a process of its own and under DDP (several processes, the
-    weights in place), and keeps the compiled step where the weights move (FSDP2's ``fully_shard`` makes the layer an
-    ``FSDPModule``)."""
+    weights in place) and under FSDP2 (``fully_shard`` makes the layer an ``FSDPModule``; the graphs copy the
+    gathered weights in), and keeps the compiled step under activation checkpointing or accelerate's hooks."""
     import torch.distributed as dist
 
     layer = build_model("rbf", dict(num_register_tokens=1)).model.layers[0]
@@ -394,5 +394,11 @@ def test_auto_takes_the_graphed_step_under_ddp_not_under_fsdp(monkeypatch):
         pass
 
     layer.__class__ = type("FSDPDecoderLayer", (FSDPModule, type(layer)), {})
+    assert modeling_decoder._graphs_fit(layer)
+    assert modeling_decoder.register_path_for(torch.device("cuda"), layer=layer) == "graphed"
+    layer.gradient_checkpointing = True
     assert not modeling_decoder._graphs_fit(layer)
     assert modeling_decoder.register_path_for(torch.device("cuda"), layer=layer) == "compiled"
+    layer.gradient_checkpointing = False
+    layer._hf_hook = object()
+    assert not modeling_decoder._graphs_fit(layer)
