@@ -44,6 +44,7 @@ from .kernels_common import (
     planes_bucket,
     shared_memory_fits,
 )
+from .kernels_launch import launch_jit
 
 if HAS_TRITON:
     import triton
@@ -824,23 +825,17 @@ def distance_decode(
         SPLIT=True,
         **flags,
     )
-    _decode_combine_kernel[(nq, bsz * heads)](
-        acc,
-        mp,
-        lp,
-        erow,
-        out,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        heads,
-        nq,
-        n_split,
-        DV=dv,
-        DV_PAD=padded_dim(dv),
-        SPLIT_PAD=max(2, next_pow2(n_split)),
-        NORMALIZE=normalize,
-        HAS_EPS=flags["HAS_EPS"],
-        num_warps=4,
+    launch_jit(
+        _decode_combine_kernel,
+        (nq, bsz * heads),
+        (acc, mp, lp, erow, out, out.stride(0), out.stride(1), out.stride(2), heads, nq, n_split),
+        dict(
+            DV=dv,
+            DV_PAD=padded_dim(dv),
+            SPLIT_PAD=max(2, next_pow2(n_split)),
+            NORMALIZE=normalize,
+            HAS_EPS=flags["HAS_EPS"],
+            num_warps=4,
+        ),
     )
     return out

@@ -9,11 +9,11 @@ machines everything before the launcher takes 27-31 us per forward launch, again
 (``benchmarks/results/h100-2026-11-27j``), three per forward+backward of every layer.
 
 :func:`launch_jit` (and, for autotuned kernels, ``kernels_common.launch_tuned`` through :func:`launch_cached`)
-keeps, per kernel, a dict from a cheap key of the call (tensor dtypes, 16-byte alignment and being on a GPU, the
-values of the integer and other non-float arguments, the keyword arguments, the device) to what triton compiled for
-it (the launcher, the CUDA function and its packed metadata, the constexpr values in signature order, the keywords it
-launched with: an autotuned kernel's config among them).  The key is at least as fine as triton's specialisation and
-the autotuner's tuning key (equal keys mean equal specialisations and configs), so a hit launches exactly the kernel
+keeps, per kernel, a dict from a cheap key of the call (tensor dtypes, 16-byte alignment and being on a GPU, what
+triton specialises integers on, the values of the other non-float arguments, the keyword arguments, the device) to
+what triton compiled for it (the launcher, the CUDA function and its packed metadata, the constexpr values in
+signature order, the keywords it launched with: an autotuned kernel's config among them).  The key is at least as
+fine as triton's specialisation and the autotuner's tuning key (equal keys mean equal specialisations and configs), so a hit launches exactly the kernel
 ``fn.run`` would, through the same launcher call, the tensors passed as data pointers; a miss goes through triton
 (which compiles and tunes if needed) and records the result.  Measured offline (triton 3.6, this project's CPU):
 an autotuned forward launch through ``launch_tuned`` costs 15 us before the driver call, against 32 us for the
@@ -58,8 +58,9 @@ def parse_switch(value: str):
 
 
 DIRECT_LAUNCH = parse_switch(os.environ.get("HF_RBF_TRITON_DIRECT_LAUNCH", "1"))
-# one entry per distinct call signature (shapes and strides are part of it); a decode loop over growing lengths makes
-# one per length, so the dict is emptied when it reaches this size (the next launches go through triton and refill it)
+# one entry per distinct call signature (integers by their specialisation class, so a decode loop over growing
+# lengths makes a handful); the dict is emptied when it reaches this size (the next launches go through triton and
+# refill it)
 CACHE_LIMIT = 4096
 _CHECKED_VERSIONS = ((3, 4), (3, 9))  # the launch protocol above, read in triton 3.6 and 3.9
 
@@ -131,42 +132,62 @@ def _getter(positions: list[int]):
     return operator.itemgetter(*positions)
 
 
-def _layout(types: tuple) -> tuple:
+def _layout(types: tuple, by_value: frozenset) -> tuple:
     """For one tuple of argument types: a getter of the tensor arguments, a getter of the specialised non-tensor ones
-    (everything but floats, which triton never specialises) and the tensors' positions."""
+    (everything but floats, which triton never specialises), the tensors' positions, and which of the non-tensor ones
+    are integers keyed by their specialisation class (:func:`_int_class`; those in ``by_value`` are keyed by value)."""
     tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
     others = [i for i, t in enumerate(types) if not issubclass(t, torch.Tensor) and t is not float]
-    return _getter(tensors), _getter(others), tuple(tensors)
+    classed = tuple(j for j, i in enumerate(others) if types[i] is int and i not in by_value)
+    return _getter(tensors), _getter(others), tuple(tensors), classed
 
 
-_LAYOUTS: dict = {}  # tuple of argument types -> (tensor getter, other getter, tensor positions)
+_LAYOUTS: dict = {}  # (tuple of argument types, by-value positions) -> _layout(...)
+_I32, _I64 = range(-(2**31), 2**31), range(-(2**63), 2**63)
 
 
-def _key_and_pointers(args, kwargs, device: int):
+def _int_class(x: int) -> tuple:
+    """What triton specialises an integer argument on (``native_specialize_impl``, triton 3.4-3.9): 1 is a
+    constant; any other value by its type (i32, i64 or u64, from its range) and whether it is divisible by 16.
+    Lengths, offsets and strides that change from call to call (a decode step's cache length) but keep their
+    class run the same compiled kernel, which reads the value at launch."""
+    if x == 1:
+        return (1,)
+    return (x % 16 == 0, x in _I32, x in _I64)
+
+
+def _key_and_pointers(args, kwargs, device: int, by_value: frozenset = frozenset()):
     """``(key, tensor positions, tensor data pointers)`` of a launch: see :func:`call_key`."""
     types = tuple(map(type, args))
-    layout = _LAYOUTS.get(types)
+    layout = _LAYOUTS.get((types, by_value))
     if layout is None:
-        layout = _LAYOUTS[types] = _layout(types)
-    tensor_getter, other_getter, positions = layout
+        layout = _LAYOUTS[(types, by_value)] = _layout(types, by_value)
+    tensor_getter, other_getter, positions, classed = layout
     tensors = tensor_getter(args)
     pointers = [t.data_ptr() for t in tensors]
+    others = other_getter(args)
+    if classed:
+        others = list(others)
+        for j in classed:
+            others[j] = _int_class(others[j])
+        others = tuple(others)
     key = (
         device,
         tuple(kwargs.items()),
         types,
-        other_getter(args),
+        others,
         *[(t.dtype, p & 15, t.is_cuda) for t, p in zip(tensors, pointers)],
     )
     return key, positions, pointers
 
 
-def call_key(args, kwargs, device: int) -> tuple:
+def call_key(args, kwargs, device: int, by_value: frozenset = frozenset()) -> tuple:
     """The cache key of a launch: every argument's type; tensors by dtype, 16-byte alignment (what triton
     specialises a tensor on) and whether they are on a GPU; floats by type alone (triton never specialises them);
-    every other argument (integers, None, flags) and every keyword by value; the device.  Equal keys mean equal
-    specialisations."""
-    return _key_and_pointers(args, kwargs, device)[0]
+    integers by what triton specialises them on (:func:`_int_class`), those at the positions ``by_value`` (an
+    autotuner's key arguments) by value; every other argument (None, flags) and every keyword by value; the device.
+    Equal keys mean equal specialisations (and equal autotuning keys)."""
+    return _key_and_pointers(args, kwargs, device, by_value)[0]
 
 
 def _tail(fn, n_args: int, kwargs) -> tuple:
@@ -211,7 +232,12 @@ def launch_cached(owner, fn, grid, args, kwargs, through_triton):
     if cache is False or not _enabled() or _hooks_installed(fn):
         return through_triton()[0]
     device = torch.cuda.current_device()
-    key, positions, pointers = _key_and_pointers(args, kwargs, device)
+    by_value = owner.__dict__.get("_hf_rbf_by_value")
+    if by_value is None:  # an autotuner's key arguments given positionally: its choice depends on their values
+        names = list(getattr(owner, "keys", ()))
+        by_value = frozenset(i for i, p in enumerate(fn.params) if p.name in names) if owner is not fn else frozenset()
+        owner._hf_rbf_by_value = by_value
+    key, positions, pointers = _key_and_pointers(args, kwargs, device, by_value)
     try:
         entry = cache.get(key)
     except TypeError:  # an unhashable argument (a tensor descriptor, say): triton's own path

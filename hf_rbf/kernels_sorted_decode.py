@@ -28,6 +28,7 @@ import math
 import torch
 
 from .attention_utils import per_query_param
+from .kernels_launch import launch_jit
 
 try:
     import triton
@@ -278,30 +279,37 @@ def sorted_window_attention_triton(
         return 0 if t.shape[dim] == 1 else t.stride(dim)
 
     grid = (b * h * nq,)
-    _sorted_decode_kernel[grid](
-        sorted_keys, sorted_slots, state.sorted_count,
-        state.scalar_keys, values, state.valid, state.token_index, lw, vk,
-        qs, tau, query_token_index, q, scale_t, state.order_head,
-        prefix_ks, prefix_v, prefix_k,
-        out,
-        h, g, nq, m, s, cap, dv, d, p, o, max(1, math.ceil(math.log2(m + 1))),
-        sorted_keys.stride(0), sorted_keys.stride(1), state.sorted_count.stride(0),
-        state.scalar_keys.stride(0), state.scalar_keys.stride(1), values.stride(0), values.stride(1), values.stride(2),
-        state.valid.stride(0), state.token_index.stride(0), lw.stride(0), lw.stride(1),
-        vk.stride(0), vk.stride(1), vk.stride(2),
-        qs.stride(0), qs.stride(1), qs.stride(2), tau_strides[0], tau_strides[1], tau_strides[2],
-        q.stride(0), q.stride(1), q.stride(2),
-        bstride(prefix_ks), prefix_ks.stride(1), bstride(prefix_v), prefix_v.stride(1), prefix_v.stride(2),
-        bstride(prefix_k), prefix_k.stride(1), prefix_k.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        K=window,
-        BLOCK_MAIN=_pow2(2 * window),
-        BLOCK_BUF=_pow2(max(1, s - m)),
-        BLOCK_DV=_pow2(dv),
-        BLOCK_D=_pow2(d),
-        BLOCK_P=_pow2(max(1, p)),
-        HAS_LW=state.log_weight is not None,
-        HAS_VEC=has_vec,
+    launch_jit(
+        _sorted_decode_kernel,
+        grid,
+        (
+            sorted_keys, sorted_slots, state.sorted_count,
+            state.scalar_keys, values, state.valid, state.token_index, lw, vk,
+            qs, tau, query_token_index, q, scale_t, state.order_head,
+            prefix_ks, prefix_v, prefix_k,
+            out,
+            h, g, nq, m, s, cap, dv, d, p, o, max(1, math.ceil(math.log2(m + 1))),
+            sorted_keys.stride(0), sorted_keys.stride(1), state.sorted_count.stride(0),
+            state.scalar_keys.stride(0), state.scalar_keys.stride(1),
+            values.stride(0), values.stride(1), values.stride(2),
+            state.valid.stride(0), state.token_index.stride(0), lw.stride(0), lw.stride(1),
+            vk.stride(0), vk.stride(1), vk.stride(2),
+            qs.stride(0), qs.stride(1), qs.stride(2), tau_strides[0], tau_strides[1], tau_strides[2],
+            q.stride(0), q.stride(1), q.stride(2),
+            bstride(prefix_ks), prefix_ks.stride(1), bstride(prefix_v), prefix_v.stride(1), prefix_v.stride(2),
+            bstride(prefix_k), prefix_k.stride(1), prefix_k.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+        ),
+        dict(
+            K=window,
+            BLOCK_MAIN=_pow2(2 * window),
+            BLOCK_BUF=_pow2(max(1, s - m)),
+            BLOCK_DV=_pow2(dv),
+            BLOCK_D=_pow2(d),
+            BLOCK_P=_pow2(max(1, p)),
+            HAS_LW=state.log_weight is not None,
+            HAS_VEC=has_vec,
+        ),
     )  # fmt: skip
     return out
 

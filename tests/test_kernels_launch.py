@@ -71,7 +71,7 @@ def test_second_launch_goes_to_the_launcher_with_runs_arguments(jit):
 
 @pytest.mark.parametrize(
     "change",
-    ["dtype", "alignment", "int value", "int type", "keyword", "new keyword"],
+    ["dtype", "alignment", "int value", "int class", "int type", "keyword", "new keyword"],
 )
 def test_anything_triton_specialises_on_goes_through_run(jit, change):
     fn, runs, launches = jit
@@ -85,6 +85,8 @@ def test_anything_triton_specialises_on_goes_through_run(jit, change):
         other_args[0] = x[1:]  # 4 bytes past a 16-byte boundary
     elif change == "int value":
         other_args[1] = 1  # triton makes 1 a constant, 16 is "divisible by 16"
+    elif change == "int class":
+        other_args[1] = 17  # not divisible by 16
     elif change == "int type":
         other_args[1] = 16.0
     elif change == "keyword":
@@ -98,16 +100,43 @@ def test_anything_triton_specialises_on_goes_through_run(jit, change):
 
 
 def test_call_key_is_at_least_as_fine_as_triton_specialisation():
-    """Equal keys must mean equal specialisations: tensors by dtype and 16-byte alignment, integers by value."""
+    """Equal keys must mean equal specialisations: tensors by dtype and 16-byte alignment, integers by what triton
+    specialises them on (1; type i32 / i64 / u64; divisible by 16), an autotuner's positional key by value."""
     x = torch.zeros(64)
     key = kernels_launch.call_key
     assert key((x, 3), {}, 0) == key((torch.ones(64), 3), {}, 0)
     assert key((x, 3), {}, 0) != key((x[4:], 3), {}, 0) or x[4:].data_ptr() % 16 == x.data_ptr() % 16
     assert key((x[1:], 3), {}, 0) != key((x, 3), {}, 0)
     assert key((x, 3), {}, 0) != key((x, 3), {}, 1)  # device
-    assert key((x, 2**31), {}, 0) != key((x, 2**31 - 1), {}, 0)  # i64 against i32
-    assert key((x, True), {}, 0) == key((x, True), {}, 0)
+    assert key((x, 2**31), {}, 0) != key((x, 2**31 - 16), {}, 0)  # i64 against i32, both divisible by 16
+    assert key((x, 2**63), {}, 0) != key((x, 2**63 - 16), {}, 0)  # u64 against i64
+    assert key((x, True), {}, 0) == key((x, True), {}, 0) != key((x, False), {}, 0)
     assert key((x, None), {"A": 1}, 0) != key((x, None), {"A": 2}, 0)
+    # a decode step's growing length keeps its key while triton's specialisation stays the same
+    assert key((x, 17), {}, 0) == key((x, 18), {}, 0) == key((x, 4099), {}, 0) == key((x, 0 - 3), {}, 0)
+    assert key((x, 32), {}, 0) == key((x, 4096), {}, 0) == key((x, 0), {}, 0) != key((x, 33), {}, 0)
+    assert key((x, 1), {}, 0) != key((x, 17), {}, 0) and key((x, 1), {}, 0) != key((x, 16), {}, 0)
+    # an autotuner's key argument, passed positionally: by value
+    assert key((x, 17), {}, 0, frozenset({1})) != key((x, 18), {}, 0, frozenset({1}))
+    assert key((x, 17), {}, 0, frozenset({1})) == key((x, 17), {}, 0, frozenset({1}))
+
+
+def test_call_key_classes_match_triton_specialisation():
+    """:func:`kernels_launch._int_class` against triton's own specialisation of an integer argument: equal classes
+    exactly where triton specialises equally."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    specialize = getattr(jit, "native_specialize_impl", None)
+    if specialize is None:
+        pytest.skip("this triton has no native_specialize_impl")
+    from triton.backends.compiler import BaseBackend
+
+    values = [0, 1, 2, 3, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 3, -(2**31),
+              -(2**31) - 16, 2**63 - 16, 2**63, 2**63 + 16, 2**64 - 1]
+    triton_class = {v: specialize(BaseBackend, v, False, True, True) for v in values}
+    ours = {v: kernels_launch._int_class(v) for v in values}
+    for a in values:
+        for b in values:
+            assert (triton_class[a] == triton_class[b]) == (ours[a] == ours[b]), (a, b, triton_class[a])
 
 
 @pytest.mark.parametrize("what", ["turned off", "enter hook", "pre-run hook", "not a compiled kernel"])
@@ -150,11 +179,23 @@ def test_cache_is_bounded(jit, monkeypatch):
     fn, runs, launches = jit
     monkeypatch.setattr(kernels_launch, "CACHE_LIMIT", 4)
     x = torch.zeros(64)
-    for n in range(10):  # ten lengths, as a decode loop makes
-        kernels_launch.launch_jit(fn, (1,), (x, n, 1.0), {"BLOCK": 16})
+    for block in range(10):  # ten signatures
+        kernels_launch.launch_jit(fn, (1,), (x, 5, 1.0), {"BLOCK": 16 * (block + 1)})
     assert len(fn._hf_rbf_direct) <= 4
-    kernels_launch.launch_jit(fn, (1,), (x, 9, 1.0), {"BLOCK": 16})
+    kernels_launch.launch_jit(fn, (1,), (x, 5, 1.0), {"BLOCK": 160})
     assert len(runs) == 10 and len(launches) == 1
+
+
+def test_a_decode_loop_over_growing_lengths_launches_directly(jit):
+    """The lengths of a decode loop (one more cached key per step) change the integer arguments' values, not what
+    triton specialises them on: after the first launch of each class (1, divisible by 16 or not) every step goes to
+    the launcher directly, with the step's own values."""
+    fn, runs, launches = jit
+    x = torch.zeros(64)
+    for n in range(1, 41):
+        kernels_launch.launch_jit(fn, (1,), (x, n, 1.0), {"BLOCK": 16})
+    assert [r[0][1] for r in runs] == [1, 2, 16]  # the classes' first lengths went through triton
+    assert [launch[10] for launch in launches] == [n for n in range(1, 41) if n not in (1, 2, 16)]
 
 
 def test_autotuned_kernel_launches_its_chosen_config_then_directly(jit):
@@ -173,6 +214,10 @@ def test_autotuned_kernel_launches_its_chosen_config_then_directly(jit):
     kernels_common.launch_tuned(tuned, grid, x, 100, 0.5, FLAG=True)
     assert len(runs) == 1
     assert launches == [(2, 1, 1, 77, 1234, ("meta",), None, None, None, x.data_ptr(), 100, 0.5, 64, True)]
+    # n is the autotuner's key: another value (same specialisation class) is another tuning key, asked for again
+    tuned.cache[(116, str(x.dtype))] = configs[0]
+    kernels_common.launch_tuned(tuned, grid, x, 116, 0.5, FLAG=True)
+    assert len(runs) == 2 and runs[1][2] == {"FLAG": True, **configs[0].all_kwargs()}
     # the autotuner's disk cache stores config.__dict__ and rebuilds Config(**it) in the next process: nothing of ours
     # may be added to a config
     for config in configs:
@@ -226,6 +271,41 @@ def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
             torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     assert kernels_common.HAS_TRITON
     assert _recorded_signatures() > 0  # the repeats had something to launch directly
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: compiled kernels")
+def test_decode_steps_over_growing_lengths_launch_directly(monkeypatch):
+    """A decode loop (one query row over one more cached key per step, no gradients): the split-K decode and its
+    combine kernel, keyed by what triton specialises the lengths on, launch directly after the first step of each
+    class; every step's output equals (bitwise) the one launched through triton.  (The sorted-window decode kernel
+    launches the same way; its GPU tests in test_sorted_cache_decode.py check its steps against the reference.)"""
+    from hf_rbf import kernels_flash_fwd, rbf_attention
+
+    if kernels_launch.direct_launch_state() is not None:
+        pytest.skip(f"direct launches not available: {kernels_launch.direct_launch_state()}")
+    torch.manual_seed(0)
+    b, h, n, d = 1, 12, 300, 64
+    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+
+    def steps():
+        with torch.no_grad():
+            return [
+                rbf_attention(q[:, :, t - 1 : t], k[:, :, :t], v[:, :, :t], backend="triton") for t in range(200, 260)
+            ]
+
+    monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", False)
+    expected = steps()
+    monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", True)
+    for cache_owner in (kernels_flash_fwd._distance_decode, kernels_flash_fwd._decode_combine_kernel):
+        cache_owner.__dict__.pop("_hf_rbf_direct", None)
+    got = steps()
+    for t, (e, g) in enumerate(zip(expected, got)):
+        torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"step {t}: {m}")
+    # 60 lengths, a handful of signatures (the lengths' classes, the split counts), not one per length
+    assert 0 < len(kernels_flash_fwd._decode_combine_kernel._hf_rbf_direct) <= 8
+    assert 0 < len(kernels_flash_fwd._distance_decode._hf_rbf_direct) <= 8
 
 
 def _recorded_signatures() -> int:
