@@ -13,9 +13,9 @@ keeps, per kernel, a dict from a cheap key of the call (tensor dtypes, 16-byte a
 triton specialises integers on, the values of the other non-float arguments, the keyword arguments, the device) to
 what triton compiled for it (the launcher, the CUDA function and its packed metadata, the constexpr values in
 signature order, the keywords it launched with: an autotuned kernel's config among them).  The key is at least as
-fine as triton's specialisation and the autotuner's tuning key (equal keys mean equal specialisations and configs), so a hit launches exactly the kernel
-``fn.run`` would, through the same launcher call, the tensors passed as data pointers; a miss goes through triton
-(which compiles and tunes if needed) and records the result.  Measured offline (triton 3.6, this project's CPU):
+fine as triton's specialisation and the autotuner's tuning key (equal keys mean equal specialisations and configs),
+so a hit launches exactly the kernel ``fn.run`` would, through the same launcher call, the tensors passed as data
+pointers; a miss goes through triton (which compiles and tunes if needed) and records the result.  Measured offline (triton 3.6, this project's CPU):
 an autotuned forward launch through ``launch_tuned`` costs 15 us before the driver call, against 32 us for the
 autotune key plus ``JITFunction.run`` before.  Nothing is skipped that could change the launch: launches with
 triton's launch hooks (proton, ``knobs.runtime.launch_enter_hook``), pre-run hooks or a stage-inspection hook
