@@ -15,9 +15,9 @@ what triton compiled for it (the launcher, the CUDA function and its packed meta
 signature order, the keywords it launched with: an autotuned kernel's config among them).  The key is at least as
 fine as triton's specialisation and the autotuner's tuning key (equal keys mean equal specialisations and configs),
 so a hit launches exactly the kernel ``fn.run`` would, through the same launcher call, the tensors passed as data
-pointers; a miss goes through triton (which compiles and tunes if needed) and records the result.  Measured offline (triton 3.6, this project's CPU):
-an autotuned forward launch through ``launch_tuned`` costs 15 us before the driver call, against 32 us for the
-autotune key plus ``JITFunction.run`` before.  Nothing is skipped that could change the launch: launches with
+pointers; a miss goes through triton (which compiles and tunes if needed) and records the result.  Measured offline
+(triton 3.6, this project's CPU): an autotuned forward launch through ``launch_tuned`` costs 15 us before the driver
+call, against 32 us for the autotune key plus ``JITFunction.run`` before.  Nothing is skipped that could change the launch: launches with
 triton's launch hooks (proton, ``knobs.runtime.launch_enter_hook``), pre-run hooks or a stage-inspection hook
 installed go through triton, as do launches under the interpreter and triton versions whose launch protocol is not
 the one checked here (3.4-3.9: ``CompiledKernel.run(grid..., stream, function, packed_metadata, launch_metadata,
