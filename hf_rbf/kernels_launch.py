@@ -8,20 +8,20 @@ machines everything before the launcher takes 27-31 us per forward launch, again
 ``benchmarks/probe_triton_binder_offline.py``); on the H100 hosts a whole launch cost 0.05-0.18 ms
 (``benchmarks/results/h100-2026-11-27j``), three per forward+backward of every layer.
 
-:func:`launch_jit` (and, for autotuned kernels, ``kernels_common.launch_tuned`` through :func:`launch_cached`)
-keeps, per kernel, a dict from a cheap key of the call (tensor dtypes, 16-byte alignment and being on a GPU, what
-triton specialises integers on, the values of the other non-float arguments, the keyword arguments, the device) to
-what triton compiled for it (the launcher, the CUDA function and its packed metadata, the constexpr values in
-signature order, the keywords it launched with: an autotuned kernel's config among them).  The key is at least as
-fine as triton's specialisation and the autotuner's tuning key (equal keys mean equal specialisations and configs),
-so a hit launches exactly the kernel ``fn.run`` would, through the same launcher call, the tensors passed as data
-pointers; a miss goes through triton (which compiles and tunes if needed) and records the result.  Measured offline
-(triton 3.6, this project's CPU): an autotuned forward launch through ``launch_tuned`` costs 15 us before the driver
-call, against 32 us for the autotune key plus ``JITFunction.run`` before.  Nothing is skipped that could change the launch: launches with
-triton's launch hooks (proton, ``knobs.runtime.launch_enter_hook``), pre-run hooks or a stage-inspection hook
-installed go through triton, as do launches under the interpreter and triton versions whose launch protocol is not
-the one checked here (3.4-3.9: ``CompiledKernel.run(grid..., stream, function, packed_metadata, launch_metadata,
-enter_hook, exit_hook, *every_parameter)``).
+:func:`launch_jit` (and, for autotuned kernels, ``kernels_common.launch_tuned`` through :func:`launch_cached`) keeps,
+per kernel, a dict from a cheap key of the call (tensor dtypes, 16-byte alignment and being on a GPU, what triton
+specialises integers on, the values of the other non-float arguments, the keyword arguments, the device) to what triton
+compiled for it (the launcher, the CUDA function and its packed metadata, the constexpr values in signature order, the
+keywords it launched with: an autotuned kernel's config among them).  The key is at least as fine as triton's
+specialisation and the autotuner's tuning key (equal keys mean equal specialisations and configs), so a hit launches
+exactly the kernel ``fn.run`` would, through the same launcher call, the tensors passed as data pointers; a miss goes
+through triton (which compiles and tunes if needed) and records the result.  Measured offline (triton 3.6, this
+project's CPU): an autotuned forward launch through ``launch_tuned`` costs 15 us before the driver call, against 32 us
+for the autotune key plus ``JITFunction.run`` before.  Nothing is skipped that could change the launch: launches with
+triton's launch hooks (proton, ``knobs.runtime.launch_enter_hook``), pre-run hooks or a stage-inspection hook installed
+go through triton, as do launches under the interpreter and triton versions whose launch protocol is not the one checked
+here (3.4-3.9: ``CompiledKernel.run(grid..., stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook,
+*every_parameter)``).
 
 ``HF_RBF_TRITON_DIRECT_LAUNCH=0`` (or ``kernels_launch.DIRECT_LAUNCH = False``) turns it off; ``direct_launch_state()``
 says whether it is on and why not.
