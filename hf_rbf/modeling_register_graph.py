@@ -43,6 +43,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch._C._nn import unflatten_dense_tensors  # views of a flat buffer shaped as templates, one C++ loop
 from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call swaps with
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,16 @@ class RegisterStepGraphs:
                 offset += grads[i].numel()
         self.grad_slots = tuple(slots)
         self.flat_grads = flat
+        # what a replay's backward cuts each flat copy into, in one C++ call per dtype (``unflatten_dense_tensors``:
+        # a narrow and a view per gradient, without a Python round trip each): shape templates on the meta device
+        self.grad_templates = {
+            dtype: [torch.empty(slots[i][3], device="meta") for i in indices] for dtype, indices in groups.items()
+        }
+        order = [None] * len(grads)
+        for dtype, indices in groups.items():
+            for j, i in enumerate(indices):
+                order[i] = (dtype, j)
+        self.grad_order = tuple(order)
 
     def _keep_outputs(self, outputs) -> None:
         """Keep the captured outputs as buffers without their autograd history.  Kept with it, they kept the
@@ -236,11 +247,11 @@ class _ReplayStep(torch.autograd.Function):
         # one copy of each flat buffer: autograd may keep a returned tensor as a parameter's .grad, which the next
         # replay would overwrite; the gradients are contiguous views of it, shaped as the parameters (a captured
         # [1, H] gradient with strides (1, 1) made DDP warn "grad strides do not match bucket view strides")
-        flat = {dtype: buffer.clone() for dtype, buffer in graphs.flat_grads.items()}
-        grads = iter(
-            None if slot is None else flat[slot[0]].narrow(0, slot[1], slot[2]).view(slot[3])
-            for slot in graphs.grad_slots
-        )
+        views = {
+            dtype: unflatten_dense_tensors(buffer.clone(), graphs.grad_templates[dtype])
+            for dtype, buffer in graphs.flat_grads.items()
+        }
+        grads = iter(None if where is None else views[where[0]][where[1]] for where in graphs.grad_order)
         states_grad = next(grads) if graphs.static_states.requires_grad else None
         param_grads = tuple(next(grads) for _ in graphs.params)
         return (None, states_grad, *param_grads)

@@ -382,7 +382,7 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def _fsdp2_training(use_path, family, path, mesh, ids, dtype, device, addresses=None):
+def _fsdp2_training(use_path, family, path, mesh, ids, dtype, device, addresses=None, num_register_tokens=2):
     """Three training steps (an optimiser step and an evaluation forward after each) of ``family`` on register path
     ``path`` (set by ``use_path``) under FSDP2 (``fully_shard`` per decoder layer, without resharding after the
     forward, and on the model, as accelerate's FSDP2 plugin wraps them): ``(model, [(logits, full gradients), ...])``.
@@ -390,7 +390,7 @@ def _fsdp2_training(use_path, family, path, mesh, ids, dtype, device, addresses=
     from torch.distributed.fsdp import fully_shard
 
     use_path(path)
-    overrides = dict(num_register_tokens=2)
+    overrides = dict(num_register_tokens=num_register_tokens)
     if device == "cuda":
         overrides.update(attention_backend="auto", hidden_size=64, num_attention_heads=2)
     model = build_model(family, overrides).to(device=device, dtype=dtype).train()
@@ -412,7 +412,7 @@ def _fsdp2_training(use_path, family, path, mesh, ids, dtype, device, addresses=
         opt.step()
         with torch.no_grad():
             results.append((model(input_ids=ids).logits, {}))
-    assert model.model.last_register_path == ("graphed" if path == "graphed" else "rows")
+    assert model.model.last_register_path.startswith(path)
     return model, results
 
 
@@ -440,10 +440,14 @@ def test_replays_under_fsdp2_copy_the_gathered_weights_in(family, graphed, one_r
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("registers", [1, 2])
 @pytest.mark.parametrize("family", ["rbf", "hybrid_sort"])
-def test_cuda_graphs_under_fsdp2_equal_the_rows_path(family, monkeypatch):
+def test_cuda_graphs_under_fsdp2_equal_the_rows_path(family, registers, monkeypatch):
     """The real graphs under FSDP2 on one GPU (nccl, one rank; inductor's compiled step captured, the fused kernels)
-    against the rows path in float32: the weights copied in before each replay, one capture per layer."""
+    against the rows path and the compiled stream, in float32: the weights copied in before each replay, one capture
+    per layer.  (H100, session 15: hybrid_sort with 2 registers missed the rows path's bound, 5% of the logits off by
+    up to 1.6e-3 of their largest; the compiled stream, whose kernels the graphs replay, is the reference that
+    separates the graphs from the register paths' own float32 differences.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import torch.distributed as dist
@@ -455,11 +459,45 @@ def test_cuda_graphs_under_fsdp2_equal_the_rows_path(family, monkeypatch):
         monkeypatch.setattr(modeling_register_graph, name, modeling_register_graph.weakref.WeakKeyDictionary())
     ids = torch.randint(0, 128, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     mesh = _one_rank_group("nccl", "cuda")
+    overrides = dict(num_register_tokens=registers)
     try:
-        _, ref = _fsdp2_training(use_path, family, "rows", mesh, ids, torch.float32, "cuda")
-        model, got = _fsdp2_training(use_path, family, "graphed", mesh, ids, torch.float32, "cuda")
+        _, compiled = _fsdp2_training(use_path, family, "compiled", mesh, ids, torch.float32, "cuda", **overrides)
+        model, got = _fsdp2_training(use_path, family, "graphed", mesh, ids, torch.float32, "cuda", **overrides)
+        _, rows = _fsdp2_training(use_path, family, "rows", mesh, ids, torch.float32, "cuda", **overrides)
     finally:
         dist.destroy_process_group()
-    for r, g in zip(ref, got):
-        _assert_same(r, g, rtol=1e-4)
+    errors = {}
+    for reference, name in ((compiled, "compiled"), (rows, "rows")):
+        try:
+            for r, g in zip(reference, got):
+                _assert_same(r, g, rtol=1e-4)
+        except AssertionError as e:
+            errors[name] = str(e)[:400]
+    assert not errors, errors
     assert [modeling_register_graph.captures(layer) for layer in model.model.layers] == [1] * len(model.model.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["stream", "compiled", "graphed"])
+@pytest.mark.parametrize("family", ["rbf", "scalar_sort", "hybrid_sort"])
+def test_register_paths_with_several_registers_equal_the_rows_path_on_cuda(family, path, monkeypatch):
+    """Two register tokens (a register attention call, not the one-register closed form) on one GPU without FSDP,
+    float32 with the fused kernels: each register path's logits and gradients against the rows path's, for three
+    training steps with an optimiser between them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for name in ("_GRAPHS", "_CAPTURES"):
+        monkeypatch.setattr(modeling_register_graph, name, modeling_register_graph.weakref.WeakKeyDictionary())
+    ids = torch.randint(0, 128, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    overrides = dict(num_register_tokens=2, attention_backend="auto", hidden_size=64, num_attention_heads=2)
+    results = {}
+    for p in ("rows", path):
+        monkeypatch.setattr(modeling_decoder, "register_path", p)
+        model = build_model(family, overrides).cuda().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        results[p] = []
+        for _ in range(3):
+            results[p].append(_step(model, ids))
+            opt.step()
+    for r, g in zip(results["rows"], results[path]):
+        _assert_same(r, g, rtol=1e-4)
