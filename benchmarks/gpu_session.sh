@@ -12,6 +12,8 @@
 #                tests marked `gpu` run: a CPU/interpreter test named here is deselected)                         [240]
 #   kernelcheck  benchmarks/check_kernels_gpu.py (full-shape output and gradient checks, pass/fail table)     [240]
 #   bench        benchmarks/bench_attention.py (training sweep and decode rows, ratios against SDPA-flash)    [300]
+#   forward      benchmarks/probe_forward_variants.py (the rbf forward as shipped, with a key-bias pass, without
+#                the norm term, SDPA flash / cuDNN; then its tile configs one by one; FORWARD_ARGS appended)   [300]
 #   sorted       recipes/bench_sorted_decode.py --device cuda (sorted-window decode vs exact)               [120]
 #   mass         recipes/measure_captured_mass.py --size gpu (captured attention mass, STEPS env)          [300]
 #   vit          recipes/gpu_vit_mnist.sh (GKA vs DeiT on MNIST, EPOCHS env)                               [300]
@@ -72,7 +74,7 @@ for d in .whl wheels; do
         --upgrade --target "$SITE" "$d"/*.whl 2>&1 | tail -3
 done
 
-declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [backwardhost]=200 [firststeps]=300 [profile]=500 [staticdecode]=400 [generate]=500 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [sorted]=120 [mass]=300 [vit]=300
+declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [backwardhost]=200 [firststeps]=300 [profile]=500 [staticdecode]=400 [generate]=500 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [forward]=300 [sorted]=120 [mass]=300 [vit]=300
                   [lm]=560 [multi]=400 [throughput]=150 [scaling]=540 [nonfinite]=300)
 
 job_env() {
@@ -90,6 +92,7 @@ job_env() {
 job_gputests() { HF_RBF_TRITON_AUTOTUNE=0 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 ${GPUTESTS:-tests}; }
 job_kernelcheck() { python3 benchmarks/check_kernels_gpu.py --workers 14; }
 job_bench() { python3 benchmarks/bench_attention.py --out "$1" ${BENCH_ARGS:-}; }
+job_forward() { python3 benchmarks/probe_forward_variants.py --out "$1" ${FORWARD_ARGS:-}; }
 job_sorted() { python3 recipes/bench_sorted_decode.py --device cuda --output "$1" ${SORTED_ARGS:-}; }
 job_mass() {
     python3 recipes/measure_captured_mass.py --size gpu --output "$1" ${MASS_STEPS:+--steps $MASS_STEPS} \
