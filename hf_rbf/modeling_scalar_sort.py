@@ -254,7 +254,9 @@ class ScalarSortAttention(DecoderAttention):
     @property
     def takes_rows(self) -> bool:
         """The flat-rows path (see :meth:`project_rows`) where there are register rows to merge; without them it
-        would only add views."""
+        would only add views.  Rows without register rows (the register stream, whose prefix comes as
+        ``register_prefix``) take the text path of a model without registers: :meth:`project_rows` would split and
+        re-view every projection for nothing (9 to 15 views per layer and decode step)."""
         return self.num_registers > 0
 
     def project_rows(self, rows: torch.Tensor, text_shape: tuple[int, int], position_embeddings):
@@ -436,7 +438,7 @@ class ScalarSortAttention(DecoderAttention):
         the registers are not computed here: ``rows`` / ``register_states`` hold no register rows."""
         b, n, _ = hidden_states.shape
         register_keys = tau_registers = register_out = register_out_rows = None
-        if rows is not None:
+        if rows is not None and rows.shape[0] > b * n:
             proj, register_keys, tau, tau_registers = self.project_rows(rows, (b, n), position_embeddings)
         else:
             proj = self.project(hidden_states, position_embeddings)

@@ -7,6 +7,7 @@ graph for every layer of a kind; "auto" picks the graphed or compiled stream on 
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 
@@ -402,3 +403,62 @@ def test_auto_takes_the_graphed_step_under_ddp_and_fsdp2_not_under_checkpointing
     layer.gradient_checkpointing = False
     layer._hf_hook = object()
     assert not modeling_decoder._graphs_fit(layer)
+
+
+# The decode-step cost of the registers on the path "auto" takes on CUDA in a cached forward without gradients (the
+# stream, steps memoised per cache): their prefix comes from the memo, so a register model's decode step should run
+# about the ops of the same model without registers.  Measured per layer (2 layers, batch 1; after the change that
+# sends the stream's text rows through the sorted families' text path): rbf +0.5, gka +2.5 (the prefix ``cat`` in front
+# of the cached features), scalar_sort -4.5 (-4.5 per token tau), hybrid_sort -5.5 (the memoised prefix also carries
+# the sink).  Before it the sorted families' flat-rows projections cost +6.5 / +9.5 / +11.5 (views), and on the CPU's
+# "rows" path (the register rows recomputed beside the text every step) +68 / +103.
+MAX_EXTRA_DECODE_OPS_PER_LAYER = 4
+_FUSED_SORTED = dict(attention_backend="triton", decode_window=4, decode_backend="triton")
+DECODE_OP_CASES = [
+    ("rbf", "rbf", dict(attention_backend="triton")),
+    ("gka", "gka", dict(attention_backend="triton")),
+    ("scalar_sort", "scalar_sort", _FUSED_SORTED),
+    ("scalar_sort-per-token", "scalar_sort", dict(_FUSED_SORTED, tau_mode="per_token")),
+    ("hybrid_sort", "hybrid_sort", _FUSED_SORTED),
+]
+
+
+def _decode_step_ops(family: str, overrides: dict, layers: int = 2):
+    """Aten ops (outside triton's launches, whose interpreter work is not host work on a GPU) of one decode step at
+    batch 1, after a prefill and a warm-up step, and the model's register path."""
+    import count_host_ops  # benchmarks/ (see kernel_env): the counter of benchmarks/count_model_host_ops.py
+
+    count_host_ops._patch_triton_run()
+    model = build_model(family, dict(overrides, num_hidden_layers=layers))
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = model.make_cache()
+    with torch.no_grad():
+        model(input_ids=ids[:, :10], cache=cache, use_cache=True)
+        model(input_ids=ids[:, 10:11], cache=cache, use_cache=True)
+        with count_host_ops.counting() as counter:
+            model(input_ids=ids[:, 11:12], cache=cache, use_cache=True)
+    return collections.Counter(counter.ops), model.model.last_register_path
+
+
+@pytest.mark.parametrize("case", DECODE_OP_CASES, ids=[c[0] for c in DECODE_OP_CASES])
+def test_register_decode_step_costs_a_handful_of_ops(case, paths):
+    """A decode step on the stream (the register steps memoised on the cache) costs at most a handful of aten ops per
+    layer more than the same model without registers (the fused kernels, here in triton's interpreter, as on CUDA):
+    nothing that depends on the weights alone (the registers' projections, norms, attention, the prefix keys, the sink)
+    is rebuilt per token.  ``benchmarks/count_model_host_ops.py --decode`` counts the same per family."""
+    import kernel_env  # puts benchmarks/ on the path
+
+    if not kernel_env.kernels_common.DEFINED_INTERPRETED:
+        pytest.skip("the fused kernels of a CPU model run in triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
+    _, family, overrides = case
+    paths("stream")
+    layers = 2
+    plain, path = _decode_step_ops(family, dict(overrides, num_register_tokens=0), layers)
+    assert path is None
+    with_registers, path = _decode_step_ops(family, dict(overrides, num_register_tokens=1), layers)
+    assert path == "stream"
+    extra = (sum(with_registers.values()) - sum(plain.values())) / layers
+    assert extra <= MAX_EXTRA_DECODE_OPS_PER_LAYER, (
+        f"{family}: {extra:+.1f} aten ops per layer and decode step for one register (more: "
+        f"{dict(with_registers - plain)}; fewer: {dict(plain - with_registers)})"
+    )
