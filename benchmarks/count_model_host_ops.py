@@ -7,7 +7,11 @@ backend, so the per-layer overhead of each family over Llama is visible without 
 
 ``--decode`` counts one generated token instead (batch 1, after a 16-token prefill and one warm-up step, no
 gradients), with the default dynamic cache and with the static cache ``generate(cache_implementation="static")``
-builds (256 slots); at batch 1 a decode step is bound by exactly this host work.  The sorted families decode through
+builds (256 slots); at batch 1 a decode step is bound by exactly this host work.  The register rows take the path
+``register_path="auto"`` takes on CUDA for a cached forward without gradients, "stream" (their layer steps memoised
+once per cache, ``DecoderModel._register_memo``), also on the CPU, where "auto" would run the "rows" path (the register
+rows recomputed in every step beside the text, 70-85 more aten ops per layer for the sorted families than a GPU's
+decode step runs); ``--register-path rows`` counts that one.  The sorted families decode through
 a window of 8 (``decode_window``, shorter than the cached tokens, as at long context) and both their dynamic and
 static layers take the fused step (``decode_backend`` / ``static_decode_backend="triton"``, here in the interpreter,
 as "auto" does on CUDA).
@@ -121,7 +125,7 @@ def count_decode_step(model, prompt_len: int = 16) -> dict:
 
     model.eval()
     device = next(model.parameters()).device
-    ids = torch.randint(0, 128, (1, prompt_len + 2), device=device, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 128, (1, prompt_len + 2), generator=torch.Generator().manual_seed(0)).to(device)
     out = {}
     for kind in ("dynamic", "static"):
         # capacity beyond the window, so that the sorted layers take their windowed step
@@ -143,9 +147,12 @@ def count_decode_step(model, prompt_len: int = 16) -> dict:
     return out
 
 
-def main_decode(rows: dict, layers: int, verbose: bool) -> None:
+def main_decode(rows: dict, layers: int, verbose: bool, register_path: str = "stream") -> None:
     base = rows.get("llama (SDPA)")
-    print(f"# torch {torch.__version__}; d=64, 2 heads, {layers} layers, B1, one decode step after a 16-token prompt")
+    print(
+        f"# torch {torch.__version__}; d=64, 2 heads, {layers} layers, B1, one decode step after a 16-token prompt; "
+        f"register_path={register_path!r}"
+    )
     print(
         "| model | dynamic: aten ops | of which compute | triton launches | static: aten ops | of which compute | "
         "triton launches | extra aten ops per layer vs Llama (dynamic / static) |"
@@ -173,7 +180,18 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", action="store_true", help="print the forward's aten ops by name")
     p.add_argument("--json", default=None)
     p.add_argument("--decode", action="store_true", help="one decode step (B1) instead of a training step")
+    p.add_argument(
+        "--register-path",
+        default=None,
+        choices=("auto", "rows", "stream", "compiled", "graphed"),
+        help="hf_rbf.modeling_decoder.register_path for the count (default: 'stream' with --decode, the path 'auto' "
+        "takes on CUDA in a decode step; 'auto' otherwise)",
+    )
     args = p.parse_args(argv)
+    from hf_rbf import modeling_decoder
+
+    register_path = args.register_path or ("stream" if args.decode else "auto")
+    modeling_decoder.register_path = register_path
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _patch_triton_run()
     rows = {}
@@ -192,7 +210,7 @@ def main(argv=None) -> int:
             rows[name] = count_step(model, ids)
         del model
     if args.decode:
-        main_decode(rows, args.layers, args.verbose)
+        main_decode(rows, args.layers, args.verbose, register_path)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"layers": args.layers, "device": device, "decode": True, "rows": rows}, f, indent=1)
