@@ -394,8 +394,16 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.values[:, :, s : s + n] = values
         if vector_keys is not None:
             self.vector_keys[:, :, s : s + n] = vector_keys
-        self.valid[:, s : s + n] = True if valid is None else valid.to(torch.bool)
-        self.token_index[:, s : s + n] = torch.arange(self.seen_tokens, self.seen_tokens + n, device=self.device)
+        # fill_ with a Python scalar: one op, where an assignment of True wraps it in a tensor first (lift_fresh), and
+        # a decode step's single token index needs no arange (per layer and decode step on the host)
+        if valid is None:
+            self.valid[:, s : s + n].fill_(True)
+        else:
+            self.valid[:, s : s + n] = valid.to(torch.bool)
+        if n == 1:
+            self.token_index[:, s : s + n].fill_(self.seen_tokens)
+        else:
+            self.token_index[:, s : s + n] = torch.arange(self.seen_tokens, self.seen_tokens + n, device=self.device)
         if log_weight is not None:
             self._ensure_log_weight()
         if self.log_weight is not None:
