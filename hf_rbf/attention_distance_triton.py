@@ -48,16 +48,46 @@ _NS = (
 DECODE_MAX_QUERIES = 16
 
 
-def _knorm_inline(knorm: bool, key_log_weights, attention_mask, prefix_k) -> bool:
-    """Whether the kernels add the key norms themselves: always when the prefix keys are separate tensors (the
-    key-bias pass reads one key tensor), else when the norms are the only key-bias term."""
-    return knorm and (prefix_k is not None or not _has_kb(key_log_weights, attention_mask))
+# Where the key norms come from a key-bias pass instead of the key tiles (``_knorm_inline``): from this head dim, or
+# from this many keys.  The kernels read the norms of each key tile through a second load of the tile (see
+# ``kernels_common._row_sq_norms``), once per query block; the pass reads the keys once and the loops then load one
+# fp32 value per key.  On an H100 (``benchmarks/probe_forward_variants.py``, benchmarks/results/h100-2026-11-27l,
+# call 3; causal bf16 forward, 32k tokens, H16) the pass plus the forward took 0.97-0.85x the inline forward's time
+# at head dim 128 (every N from 512 to 8192) and at N 4096 / 8192 with head dim 64, and 1.02-1.12x at head dim 64
+# up to N 2048 (there the pass's own 0.07 ms is most of a call).
+KNORM_PASS_MIN_HEAD_DIM = 128
+KNORM_PASS_MIN_KEYS = 4096
+
+
+def _knorm_inline(knorm: bool, key_log_weights, attention_mask, prefix_k, head_dim: int = 0, nk: int = 0) -> bool:
+    """Whether the forward's kernels add the key norms themselves: always when the prefix keys are separate tensors
+    (the key-bias pass reads one key tensor); never when the key-bias pass runs anyway (key log-weights, padding);
+    else below ``KNORM_PASS_MIN_HEAD_DIM`` and ``KNORM_PASS_MIN_KEYS`` (``head_dim`` / ``nk``: of the keys)."""
+    if not knorm:
+        return False
+    if prefix_k is not None:
+        return True
+    if _has_kb(key_log_weights, attention_mask):
+        return False
+    return head_dim < KNORM_PASS_MIN_HEAD_DIM and nk < KNORM_PASS_MIN_KEYS
+
+
+def _knorm_pass(knorm: bool, key_log_weights, attention_mask, prefix_k, head_dim: int, nk: int) -> bool:
+    """Whether the forward runs the key-bias pass (``key_bias``): for key log-weights or padding, and for the key
+    norms where the kernels do not add them (``_knorm_inline``)."""
+    if _has_kb(key_log_weights, attention_mask):
+        return True
+    return knorm and not _knorm_inline(knorm, key_log_weights, attention_mask, prefix_k, head_dim, nk)
+
+
+def _knorm_inline_backward(knorm: bool, kb, prefix_k) -> bool:
+    """The backward's ``knorm_inline``: the forward's choice, read from what it saved (``kb`` holds the key norms
+    whenever the forward ran the key-bias pass without separate prefix keys)."""
+    return knorm and (prefix_k is not None or kb is None)
 
 
 def _has_kb(key_log_weights, attention_mask) -> bool:
-    """Whether the key-bias pass runs: only for key log-weights or padding.  The key norms alone are computed
-    inside the forward, dQ and dK/dV kernels from the key tiles they load anyway (one launch and two ``[B, H, Nk]``
-    buffers less per call; the FLOPs, ``D`` per key and tile, are a ``1 / BLOCK_M`` fraction of the tile's dot)."""
+    """Whether the key-bias pass runs whatever the key norms: for key log-weights or padding."""
     return key_log_weights is not None or attention_mask is not None
 
 
@@ -88,10 +118,12 @@ def _forward_impl(
     eps,
     tau_in,
 ):
-    """Launch the key-bias pass (only for key weights or padding) and the flash forward: ``(out, lse, kb | None)``."""
+    """Launch the key-bias pass (key weights, padding, or the key norms: ``_knorm_pass``) and the flash forward:
+    ``(out, lse, kb | None)``."""
     kb = None
-    inline = _knorm_inline(knorm, key_log_weights, attention_mask, prefix_k)
-    if _has_kb(key_log_weights, attention_mask):
+    d, nk_seq = k.shape[3], k.shape[2]
+    inline = _knorm_inline(knorm, key_log_weights, attention_mask, prefix_k, d, nk_seq)
+    if _knorm_pass(knorm, key_log_weights, attention_mask, prefix_k, d, nk_seq):
         bsz, heads, _, _ = q.shape
         nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
         kb, _ = key_bias(
@@ -208,7 +240,8 @@ def _(
     nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
     out = q.new_empty(bsz, heads, nq, v.shape[3])
     lse = q.new_empty(bsz, heads, nq, dtype=torch.float32)
-    kb_shape = (bsz, heads, nk) if _has_kb(key_log_weights, attention_mask) else (0,)
+    kb_pass = _knorm_pass(knorm, key_log_weights, attention_mask, prefix_k, k.shape[3], k.shape[2])
+    kb_shape = (bsz, heads, nk) if kb_pass else (0,)
     kb = q.new_empty(kb_shape, dtype=torch.float32)
     return out, lse, kb
 
@@ -267,7 +300,7 @@ def _backward_impl(
         need_ab=need_ab,
         need_dkb=need_dkb,
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
-        knorm_inline=_knorm_inline(knorm, kb, None, prefix_k),
+        knorm_inline=_knorm_inline_backward(knorm, kb, prefix_k),
         tau_in=tau_in,
     )
 

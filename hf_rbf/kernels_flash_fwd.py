@@ -591,9 +591,11 @@ if HAS_TRITON:
             out = tl.sum(acc, 0)
         tl.store(OUT + b * sob + h * soh + row * son + offs_dv, out.to(OUT.dtype.element_ty), mask=offs_dv < DV)
 
+    # the key norms' source is part of the key: the best tiles of a loop that reads each key tile twice
+    # (KNORM_INLINE) and of one that loads a bias per key (HAS_KB) differ
     _FWD_KEY = [
         *("D_PAD", "DV_PAD", "N_BUCKET", "PLANES"),
-        *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME"),
+        *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME", "HAS_KB", "KNORM_INLINE"),
     ]
     _distance_fwd = autotune(make_configs(FWD_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(_distance_fwd_kernel)
     _distance_decode = autotune(make_configs(DECODE_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(

@@ -614,3 +614,87 @@ def test_separate_prefix_full_shapes_on_gpu(d, n_prefix, prefix_batch, window):
     for name, ref in grads_ref.items():
         tol = 8e-2 if name == "gamma" else tol_grad  # gamma's gradient carries -db (see _check)
         assert rel_err(grads[name], ref) <= tol, (name, rel_err(grads[name], ref))
+
+
+@pytest.mark.parametrize("flags", ["softmax", "softmax-free", "kv-same-eps"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_key_norms_from_the_key_bias_pass(dtype, flags, monkeypatch):
+    """Where the key norms come from the key-bias pass (head dim >= ``KNORM_PASS_MIN_HEAD_DIM`` or keys >=
+    ``KNORM_PASS_MIN_KEYS``; lowered to 0 here so that the small shapes take it): the forward loads them per key,
+    the backward reads the forward's choice from the saved key bias, and the output and every gradient still match
+    the float64 reference."""
+    from hf_rbf import attention_distance_triton as adt
+
+    monkeypatch.setattr(adt, "KNORM_PASS_MIN_HEAD_DIM", 0)
+    passes = []
+    key_bias = adt.key_bias
+
+    def counted(k, coef, klw, am, heads, nk, bsz, knorm):
+        passes.append(knorm)
+        return key_bias(k, coef, klw, am, heads, nk, bsz, knorm)
+
+    monkeypatch.setattr(adt, "key_bias", counted)
+    if flags == "softmax":
+        t, am = _make(dtype=dtype, seed=11)
+        _check(t, am, dtype, **MASKS["causal"], normalize=True, qnorm=False, knorm=True, kv_same=False, eps=0.0)
+    elif flags == "softmax-free":
+        t, am = _make(dtype=dtype, nq=13, nk=21, seed=12)
+        _check(t, am, dtype, **MASKS["full-window"], normalize=False, qnorm=True, knorm=True, kv_same=False, eps=0.0)
+    else:
+        t, am = _make(dtype=dtype, d=16, kv_same=True, seed=13)
+        _check(t, am, dtype, **MASKS["causal"], normalize=True, qnorm=True, knorm=True, kv_same=True, eps=0.05)
+    assert passes and all(passes)  # the norms went through the pass, in the reference-checked call
+
+
+def test_where_the_key_norms_come_from():
+    """``_knorm_inline`` / ``_knorm_pass``: the kernels add the norms at small head dims and lengths, the pass from
+    head dim 128 or 4096 keys; separate prefix keys keep them in the kernels, key weights or padding in the pass;
+    the backward reads the forward's choice from the saved key bias."""
+    from hf_rbf.attention_distance_triton import _knorm_inline, _knorm_inline_backward, _knorm_pass
+
+    klw, pk = torch.zeros(1), torch.zeros(1)
+    assert _knorm_inline(True, None, None, None, 64, 2048) and not _knorm_pass(True, None, None, None, 64, 2048)
+    for d, n in ((128, 256), (64, 4096), (256, 8192)):
+        assert not _knorm_inline(True, None, None, None, d, n) and _knorm_pass(True, None, None, None, d, n)
+    assert _knorm_inline(True, None, None, pk, 128, 8192) and not _knorm_pass(True, None, None, pk, 128, 8192)
+    assert not _knorm_inline(True, klw, None, None, 64, 16) and _knorm_pass(True, klw, None, None, 64, 16)
+    assert not _knorm_inline(False, None, None, None, 128, 8192) and not _knorm_pass(False, None, None, None, 128, 8192)
+    assert _knorm_pass(False, klw, None, None, 64, 16)
+    assert _knorm_inline_backward(True, None, None) and not _knorm_inline_backward(True, torch.zeros(1), None)
+    assert _knorm_inline_backward(True, torch.zeros(1), pk) and not _knorm_inline_backward(False, None, None)
+
+
+def test_torch_compile_with_the_key_norm_pass(monkeypatch):
+    """``torch.compile`` (fullgraph) of ``rbf_attention`` where the key norms come from the key-bias pass (threshold
+    lowered so that a small shape takes it): the custom op's fake key bias has the real one's shape, and loss and
+    gradients equal eager's.  aot_eager on the CPU, Inductor on the GPU."""
+    from hf_rbf import attention_distance_triton as adt
+
+    monkeypatch.setattr(adt, "KNORM_PASS_MIN_HEAD_DIM", 0)
+    gen = torch.Generator().manual_seed(12)
+    t = {n: torch.randn(2, 2, 13, 16, generator=gen) for n in ("q", "k", "v")}
+    t["gamma"] = torch.tensor([0.08, 0.12])
+
+    def loss_fn(x):
+        out = hf_rbf.rbf_attention(x["q"], x["k"], x["v"], gamma=x["gamma"], causal=True, backend="triton")
+        return (out * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum()
+
+    def grads(fn):
+        leaves = {n: x.detach().clone().to(DEVICE).requires_grad_(True) for n, x in t.items()}
+        loss = fn(leaves)
+        loss.backward()
+        return loss.detach(), {n: x.grad for n, x in leaves.items()}
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
+    loss_c, grads_c = grads(compiled)
+    loss_e, grads_e = grads(loss_fn)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+    # the fake's key bias shaped as the real one's (what a compiled graph allocates and saves for the backward)
+    q, k, v = (t[n].to(DEVICE) for n in ("q", "k", "v"))
+    args = (q, k, v, None, None, None, t["gamma"].to(DEVICE), None, None, None, None, None,
+            True, None, 0, True, False, True, False, 0.0, False)
+    torch.library.opcheck(adt.distance_fwd, args, test_utils=("test_faketensor",))
+    assert adt.distance_fwd(*args)[2].shape == (2, 2, 13)  # the pass ran: a key bias, not the empty placeholder
