@@ -60,13 +60,11 @@ KNORM_PASS_MIN_KEYS = 4096
 
 
 def _knorm_inline(knorm: bool, key_log_weights, attention_mask, prefix_k, head_dim: int = 0, nk: int = 0) -> bool:
-    """Whether the forward's kernels add the key norms themselves: always when the prefix keys are separate tensors
-    (the key-bias pass reads one key tensor); never when the key-bias pass runs anyway (key log-weights, padding);
-    else below ``KNORM_PASS_MIN_HEAD_DIM`` and ``KNORM_PASS_MIN_KEYS`` (``head_dim`` / ``nk``: of the keys)."""
+    """Whether the forward's kernels add the key norms themselves: never when the key-bias pass runs anyway (key
+    log-weights, padding), else below ``KNORM_PASS_MIN_HEAD_DIM`` and ``KNORM_PASS_MIN_KEYS`` (``head_dim`` / ``nk``:
+    of the keys).  Separate prefix keys (``prefix_k``) go through the pass as the first keys."""
     if not knorm:
         return False
-    if prefix_k is not None:
-        return True
     if _has_kb(key_log_weights, attention_mask):
         return False
     return head_dim < KNORM_PASS_MIN_HEAD_DIM and nk < KNORM_PASS_MIN_KEYS
@@ -81,9 +79,9 @@ def _knorm_pass(knorm: bool, key_log_weights, attention_mask, prefix_k, head_dim
 
 
 def _knorm_inline_backward(knorm: bool, kb, prefix_k) -> bool:
-    """The backward's ``knorm_inline``: the forward's choice, read from what it saved (``kb`` holds the key norms
-    whenever the forward ran the key-bias pass without separate prefix keys)."""
-    return knorm and (prefix_k is not None or kb is None)
+    """The backward's ``knorm_inline``: the forward's choice, read from what it saved (``kb`` holds the key norms,
+    the prefix keys' included, whenever the forward ran the key-bias pass)."""
+    return knorm and kb is None
 
 
 def _has_kb(key_log_weights, attention_mask) -> bool:
@@ -135,6 +133,7 @@ def _forward_impl(
             nk,
             bsz,
             knorm and not inline,
+            prefix_k,
         )
     out, lse = distance_forward(
         q,

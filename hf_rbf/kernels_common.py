@@ -428,6 +428,7 @@ if HAS_TRITON:
     @triton.jit
     def _key_bias_kernel(
         K,
+        PK,
         KLW,
         AM,
         COEF,
@@ -436,20 +437,26 @@ if HAS_TRITON:
         skb,
         skh,
         skn,
+        spkb,
+        spkh,
+        spkn,
         slb,
         slh,
         sln,
         smb,
         H,
         NK,
+        P,
         D: tl.constexpr,
         D_PAD: tl.constexpr,
         KNORM: tl.constexpr,
+        SEP_PREFIX: tl.constexpr,
         HAS_KLW: tl.constexpr,
         HAS_AM: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """kb_j = log2(e) * (b_h * ||k_j||^2 + log w_j), -inf for padded keys; kn_j = ||k_j||^2 (fp32)."""
+        """kb_j = log2(e) * (b_h * ||k_j||^2 + log w_j), -inf for padded keys; kn_j = ||k_j||^2 (fp32).  With
+        SEP_PREFIX key ``j < P`` is row ``j`` of the prefix keys ``PK`` and key ``j >= P`` row ``j - P`` of ``K``."""
         pid = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
@@ -459,11 +466,19 @@ if HAS_TRITON:
         kb = tl.zeros([BLOCK], dtype=tl.float32)
         if KNORM:
             offs_d = tl.arange(0, D_PAD)
-            k = tl.load(
-                K + b * skb + h * skh + offs[:, None] * skn + offs_d[None, :],
-                mask=ok[:, None] & (offs_d[None, :] < D),
-                other=0.0,
-            ).to(tl.float32)
+            col_ok = offs_d[None, :] < D
+            if SEP_PREFIX:
+                in_prefix = offs < P
+                seq_ptrs = K + b * skb + h * skh + (offs[:, None] - P) * skn + offs_d[None, :]
+                prefix_ptrs = PK + b * spkb + h * spkh + offs[:, None] * spkn + offs_d[None, :]
+                k = tl.load(seq_ptrs, mask=(ok & ~in_prefix)[:, None] & col_ok, other=0.0).to(tl.float32)
+                k += tl.load(prefix_ptrs, mask=in_prefix[:, None] & col_ok, other=0.0).to(tl.float32)
+            else:
+                k = tl.load(
+                    K + b * skb + h * skh + offs[:, None] * skn + offs_d[None, :],
+                    mask=ok[:, None] & col_ok,
+                    other=0.0,
+                ).to(tl.float32)
             kn = tl.sum(k * k, 1)
             tl.store(KN + bh * NK + offs, kn, mask=ok)
             kb = kn * tl.load(COEF + h)
@@ -476,11 +491,12 @@ if HAS_TRITON:
         tl.store(KB + bh * NK + offs, kb, mask=ok)
 
 
-def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batch: int, knorm: bool):
+def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batch: int, knorm: bool, prefix_k=None):
     """The per-key bias (log2 units, fp32 ``[B, H, Nk]``) and the key norms (``[B, H, Nk]`` or an empty tensor).
 
-    ``k``: keys ``[B, H, Nk, D]`` (read only when ``knorm``); ``coef``: fp32 ``[H]``, the ``b_h`` of ``b_h ||k||^2``
-    (natural-log units, negative for a distance);
+    ``k``: keys ``[B, H, Nk, D]`` (read only when ``knorm``); with ``prefix_k`` (``[B|1, H, P, D]``, separate prefix
+    keys, last dim contiguous) ``k`` holds the ``Nk - P`` keys after them; ``coef``: fp32 ``[H]``, the ``b_h`` of
+    ``b_h ||k||^2`` (natural-log units, negative for a distance);
     ``key_log_weights``: ``[B|1, H|1, Nk]`` or None; ``attention_mask``: bool ``[B, Nk]`` or None.
     Returns ``(None, None)`` when there is nothing to add (no norm, no weights, no padding); ``kn`` is an empty
     tensor unless ``knorm``.
@@ -505,12 +521,15 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
         am = am.to(torch.int8)
     block = 16 if DEFINED_INTERPRETED else 128
     dummy = kb
+    sep_prefix = knorm and prefix_k is not None
+    pk = prefix_k if sep_prefix else dummy
     grid = (triton.cdiv(nk, block), batch * heads)
     launch_jit(
         _key_bias_kernel,
         grid,
         (
             k if knorm else dummy,
+            pk,
             klw if klw is not None else dummy,
             am if am is not None else dummy,
             coef if knorm else dummy,
@@ -519,17 +538,22 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
             k.stride(0) if knorm else 0,
             k.stride(1) if knorm else 0,
             k.stride(2) if knorm else 0,
+            (0 if pk.shape[0] == 1 else pk.stride(0)) if sep_prefix else 0,
+            pk.stride(1) if sep_prefix else 0,
+            pk.stride(2) if sep_prefix else 0,
             slb,
             slh,
             sln,
             am.stride(0) if am is not None else 0,
             heads,
             nk,
+            prefix_k.shape[2] if sep_prefix else 0,
         ),
         dict(
             D=d,
             D_PAD=padded_dim(d),
             KNORM=knorm,
+            SEP_PREFIX=sep_prefix,
             HAS_KLW=klw is not None,
             HAS_AM=am is not None,
             BLOCK=block,

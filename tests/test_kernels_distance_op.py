@@ -629,9 +629,9 @@ def test_key_norms_from_the_key_bias_pass(dtype, flags, monkeypatch):
     passes = []
     key_bias = adt.key_bias
 
-    def counted(k, coef, klw, am, heads, nk, bsz, knorm):
+    def counted(k, coef, klw, am, heads, nk, bsz, knorm, prefix_k=None):
         passes.append(knorm)
-        return key_bias(k, coef, klw, am, heads, nk, bsz, knorm)
+        return key_bias(k, coef, klw, am, heads, nk, bsz, knorm, prefix_k)
 
     monkeypatch.setattr(adt, "key_bias", counted)
     if flags == "softmax":
@@ -648,20 +648,22 @@ def test_key_norms_from_the_key_bias_pass(dtype, flags, monkeypatch):
 
 def test_where_the_key_norms_come_from():
     """``_knorm_inline`` / ``_knorm_pass``: the kernels add the norms at small head dims and lengths, the pass from
-    head dim 128 or 4096 keys; separate prefix keys keep them in the kernels, key weights or padding in the pass;
-    the backward reads the forward's choice from the saved key bias."""
+    head dim 128 or 4096 keys, separate prefix keys alike; key weights or padding always in the pass; the backward
+    reads the forward's choice from the saved key bias."""
     from hf_rbf.attention_distance_triton import _knorm_inline, _knorm_inline_backward, _knorm_pass
 
     klw, pk = torch.zeros(1), torch.zeros(1)
     assert _knorm_inline(True, None, None, None, 64, 2048) and not _knorm_pass(True, None, None, None, 64, 2048)
     for d, n in ((128, 256), (64, 4096), (256, 8192)):
         assert not _knorm_inline(True, None, None, None, d, n) and _knorm_pass(True, None, None, None, d, n)
-    assert _knorm_inline(True, None, None, pk, 128, 8192) and not _knorm_pass(True, None, None, pk, 128, 8192)
+    assert not _knorm_inline(True, None, None, pk, 128, 8192) and _knorm_pass(True, None, None, pk, 128, 8192)
+    assert _knorm_inline(True, None, None, pk, 64, 1024) and not _knorm_pass(True, None, None, pk, 64, 1024)
     assert not _knorm_inline(True, klw, None, None, 64, 16) and _knorm_pass(True, klw, None, None, 64, 16)
     assert not _knorm_inline(False, None, None, None, 128, 8192) and not _knorm_pass(False, None, None, None, 128, 8192)
     assert _knorm_pass(False, klw, None, None, 64, 16)
     assert _knorm_inline_backward(True, None, None) and not _knorm_inline_backward(True, torch.zeros(1), None)
-    assert _knorm_inline_backward(True, torch.zeros(1), pk) and not _knorm_inline_backward(False, None, None)
+    assert _knorm_inline_backward(True, None, pk) and not _knorm_inline_backward(True, torch.zeros(1), pk)
+    assert not _knorm_inline_backward(False, None, None)
 
 
 def test_torch_compile_with_the_key_norm_pass(monkeypatch):
@@ -698,3 +700,48 @@ def test_torch_compile_with_the_key_norm_pass(monkeypatch):
             True, None, 0, True, False, True, False, 0.0, False)
     torch.library.opcheck(adt.distance_fwd, args, test_utils=("test_faketensor",))
     assert adt.distance_fwd(*args)[2].shape == (2, 2, 13)  # the pass ran: a key bias, not the empty placeholder
+
+
+@pytest.mark.parametrize("prefix_batch", [1, 2])
+def test_key_norm_pass_with_separate_prefix_keys(prefix_batch, monkeypatch):
+    """Separate prefix keys (registers) on the key-bias pass's path: the pass reads their norms from the prefix
+    tensor (batch-shared or per batch) and the sequence's from the keys; output and every gradient, the prefix's
+    included, against the float64 naive reference of the same call (threshold lowered so that a small shape takes
+    the pass)."""
+    from hf_rbf import attention_distance_triton as adt
+
+    monkeypatch.setattr(adt, "KNORM_PASS_MIN_HEAD_DIM", 0)
+    passes = []
+    key_bias = adt.key_bias
+
+    def counted(*args, **kwargs):
+        passes.append(args[-1] is not None)  # called with the prefix keys
+        return key_bias(*args, **kwargs)
+
+    monkeypatch.setattr(adt, "key_bias", counted)
+    gen = torch.Generator().manual_seed(21 + prefix_batch)
+    b, h, n, d, p = 2, 2, 19, 16, 3
+    t = {
+        "q": torch.randn(b, h, n, d, generator=gen),
+        "k": torch.randn(b, h, n, d, generator=gen),
+        "v": torch.randn(b, h, n, d, generator=gen),
+        "prefix_keys": 2.0 * torch.randn(prefix_batch, h, p, d, generator=gen),  # norms unlike the sequence's
+        "prefix_values": torch.randn(prefix_batch, h, p, d, generator=gen),
+        "gamma": torch.tensor([0.07, 0.11]),
+    }
+    dout = torch.randn(b, h, n, d, generator=gen)
+
+    def run(backend, dtype):
+        leaves = {name: x.to(DEVICE, dtype).detach().requires_grad_(True) for name, x in t.items()}
+        kw = {name: leaves[name] for name in ("prefix_keys", "prefix_values", "gamma")}
+        out = hf_rbf.rbf_attention(leaves["q"], leaves["k"], leaves["v"], window=7, backend=backend, **kw)
+        out.backward(dout.to(DEVICE, dtype))
+        return out.detach(), {name: x.grad for name, x in leaves.items()}
+
+    out, grads = run("triton", torch.float32)
+    assert passes == [True]
+    out_ref, grads_ref = run("naive", torch.float64)
+    tol_out, tol_grad = TOL[torch.float32]
+    assert rel_err(out, out_ref) <= tol_out
+    for name, ref in grads_ref.items():
+        assert rel_err(grads[name], ref) <= tol_grad, (name, rel_err(grads[name], ref))
