@@ -439,15 +439,22 @@ def test_replays_under_fsdp2_copy_the_gathered_weights_in(family, graphed, one_r
         assert not own & {p.untyped_storage().data_ptr() for p in layer.parameters()}
 
 
+# float32 against the rows path: the first step only (the same weights), with this bound.  The tests' randomised
+# tiny hybrid_sort diverges under SGD at lr 0.1: its float32 run, on any register path and backend, the rows path and
+# the naive backend included, is 1e-5 (logits) / 2e-4 (gradients) from the float64 run after one step, 6e-3 / 2e-2
+# after two and 0.4 / 2 after three (benchmarks/diagnose_register_paths.py on the CPU and an H100; rbf stays below
+# 6e-5).  Later steps are compared with the compiled stream, whose kernels the graphs replay: equal to 1e-4.
+FIRST_STEP_RTOL = 1e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("registers", [1, 2])
 @pytest.mark.parametrize("family", ["rbf", "hybrid_sort"])
-def test_cuda_graphs_under_fsdp2_equal_the_rows_path(family, registers, monkeypatch):
-    """The real graphs under FSDP2 on one GPU (nccl, one rank; inductor's compiled step captured, the fused kernels)
-    against the rows path and the compiled stream, in float32: the weights copied in before each replay, one capture
-    per layer.  (H100, session 15: hybrid_sort with 2 registers missed the rows path's bound, 5% of the logits off by
-    up to 1.6e-3 of their largest; the compiled stream, whose kernels the graphs replay, is the reference that
-    separates the graphs from the register paths' own float32 differences.)"""
+def test_cuda_graphs_under_fsdp2_equal_the_compiled_stream(family, registers, monkeypatch):
+    """The real graphs under FSDP2 on one GPU (nccl, one rank; inductor's compiled step captured, the fused kernels),
+    float32, three training steps with an optimiser and an evaluation forward between them: every step equals the
+    compiled stream's (whose kernels the graphs replay; the weights copied in before each replay), the first the
+    rows path's; one capture per layer."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import torch.distributed as dist
@@ -466,24 +473,19 @@ def test_cuda_graphs_under_fsdp2_equal_the_rows_path(family, registers, monkeypa
         _, rows = _fsdp2_training(use_path, family, "rows", mesh, ids, torch.float32, "cuda", **overrides)
     finally:
         dist.destroy_process_group()
-    errors = {}
-    for reference, name in ((compiled, "compiled"), (rows, "rows")):
-        try:
-            for r, g in zip(reference, got):
-                _assert_same(r, g, rtol=1e-4)
-        except AssertionError as e:
-            errors[name] = str(e)[:400]
-    assert not errors, errors
+    for r, g in zip(compiled, got):
+        _assert_same(r, g, rtol=1e-4)
+    _assert_same(rows[0], got[0], rtol=FIRST_STEP_RTOL)
     assert [modeling_register_graph.captures(layer) for layer in model.model.layers] == [1] * len(model.model.layers)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["stream", "compiled", "graphed"])
 @pytest.mark.parametrize("family", ["rbf", "scalar_sort", "hybrid_sort"])
-def test_register_paths_with_several_registers_equal_the_rows_path_on_cuda(family, path, monkeypatch):
+def test_register_paths_with_several_registers_on_cuda(family, path, monkeypatch):
     """Two register tokens (a register attention call, not the one-register closed form) on one GPU without FSDP,
-    float32 with the fused kernels: each register path's logits and gradients against the rows path's, for three
-    training steps with an optimiser between them."""
+    float32 with the fused kernels: each register path's first training step against the rows path's, and the
+    graphed step's three steps (an optimiser step between them) against the compiled stream's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     for name in ("_GRAPHS", "_CAPTURES"):
@@ -491,7 +493,7 @@ def test_register_paths_with_several_registers_equal_the_rows_path_on_cuda(famil
     ids = torch.randint(0, 128, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     overrides = dict(num_register_tokens=2, attention_backend="auto", hidden_size=64, num_attention_heads=2)
     results = {}
-    for p in ("rows", path):
+    for p in dict.fromkeys(("rows", path, "compiled" if path == "graphed" else path)):
         monkeypatch.setattr(modeling_decoder, "register_path", p)
         model = build_model(family, overrides).cuda().train()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -499,5 +501,7 @@ def test_register_paths_with_several_registers_equal_the_rows_path_on_cuda(famil
         for _ in range(3):
             results[p].append(_step(model, ids))
             opt.step()
-    for r, g in zip(results["rows"], results[path]):
-        _assert_same(r, g, rtol=1e-4)
+    _assert_same(results["rows"][0], results[path][0], rtol=FIRST_STEP_RTOL)
+    if path == "graphed":
+        for r, g in zip(results["compiled"], results["graphed"]):
+            _assert_same(r, g, rtol=1e-4)
