@@ -94,6 +94,7 @@ def gka_attention(
     attention_mask: torch.Tensor | None = None,
     num_prefix_keys: int = 0,
     query: torch.Tensor | None = None,
+    prefix_features: torch.Tensor | None = None,
     backend: str = "auto",
     return_weights: bool = False,
 ):
@@ -107,6 +108,11 @@ def gka_attention(
             the cached features (keys and values); the queries are the last ``Nq`` positions of ``x``.
         causal, window, key_log_weights, attention_mask, num_prefix_keys: the shared mask arguments (see
             :mod:`hf_rbf.attention_utils`).
+        prefix_features: ``R`` features ``[B or 1, H, R, d]`` (keys and values: register tokens, sinks) in front of
+            ``x``, shared by the batch when their batch size is 1: the result is that of ``x = torch.cat(
+            [prefix_features.expand(B, -1, -1, -1), x], 2)`` with ``num_prefix_keys=R`` (which must then be 0 or R) and
+            ``query`` the features of ``x`` without the prefix (its default), without the copy on the fused backend.
+            The mask arguments cover all ``R + N`` keys.
         backend: "auto", "naive", "sdpa", "flex" or "triton".
         return_weights: also return the attention weights, computed by the materialised reference: ``backend`` must
             be "auto" (which then serves with "naive") or "naive".
@@ -118,8 +124,11 @@ def gka_attention(
     """
     check_return_weights(OP, return_weights, backend)
     check_tensor(OP, "x", x, 4, "[B, H, N, d]")
-    x, query = autocast_inputs(x, query)
+    x, query, prefix_features = autocast_inputs(x, query, prefix_features)
     b, h, nk, d = x.shape
+    if prefix_features is not None:
+        num_prefix_keys = _check_prefix_features(x, prefix_features, num_prefix_keys)
+        nk += num_prefix_keys
     if query is None:
         query = x
     else:
@@ -148,9 +157,40 @@ def gka_attention(
     eps = float(eps)
     if return_weights:
         choose_weights_backend(OP, backend, x.device)
+        if prefix_features is not None:
+            x = _with_prefix_features(x, prefix_features)
         return gka_attention_naive(query, x, log_sigma, eps, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, x.device, _candidates(query, x, log_sigma, eps, mask, backend))
+    if prefix_features is not None:
+        if fn is gka_attention_triton:  # the prefix read where it is, no copy of the features
+            return gka_attention_triton(query, x, log_sigma, eps, mask, prefix=prefix_features)
+        x = _with_prefix_features(x, prefix_features)
     return fn(query, x, log_sigma, eps, mask)
+
+
+def _check_prefix_features(x: torch.Tensor, prefix: torch.Tensor, num_prefix_keys) -> int:
+    """Validate ``prefix_features`` ``[B or 1, H, R, d]`` against ``x``; returns ``R`` (``num_prefix_keys`` must be 0
+    or ``R``)."""
+    check_tensor(OP, "prefix_features", prefix, 4, "[B or 1, H, R, d]")
+    check_same(OP, {"x": x, "prefix_features": prefix})
+    b, h, _, d = x.shape
+    if prefix.shape[0] not in (1, b) or prefix.shape[1] != h or prefix.shape[3] != d:
+        raise ValueError(
+            f"{OP}: `prefix_features` must have shape [{b} or 1, {h}, R, {d}] (batch, heads, prefix length, feature "
+            f"dim of `x`); got {tuple(prefix.shape)}"
+        )
+    r = prefix.shape[2]
+    if num_prefix_keys not in (0, r):
+        raise ValueError(
+            f"{OP}: with `prefix_features` the prefix is its R = {r} keys; `num_prefix_keys` must be 0 or {r}, got "
+            f"{num_prefix_keys!r}"
+        )
+    return r
+
+
+def _with_prefix_features(x: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    """The prefix concatenated in front of the features (the backends that take no separate prefix)."""
+    return torch.cat([prefix.expand(x.shape[0], -1, -1, -1), x], dim=2)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -268,8 +308,9 @@ def gka_flex_reason(query, x, log_sigma, mask: MaskArgs) -> str | None:
 # ``a`` and ``b``.
 
 
-def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs) -> torch.Tensor:
-    """Fused GKA; same arguments and result as ``gka_attention_naive``."""
+def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs, prefix=None) -> torch.Tensor:
+    """Fused GKA; same arguments and result as ``gka_attention_naive``; ``prefix``: None or the prefix features
+    ``[B or 1, H, R, d]`` in front of ``x`` (read where they are: see ``distance_attention``)."""
     heads = x.shape[1]
     if isinstance(log_sigma, torch.Tensor):
         ls = log_sigma.float()
@@ -291,6 +332,7 @@ def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs) -> tor
         knorm=True,
         kv_same=True,
         eps=eps,
+        prefix=None if prefix is None else (prefix, prefix),
     )
 
 

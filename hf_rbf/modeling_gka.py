@@ -134,14 +134,12 @@ class GkaAttention(DecoderAttention):
             keys, _ = cache.update(feats, feats.new_empty(*feats.shape[:-1], 0), self.layer_idx)
         am, klw = self._key_arguments(keys.shape[2], attention_mask, key_log_weights, cache)
 
-        register_out = None
+        register_out = reg = None
         query = None if keys is feats else feats
         if self.num_registers > 0:
             if register_prefix is None:
                 register_out, register_prefix = self.register_forward(register_states)
             (reg,) = register_prefix
-            keys = torch.cat([reg.expand(b, -1, -1, -1), keys], dim=2)
-            query = feats
 
         mask_args = dict(
             causal=True,
@@ -152,9 +150,19 @@ class GkaAttention(DecoderAttention):
             query=query,
         )
         if self.approximation != "exact":
+            if reg is not None:
+                keys = torch.cat([reg.expand(b, -1, -1, -1), keys], dim=2)
+                mask_args["query"] = feats
             return self.o_proj(self._merge_heads(self._approximate_attention(keys, **mask_args))), register_out, None
+        # the registers as separate prefix features: the fused kernels read them where they are, so no copy of the
+        # text features (or of a cache's every feature, at every decode step) with the registers in front
         out = gka_attention(
-            keys, self.log_sigma, eps=self.eps, **mask_args, **self._text_call_options(self.backend, output_attentions)
+            keys,
+            self.log_sigma,
+            eps=self.eps,
+            prefix_features=reg,
+            **mask_args,
+            **self._text_call_options(self.backend, output_attentions),
         )
         self._note_backend("gka_attention")
         weights = None

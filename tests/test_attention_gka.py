@@ -149,3 +149,50 @@ def test_layer_features_are_the_head_major_norm_and_rope_as_a_view(feature_norm,
         c, s = cos.double()[:, None], sin.double()[:, None]
         x = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     torch.testing.assert_close(feats.double(), x, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+@pytest.mark.parametrize("prefix_batch", [1, 2])
+def test_prefix_features_equal_the_concatenated_features(backend, prefix_batch):
+    """``prefix_features`` (register tokens in front of the features, shared by the batch or per element): output and
+    every gradient equal those of the features concatenated by hand with ``num_prefix_keys=R`` and the sequence as
+    the query (float64; the fused backend's case is in tests/test_kernels_gka.py)."""
+    out, grads, ref, ref_grads = prefix_features_case(hf_rbf.gka_attention, backend, torch.float64, "cpu", prefix_batch)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, rtol=1e-12, atol=1e-12)
+
+
+def prefix_features_case(gka_attention, backend, dtype, device, prefix_batch):
+    """``(out, grads, reference out, reference grads)`` of a windowed, padded call with ``prefix_features`` and of
+    the same call on the features concatenated by hand; the reference on the naive backend in float64."""
+    b, h, n, r, d = 2, 2, 11, 2, 16
+    gen = torch.Generator().manual_seed(prefix_batch)
+    x = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    prefix = torch.randn(prefix_batch, h, r, d, generator=gen, dtype=torch.float64)
+    log_sigma = torch.tensor([1.2, 1.5], dtype=torch.float64)
+    mask = torch.ones(b, r + n, dtype=torch.bool)
+    mask[1, r : r + 3] = False  # padding after the prefix
+    dout = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+
+    def run(separate, backend, dtype):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (x, prefix, log_sigma)]
+        xs, ps, ls = leaves
+        kwargs = dict(window=5, eps=0.1, attention_mask=mask.to(device), backend=backend)
+        if separate:
+            out = gka_attention(xs, ls, prefix_features=ps, **kwargs)
+        else:
+            full = torch.cat([ps.expand(b, -1, -1, -1), xs], dim=2)
+            out = gka_attention(full, ls, query=xs, num_prefix_keys=r, **kwargs)
+        out.backward(dout.to(device, dtype))
+        return out.detach().double().cpu(), [t.grad.double().cpu() for t in leaves]
+
+    return (*run(True, backend, dtype), *run(False, "naive", torch.float64))
+
+
+def test_prefix_features_errors_name_the_argument():
+    x = torch.randn(2, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"`prefix_features` must have shape \[2 or 1, 2, R, 8\].*got \(2, 3, 1, 8\)"):
+        hf_rbf.gka_attention(x, 0.5, prefix_features=torch.randn(2, 3, 1, 8))
+    with pytest.raises(ValueError, match=r"`num_prefix_keys` must be 0 or 1, got 2"):
+        hf_rbf.gka_attention(x, 0.5, prefix_features=torch.randn(1, 2, 1, 8), num_prefix_keys=2)

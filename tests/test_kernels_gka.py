@@ -48,3 +48,18 @@ def test_features_as_a_transposed_view_match_contiguous_features():
     for got, same, ref in zip(results["view"], results["contiguous"], results["reference"]):
         torch.testing.assert_close(got, same, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("prefix_batch", [1, 2])
+def test_prefix_features_read_where_they_are(prefix_batch):
+    """``gka_attention(prefix_features=)`` on the fused kernels (the prefix read from its own tensor, no copy of the
+    features): output and every gradient, the prefix's included, against the float64 naive call on the features
+    concatenated by hand (float32: its rounding bounds the error)."""
+    from test_attention_gka import prefix_features_case
+
+    from hf_rbf.attention_gka import gka_attention
+
+    out, grads, ref, ref_grads = prefix_features_case(gka_attention, "triton", torch.float32, DEVICE, prefix_batch)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-4 * rg.abs().max().item())
