@@ -152,12 +152,19 @@ def _float32(arguments: dict) -> dict:
 
 def _prefix_in_front(a: dict) -> dict:
     """A call's arguments with ``prefix_keys`` / ``prefix_values`` (rbf's registers, passed to the kernels as separate
-    tensors) concatenated in front of ``k`` / ``v``: the same keys in the order the weights are read."""
+    tensors) concatenated in front of ``k`` / ``v``, and GKA's ``prefix_features`` in front of ``x`` (the query then
+    the features without them): the same keys in the order the weights are read."""
     a = dict(a)
     prefix_keys, prefix_values = a.pop("prefix_keys", None), a.pop("prefix_values", None)
     if prefix_keys is not None:
         a["k"] = torch.cat([prefix_keys.expand(a["k"].shape[0], -1, -1, -1), a["k"]], dim=2)
         a["v"] = torch.cat([prefix_values.expand(a["v"].shape[0], -1, -1, -1), a["v"]], dim=2)
+    prefix_features = a.pop("prefix_features", None)
+    if prefix_features is not None:
+        if a.get("query") is None:
+            a["query"] = a["x"]
+        a["x"] = torch.cat([prefix_features.expand(a["x"].shape[0], -1, -1, -1), a["x"]], dim=2)
+        a["num_prefix_keys"] = prefix_features.shape[2]
     return a
 
 
@@ -166,9 +173,9 @@ def call_weights(call: AttentionCall) -> torch.Tensor:
     ops = _ops()
     a = _float32(call.arguments)
     a["backend"] = "naive"
+    a = _prefix_in_front(a)
     if call.op == "gka_attention":
         return _gka_weights(a)
-    a = _prefix_in_front(a)
     v = a["v"]
     nk = v.shape[-2]
     a["v"] = torch.eye(nk, dtype=torch.float32, device=v.device).expand(*v.shape[:-2], nk, nk).contiguous()
@@ -209,10 +216,10 @@ def _gka_weights(a: dict) -> torch.Tensor:
 
 def call_values(call: AttentionCall) -> torch.Tensor:
     """The values a recorded call averaged, per head: ``[B, H, Nk, Dv]`` (grouped values expanded, GKA features)."""
-    a = _float32(call.arguments)
+    a = _prefix_in_front(_float32(call.arguments))
     if call.op == "gka_attention":
         return a["x"]
-    v = _prefix_in_front(a)["v"]
+    v = a["v"]
     heads = a["q"].shape[1] if "q" in a else a["qs"].shape[1]
     if v.shape[1] != heads:
         v = v.repeat_interleave(heads // v.shape[1], dim=1)

@@ -131,3 +131,20 @@ def test_nothing_is_recorded_outside_a_layer_and_the_recorder_unwraps_on_error()
     assert all(s["calls"] == 0 and s["max_logit"] is None for s in rec.stats)
     with pytest.raises(ValueError, match="no hf_rbf attention layers"):
         record_attention_logits(torch.nn.Linear(2, 2))
+
+
+def test_gka_logits_with_prefix_features_equal_the_concatenated_call():
+    """A GKA call with its registers as ``prefix_features`` (read in place by the fused kernels) has the logits and
+    allowed pairs of the same call on the features concatenated by hand: prefix keys in front, the sequence as the
+    queries."""
+    from hf_rbf.eval.logit_stats import call_logits
+
+    g = torch.Generator().manual_seed(3)
+    x, prefix = torch.randn(2, 2, 5, 4, generator=g), torch.randn(1, 2, 2, 4, generator=g)
+    common = dict(log_sigma=torch.tensor([0.1, -0.3]), causal=True, window=3, num_prefix_keys=2)
+    got = call_logits("gka_attention", dict(x=x, prefix_features=prefix, query=None, **common))
+    full = torch.cat([prefix.expand(2, -1, -1, -1), x], dim=2)
+    ref = call_logits("gka_attention", dict(x=full, query=x, **common))
+    assert got[0].shape == (2, 2, 5, 7)
+    torch.testing.assert_close(got[0], ref[0])
+    assert torch.equal(got[1], ref[1])

@@ -100,6 +100,9 @@ def call_logits(name: str, args: dict) -> tuple[torch.Tensor, torch.Tensor]:
     elif name in ("gka_attention", "gka_attention_random_features"):
         k = args["x"].to(ct)
         q = k if args.get("query") is None else args["query"].to(ct)
+        prefix = args.get("prefix_features")  # registers read in place: in front of the features, not queries
+        if prefix is not None:
+            k = torch.cat([prefix.to(ct).expand(k.shape[0], -1, -1, -1), k], dim=2)
         log_sigma = per_head_param(name, "log_sigma", args["log_sigma"], k.shape[1], k.device, positive=False)
         inv_two_var = (
             0.5 * math.exp(-2.0 * log_sigma)
