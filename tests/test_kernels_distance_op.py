@@ -530,6 +530,25 @@ def test_rbf_attention_host_path_has_no_elementwise_ops():
     assert c.ops["sum"] == 1, c.ops
 
 
+def check_compiled_matches_eager(loss_fn, t: dict) -> None:
+    """``torch.compile(loss_fn, fullgraph=True)`` on leaves made from the tensors ``t`` gives eager's loss and
+    gradients (aot_eager on the CPU: the interpreter's kernels cannot go through Inductor; Inductor on the GPU)."""
+
+    def grads(fn):
+        leaves = {n: x.detach().clone().to(DEVICE).requires_grad_(True) for n, x in t.items()}
+        loss = fn(leaves)
+        loss.backward()
+        return loss.detach(), {n: x.grad for n, x in leaves.items()}
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
+    loss_c, grads_c = grads(compiled)
+    loss_e, grads_e = grads(loss_fn)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_torch_compile_with_prefix_tensors():
     """``torch.compile`` (fullgraph) traces ``rbf_attention(prefix_keys=, prefix_values=)`` into the custom ops (the
     optional prefix inputs, their gradients and the distance form's ``b = None`` in the schemas): eager's loss and
@@ -557,19 +576,7 @@ def test_torch_compile_with_prefix_tensors():
         )
         return (out * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum()
 
-    def grads(fn):
-        leaves = {n: x.detach().clone().to(DEVICE).requires_grad_(True) for n, x in t.items()}
-        loss = fn(leaves)
-        loss.backward()
-        return loss.detach(), {n: x.grad for n, x in leaves.items()}
-
-    torch._dynamo.reset()
-    compiled = torch.compile(loss_fn, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
-    loss_c, grads_c = grads(compiled)
-    loss_e, grads_e = grads(loss_fn)
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
-    for name in grads_e:
-        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+    check_compiled_matches_eager(loss_fn, t)
 
 
 @pytest.mark.gpu
@@ -681,19 +688,7 @@ def test_torch_compile_with_the_key_norm_pass(monkeypatch):
         out = hf_rbf.rbf_attention(x["q"], x["k"], x["v"], gamma=x["gamma"], causal=True, backend="triton")
         return (out * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum()
 
-    def grads(fn):
-        leaves = {n: x.detach().clone().to(DEVICE).requires_grad_(True) for n, x in t.items()}
-        loss = fn(leaves)
-        loss.backward()
-        return loss.detach(), {n: x.grad for n, x in leaves.items()}
-
-    torch._dynamo.reset()
-    compiled = torch.compile(loss_fn, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
-    loss_c, grads_c = grads(compiled)
-    loss_e, grads_e = grads(loss_fn)
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
-    for name in grads_e:
-        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+    check_compiled_matches_eager(loss_fn, t)
     # the fake's key bias shaped as the real one's (what a compiled graph allocates and saves for the backward)
     q, k, v = (t[n].to(DEVICE) for n in ("q", "k", "v"))
     args = (q, k, v, None, None, None, t["gamma"].to(DEVICE), None, None, None, None, None,
