@@ -269,7 +269,7 @@ def graphed_register_step(step, layer: nn.Module, states: torch.Tensor):
     """``step(layer, states)`` through the layer's captured graphs: captured at the first call, and again when what
     the capture assumed changed (``RegisterStepGraphs.key_for``); ``step`` itself where gradients are off, under
     activation checkpointing (logged once), and for a layer that needed more than ``MAX_CAPTURES`` captures (its
-    weights move every step: FSDP, offloading)."""
+    weights move every step: FSDP1, offloading; FSDP2's are copied in, see ``copies_parameters``)."""
     if not torch.is_grad_enabled() or layer in _GIVEN_UP:
         return step(layer, states)
     if getattr(layer, "gradient_checkpointing", False):
