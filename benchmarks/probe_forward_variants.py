@@ -4,7 +4,7 @@ kernel costs as a FlashAttention-2-shaped kernel), next to SDPA's flash and cuDN
 configs one by one at one shape.
 
     PYTHONPATH=. python benchmarks/probe_forward_variants.py --out DIR [--d 64,128] [--n 512,1024,2048,4096,8192]
-        [--tokens 32768] [--heads 16] [--sweep-n 2048] [--sweep-d 128] [--rounds 3]
+        [--tokens 32768] [--heads 16] [--sweep-n 2048] [--sweep-d 128] [--no-sweep] [--rounds 3] [--backward]
     PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/probe_forward_variants.py --check   # CPU: the variants agree
 
 Causal, bf16, ``B = tokens / N``.  Each cell: every variant once per round (interleaved), a round's time the median
@@ -13,7 +13,9 @@ variant is reported per cell.  Writes ``forward_variants.json`` / ``.md``.
 
 What the rows say: "no norm term" against flash is the kernel's own shape (tiles, pipelining); "inline norms" against
 "no norm term" is what computing ``||k||^2`` from a second read of each key tile costs; "key-bias pass" trades that for
-one more launch that reads the keys once (its own time in its own row).
+one more launch that reads the keys once (its own time in its own row).  ``--backward`` adds the backward kernels
+alone (dQ and dK/dV on saved forward outputs) of the three variants and SDPA flash's backward: the same split for the
+backward, whose dQ loop streams the key tiles as the forward does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ if __package__ in (None, ""):
 
 from hf_rbf import kernels_flash_fwd  # noqa: E402
 from hf_rbf.kernels_common import key_bias  # noqa: E402
+from hf_rbf.kernels_flash_bwd import distance_backward  # noqa: E402
 from hf_rbf.kernels_flash_fwd import distance_forward  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried one by one at the sweep shape (some may not fit: reported)
@@ -77,6 +80,43 @@ def variants(q, k, v, gamma):
 
     return {"inline norms (shipped)": inline, "key-bias pass + forward": kb_pass, "key-bias pass alone": kb_alone,
             "no norm term": no_norm}
+
+
+def backward_variants(q, k, v, gamma, dout):
+    """name -> callable running the backward kernels (dQ, dK/dV) of one variant on saved forward outputs: the key
+    norms from a second read of the key tiles (``knorm_inline``), from the key-bias pass's vector, and no norm term."""
+    b, h, n, _ = q.shape
+    common = dict(causal=True, window=None, num_prefix_keys=0, normalize=True, qnorm=False, kv_same=False, eps=0.0)
+    bwd = dict(common, need_dbeta=False, need_ab=True, need_dkb=False)
+    out_inline, lse_inline = distance_forward(q, k, v, None, None, None, None, gamma, None, knorm_inline=True,
+                                              **common)
+    kb, _ = key_bias(k, -gamma, None, None, h, n, b, True)
+    out_kb, lse_kb = distance_forward(q, k, v, kb, None, None, None, gamma, None, **common)
+    out_plain, lse_plain = distance_forward(q, k, v, None, None, None, None, gamma, None, **common)
+
+    def inline():
+        return distance_backward(dout, q, k, v, None, None, None, None, gamma, None, out_inline, lse_inline,
+                                 knorm=True, knorm_inline=True, **bwd)
+
+    def from_pass():
+        return distance_backward(dout, q, k, v, kb, None, None, None, gamma, None, out_kb, lse_kb,
+                                 knorm=True, knorm_inline=False, **bwd)
+
+    def no_norm():
+        return distance_backward(dout, q, k, v, None, None, None, None, gamma, None, out_plain, lse_plain,
+                                 knorm=False, knorm_inline=False, **bwd)
+
+    return {"bwd inline norms": inline, "bwd norms from the pass": from_pass, "bwd no norm term": no_norm}
+
+
+def sdpa_backward(q, k, v, dout):
+    """SDPA flash's backward alone, on a saved forward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    return {"SDPA flash bwd": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)}
 
 
 def sdpa_variants(q, k, v):
@@ -160,7 +200,18 @@ def check_on_cpu():
         err = (outs[name].double() - ref).abs().max().item()
         assert err < 1e-4, (name, err)
     assert (outs["no norm term"].double() - ref).abs().max().item() > 1e-3  # it is a different score
-    print("variants agree with the float64 reference:", {n: o.shape for n, o in outs.items()})
+    # the backward variants: dq / dk / dv of the two norm sources against autograd of the float64 reference
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [t.detach().requires_grad_() for t in (qd, kd, vd)]
+    s = -gamma.double().view(1, -1, 1, 1) * torch.cdist(leaves[0], leaves[1]).square()
+    s = s.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf"))
+    ref_grads = torch.autograd.grad(torch.softmax(s, -1) @ leaves[2], leaves, dout.double())
+    for name, fn in backward_variants(q, k, v, gamma, dout).items():
+        dq, dk, dv = fn()[:3]
+        errs = [((g.double() - r).norm() / r.norm()).item() for g, r in zip((dq, dk, dv), ref_grads)]
+        if name != "bwd no norm term":
+            assert max(errs) < 1e-4, (name, errs)
+    print("variants agree with the float64 reference:", {n: o.shape for n, o in outs.items()}, "and the backward")
 
 
 def main():
@@ -175,6 +226,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--check", action="store_true", help="CPU check of the variants under the interpreter")
+    parser.add_argument("--backward", action="store_true",
+                        help="also the backward kernels alone: inline norms, norms from the pass, no norm term, and "
+                             "SDPA flash's backward")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile-config sweep")
     args = parser.parse_args()
     if args.check:
         check_on_cpu()
@@ -188,6 +243,10 @@ def main():
             b = max(1, args.tokens // n)
             q, k, v, gamma = rbf_inputs(b, args.heads, n, d, dev, torch.bfloat16)
             fns = {**sdpa_variants(q, k, v), **variants(q, k, v, gamma)}
+            if args.backward:
+                dout = torch.randn_like(q)
+                fns.update(sdpa_backward(q, k, v, dout))
+                fns.update(backward_variants(q, k, v, gamma, dout))
             res = measure([(f"D{d} N{n} B{b}", fns)], args.rounds, args.iters)
             row = res[f"D{d} N{n} B{b}"]
             row["autotuned config"] = chosen_config(kernels_flash_fwd._distance_fwd)
@@ -196,7 +255,7 @@ def main():
             del q, k, v
     sweep = {}
     original = list(kernels_flash_fwd._distance_fwd.configs)
-    for d in (int(x) for x in args.sweep_d.split(",")):
+    for d in ([] if args.no_sweep else [int(x) for x in args.sweep_d.split(",")]):
         n = args.sweep_n
         b = max(1, args.tokens // n)
         q, k, v, gamma = rbf_inputs(b, args.heads, n, d, dev, torch.bfloat16)
@@ -221,6 +280,8 @@ def main():
              f"median of {args.iters})", ""]
     names = ["SDPA flash", "SDPA cuDNN", "inline norms (shipped)", "key-bias pass + forward", "key-bias pass alone",
              "no norm term"]
+    if args.backward:
+        names += ["SDPA flash bwd", "bwd inline norms", "bwd norms from the pass", "bwd no norm term"]
     lines += ["| shape | " + " | ".join(names) + " | shipped / flash | no norm / flash | autotuned config |",
               "|---" * (len(names) + 4) + "|"]
 

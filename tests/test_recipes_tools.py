@@ -299,3 +299,35 @@ def test_diagnose_fsdp2_register_stream_runs_on_two_gloo_processes():
         layers = [e for e in run["backward_order"] if not e.endswith("root")]
         assert [e.split(":")[1] for e in layers if e.startswith("post")] == ["L1", "L0"]
     assert compiled["path"].startswith("compiled") and compiled["unique_graphs"] == 1 and compiled["recompiles"] == 0
+
+
+def test_forward_probe_variants_agree_with_the_reference_in_the_interpreter():
+    """benchmarks/probe_forward_variants.py --check (the interpreter): its forward and backward variants with the
+    key norms compute the float64 reference's attention, so the GPU timings compare equal work."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
+    cmd = [sys.executable, str(root / "benchmarks" / "probe_forward_variants.py"), "--check"]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "agree with the float64 reference" in proc.stdout and "and the backward" in proc.stdout
+
+
+def test_diagnose_register_paths_reports_every_path_and_backend(tmp_path):
+    """benchmarks/diagnose_register_paths.py on the CPU (one family, one register, two steps): a row per register
+    path and backend, each step's errors against the float64 rows run; rbf stays at float32 rounding."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    cmd = [sys.executable, str(root / "benchmarks" / "diagnose_register_paths.py"), "--device", "cpu", "--families",
+           "rbf", "--registers", "1", "--steps", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "register_paths.json").read_text())
+    assert set(report) == {f"rbf R1 {p} {b}" for p in ("rows", "stream") for b in ("auto", "naive")}
+    for rows in report.values():
+        assert len(rows) == 2 and all(r["logits"] < 1e-4 and r["grad"] < 1e-3 for r in rows), rows
