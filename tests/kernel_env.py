@@ -23,3 +23,22 @@ from hf_rbf import kernels_common  # noqa: E402
 ON_GPU = torch.cuda.is_available() and not kernels_common.DEFINED_INTERPRETED
 IN_PROCESS = ON_GPU or kernels_common.DEFINED_INTERPRETED
 DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def check_compiled_matches_eager(loss_fn, t: dict) -> None:
+    """``torch.compile(loss_fn, fullgraph=True)`` on leaves made from the tensors ``t`` gives eager's loss and
+    gradients (aot_eager on the CPU: the interpreter's kernels cannot go through Inductor; Inductor on the GPU)."""
+
+    def grads(fn):
+        leaves = {n: x.detach().clone().to(DEVICE).requires_grad_(True) for n, x in t.items()}
+        loss = fn(leaves)
+        loss.backward()
+        return loss.detach(), {n: x.grad for n, x in leaves.items()}
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
+    loss_c, grads_c = grads(compiled)
+    loss_e, grads_e = grads(loss_fn)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)

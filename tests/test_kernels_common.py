@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_env import DEVICE, IN_PROCESS, ON_GPU  # noqa: E402 (first: sets TRITON_INTERPRET before triton loads)
+from kernel_env import DEVICE, IN_PROCESS, ON_GPU, check_compiled_matches_eager  # noqa: E402 (first: sets TRITON_INTERPRET)
 
 import kernel_checks as kc  # noqa: E402
 
@@ -99,19 +99,7 @@ def test_torch_compile_forward_and_backward(family):
         out = kc.call(case, t, args, "triton")
         return (out.float() * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum()
 
-    def grads(fn):
-        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in tensors.items()}
-        loss = fn(leaves)
-        loss.backward()
-        return loss.detach(), {k: v.grad for k, v in leaves.items()}
-
-    torch._dynamo.reset()
-    compiled = torch.compile(loss_fn, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
-    loss_c, grads_c = grads(compiled)
-    loss_e, grads_e = grads(loss_fn)
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
-    for name in grads_e:
-        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+    check_compiled_matches_eager(loss_fn, tensors)
 
 
 def test_package_works_without_triton():

@@ -17,7 +17,7 @@ q, k, v, a, b (and the key log-weights, the scalar inputs).  The launch counts p
 import pytest
 import torch
 
-from kernel_env import DEVICE, IN_PROCESS, ON_GPU  # noqa: E402 (first: sets TRITON_INTERPRET before triton loads)
+from kernel_env import DEVICE, IN_PROCESS, ON_GPU, check_compiled_matches_eager  # noqa: E402 (first: sets TRITON_INTERPRET)
 
 import count_host_ops  # noqa: E402
 
@@ -528,25 +528,6 @@ def test_rbf_attention_host_path_has_no_elementwise_ops():
     assert sum(c.launches.values()) == 3, c.launches
     assert set(c.ops) <= {"empty", "empty_like", "slice", "sum", "unbind", "detach"}, c.ops
     assert c.ops["sum"] == 1, c.ops
-
-
-def check_compiled_matches_eager(loss_fn, t: dict) -> None:
-    """``torch.compile(loss_fn, fullgraph=True)`` on leaves made from the tensors ``t`` gives eager's loss and
-    gradients (aot_eager on the CPU: the interpreter's kernels cannot go through Inductor; Inductor on the GPU)."""
-
-    def grads(fn):
-        leaves = {n: x.detach().clone().to(DEVICE).requires_grad_(True) for n, x in t.items()}
-        loss = fn(leaves)
-        loss.backward()
-        return loss.detach(), {n: x.grad for n, x in leaves.items()}
-
-    torch._dynamo.reset()
-    compiled = torch.compile(loss_fn, backend="inductor" if ON_GPU else "aot_eager", fullgraph=True)
-    loss_c, grads_c = grads(compiled)
-    loss_e, grads_e = grads(loss_fn)
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
-    for name in grads_e:
-        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_torch_compile_with_prefix_tensors():
