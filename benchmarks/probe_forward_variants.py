@@ -9,7 +9,8 @@ configs one by one at one shape.
 
 Causal, bf16, ``B = tokens / N``.  Each cell: every variant once per round (interleaved), a round's time the median
 of ``--iters`` launches after warm-up (CUDA events), the best round kept.  The autotuner's choice for the shipped
-variant is reported per cell.  Writes ``forward_variants.json`` / ``.md``.
+variant is reported per cell, and each cell is first checked against the naive float32 attention on the GPU
+(``check_cell``: the run stops on a relative error over 3e-2).  Writes ``forward_variants.json`` / ``.md``.
 
 What the rows say: "no norm term" against flash is the kernel's own shape (tiles, pipelining); "inline norms" against
 "no norm term" is what computing ``||k||^2`` from a second read of each key tile costs; "key-bias pass" trades that for
@@ -211,7 +212,36 @@ def check_on_cpu():
         errs = [((g.double() - r).norm() / r.norm()).item() for g, r in zip((dq, dk, dv), ref_grads)]
         if name != "bwd no norm term":
             assert max(errs) < 1e-4, (name, errs)
+    check_cell(q, k, v, gamma, dout)  # what main runs on the GPU before timing a cell
     print("variants agree with the float64 reference:", {n: o.shape for n, o in outs.items()}, "and the backward")
+
+
+def check_cell(q, k, v, gamma, dout=None) -> float:
+    """Before a cell is timed on the GPU: the two norm sources' forwards (and, with ``dout``, backwards) on the
+    first batch element against the float32 naive rbf attention (its autograd for the gradients); returns the
+    largest relative error and raises over 3e-2 (bfloat16 inputs): a timing of a wrong kernel is no timing."""
+    import hf_rbf
+
+    q1, k1, v1 = (t[:1].contiguous() for t in (q, k, v))
+    leaves = [t.float().requires_grad_(dout is not None) for t in (q1, k1, v1)]
+    ref = hf_rbf.rbf_attention(*leaves, gamma=gamma, causal=True, backend="naive")
+    worst = 0.0
+
+    def rel(a, r):
+        return ((a.float() - r).norm() / r.norm()).item()
+
+    fns = variants(q1, k1, v1, gamma)
+    for name in ("inline norms (shipped)", "key-bias pass + forward"):
+        worst = max(worst, rel(fns[name](), ref.detach()))
+    if dout is not None:
+        d1 = dout[:1].contiguous()
+        ref_grads = torch.autograd.grad(ref, leaves, d1.float())
+        for name, fn in backward_variants(q1, k1, v1, gamma, d1).items():
+            if name != "bwd no norm term":
+                worst = max(worst, *(rel(g, r) for g, r in zip(fn()[:3], ref_grads)))
+    if worst > 3e-2:
+        raise AssertionError(f"the probe's variants disagree with the naive reference: relative error {worst:.2e}")
+    return worst
 
 
 def main():
@@ -243,13 +273,16 @@ def main():
             b = max(1, args.tokens // n)
             q, k, v, gamma = rbf_inputs(b, args.heads, n, d, dev, torch.bfloat16)
             fns = {**sdpa_variants(q, k, v), **variants(q, k, v, gamma)}
+            dout = None
             if args.backward:
                 dout = torch.randn_like(q)
                 fns.update(sdpa_backward(q, k, v, dout))
                 fns.update(backward_variants(q, k, v, gamma, dout))
+            error = check_cell(q, k, v, gamma, dout)
             res = measure([(f"D{d} N{n} B{b}", fns)], args.rounds, args.iters)
             row = res[f"D{d} N{n} B{b}"]
             row["autotuned config"] = chosen_config(kernels_flash_fwd._distance_fwd)
+            row["error vs naive"] = error
             table[f"D{d} N{n}"] = row
             kernels_flash_fwd._distance_fwd.cache.clear()  # the next cell's choice reported alone
             del q, k, v
@@ -282,8 +315,8 @@ def main():
              "no norm term"]
     if args.backward:
         names += ["SDPA flash bwd", "bwd inline norms", "bwd norms from the pass", "bwd no norm term"]
-    lines += ["| shape | " + " | ".join(names) + " | shipped / flash | no norm / flash | autotuned config |",
-              "|---" * (len(names) + 4) + "|"]
+    lines += ["| shape | " + " | ".join(names) + " | shipped / flash | no norm / flash | autotuned config | "
+              "error vs naive |", "|---" * (len(names) + 5) + "|"]
 
     def fmt(x):
         return f"{x:.3f}" if isinstance(x, float) else str(x)
@@ -293,7 +326,8 @@ def main():
         ratio = lambda name: (f"{row[name] / flash:.2f}x" if isinstance(row.get(name), float)  # noqa: E731
                               and isinstance(flash, float) else "")
         lines.append(f"| {shape} | " + " | ".join(fmt(row.get(n, "")) for n in names)
-                     + f" | {ratio('inline norms (shipped)')} | {ratio('no norm term')} | {row['autotuned config']} |")
+                     + f" | {ratio('inline norms (shipped)')} | {ratio('no norm term')} | {row['autotuned config']} | "
+                     f"{row['error vs naive']:.1e} |")
     lines += ["", "## Tile configs one by one (the forward's autotuner forced to each)", "",
               "| config | SDPA flash | inline norms | no norm term | inline / flash |", "|---|---|---|---|---|"]
     for label, row in sweep.items():
