@@ -35,6 +35,8 @@
 #   staticdecode benchmarks/bench_sorted_static_decode.py (fused vs torch vs dense SDPA per layer step,
 #                8k-1M; STATIC_ARGS appended)                                                                [400]
 #   generate     benchmarks/bench_generate.py (ms per token of every family vs Llama, dynamic and static)      [500]
+#   decodeprofile benchmarks/profile_decode.py (torch.profiler and cProfile of dynamic-cache decode steps, every
+#                family vs Llama, per token: kernel ms, launches, syncs, top host ops; DECODEPROFILE_ARGS appended) [300]
 #   diagnose     benchmarks/diagnose_static_decode.py (why the static cache does or does not pay: compile counters,
 #                CUDA-graph skips, launches per static generate; DIAGNOSE_ARGS appended, DIAGNOSE_LOGS = TORCH_LOGS) [400]
 #   nonfinite    benchmarks/find_nonfinite_grads.py (where a run's gradients first stop being finite; NONFINITE_ARGS,
@@ -74,7 +76,7 @@ for d in .whl wheels; do
         --upgrade --target "$SITE" "$d"/*.whl 2>&1 | tail -3
 done
 
-declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [backwardhost]=200 [firststeps]=300 [profile]=500 [staticdecode]=400 [generate]=500 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [forward]=300 [sorted]=120 [mass]=300 [vit]=300
+declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [backwardhost]=200 [firststeps]=300 [profile]=500 [staticdecode]=400 [generate]=500 [decodeprofile]=300 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [forward]=300 [sorted]=120 [mass]=300 [vit]=300
                   [lm]=560 [multi]=400 [throughput]=150 [scaling]=540 [nonfinite]=300)
 
 job_env() {
@@ -121,6 +123,7 @@ job_profile() {
 }
 job_staticdecode() { python3 benchmarks/bench_sorted_static_decode.py --out "$1" ${STATIC_ARGS:-}; }
 job_generate() { python3 benchmarks/bench_generate.py --out "$1" ${GENERATE_ARGS:-}; }
+job_decodeprofile() { python3 benchmarks/profile_decode.py --out "$1" ${DECODEPROFILE_ARGS:-}; }
 job_diagnose() {
     TORCH_LOGS=${DIAGNOSE_LOGS:-recompiles,graph_breaks,cudagraphs,perf_hints} \
         python3 benchmarks/diagnose_static_decode.py --out "$1" ${DIAGNOSE_ARGS:-}

@@ -331,3 +331,24 @@ def test_diagnose_register_paths_reports_every_path_and_backend(tmp_path):
     assert set(report) == {f"rbf R1 {p} {b}" for p in ("rows", "stream") for b in ("auto", "naive")}
     for rows in report.values():
         assert len(rows) == 2 and all(r["logits"] < 1e-4 and r["grad"] < 1e-3 for r in rows), rows
+
+
+def test_profile_decode_reports_every_family_per_token(tmp_path):
+    """benchmarks/profile_decode.py on the CPU (a tiny size, Llama and one family): a row per model with the ms per
+    token and the profiles' per-token differences (aten ops, host ops, Python functions of the decode step)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    size = '{"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}'
+    cmd = [sys.executable, str(root / "benchmarks" / "profile_decode.py"), "--device", "cpu", "--case", "1x16",
+           "--tokens", "3", "--variants", "llama;scalar_sort", "--size", size, "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "profile_decode.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["llama", "scalar_sort"] and not any("error" in r for r in rows), rows
+    for r in rows:
+        assert r["ms_per_token"] > 0 and r["aten_ops_per_token"] > 10 and r["top_host_ops"] and r["python"]
+    assert "## scalar_sort" in (tmp_path / "profile_decode.md").read_text()
+    assert rows[1]["aten_ops_per_token"] != rows[0]["aten_ops_per_token"]
