@@ -293,6 +293,11 @@ def small_cases() -> dict[str, list[Case]]:
                 replace(base, groups=1, tau="float", klw="bh", window=5, dtype=torch.bfloat16, seed=10),
                 replace(base, h=6, groups=2, dv=20, tau="head", prefix=1, seed=11),  # 3 heads per group
                 replace(base, groups=2, nq=9, nk=33, tau="token", prefix=2, seed=12),
+                # decode rows (split-K, no grad) with grouped values and each temperature form
+                replace(base, groups=2, nq=1, nk=45, tau="token", prefix=2, pad=3, grad=False, seed=15),
+                replace(base, h=6, groups=2, dv=20, tau="head", nq=2, nk=51, klw="bh", window=9, grad=False,
+                        dtype=torch.float16, seed=16),  # fmt: skip
+                replace(base, groups=1, tau="float", nq=1, nk=40, grad=False, dtype=torch.bfloat16, seed=17),
             ]
         if fam == "hybrid":
             cases += [replace(base, scale="zero", seed=13), replace(base, scale="default", dv=16, seed=14)]

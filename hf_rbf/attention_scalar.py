@@ -27,7 +27,7 @@ from .attention_utils import (
     normalize_mask_args,
     per_query_param,
 )
-from .kernels_common import auto_order
+from .kernels_common import DECODE_ROWS, auto_order
 
 OP = "scalar_attention"
 
@@ -75,9 +75,10 @@ def _candidates(qs, ks, v, tau, mask, backend):
         ),
         "naive": (scalar_attention_naive, None),
     }
-    if mask.window is None and mask.nk >= SCALAR_SDPA_MIN_KEYS:
+    if mask.window is None and mask.nk >= SCALAR_SDPA_MIN_KEYS and mask.nq > DECODE_ROWS:
+        # training-sized calls only: a decode step takes the split-K decode kernel (through "triton") at every length
         candidates = {name: candidates[name] for name in ("sdpa", "triton", "flex", "naive")}
-    return auto_order(candidates, v.device, mask.nq, split_k_decode=False)
+    return auto_order(candidates, v.device, mask.nq)
 
 
 def check_grouped_values(op: str, v: torch.Tensor, batch: int, heads: int, nk: int) -> None:

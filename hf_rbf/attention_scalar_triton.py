@@ -7,10 +7,12 @@ query row (IEEE division, the value torch's ``1 / tau`` gives) and the dQ kernel
 so a call spends no torch op on the temperature (before: a reciprocal in the forward, three elementwise ops for its
 gradient, and a ``torch.full`` for a float ``tau``).
 
-Decode note: a dense exact decode step runs through the same forward (a few query rows, every cached key).  The
-sorted-window decode (binary search in a key-sorted cache, the scalar-sort paper's O(log n + k) step) belongs to
-the sorted-cache data structure (``cache_<name>.py``); its kernel plugs in next to ``scalar_fwd`` here and
-is registered in ``benchmarks/bench_attention.py``'s ``DECODE_IMPLS``.
+Decode: a few query rows without gradients (an exact decode step over every cached key) run through the distance
+family's split-K decode kernel with the scalar term alone (:func:`_scalar_decode`): the key range is split over
+programs, so one query row fills the GPU at any cache length, where this family's own forward gives each (row, group)
+one program that walks every key (0.16 ms at 1K keys, 42 ms at 1M on an H200).  The sorted-window decode (binary
+search in a key-sorted cache, the scalar-sort paper's O(log n + k) step) belongs to the sorted-cache data structure
+(``cache_sorted_scalar.py``, ``kernels_sorted_decode.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .attention_utils import MaskArgs
+from .attention_distance_triton import DECODE_MAX_QUERIES, distance_attention
+from .attention_utils import MaskArgs, constant_vector
 from .kernels_common import key_bias, triton_unavailable_reason
 from .kernels_scalar_bwd import scalar_backward
 from .kernels_scalar_fwd import scalar_forward
@@ -203,15 +206,44 @@ class _ScalarFunction(torch.autograd.Function):
         return _gradients(ctx, dout, _backward_impl)
 
 
+# The split-K decode kernel's vector part for the scalar family: a zero row of this width (the kernels' smallest
+# padded head dim), broadcast with stride 0 over every query and key, so its product is 0 and only the scalar term
+# scores (one 16-wide tensor-core product per key tile, nothing read from memory but one row).
+_ZERO_VECTOR_DIM = 16
+
+
+def _scalar_decode(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
+    """A few query rows without gradients: the distance family's split-K decode kernel with the scalar term alone
+    (``-(qs - ks)^2 / tau`` plus the key log-weights and padding, grouped values read in place), a zero
+    dot-product coefficient and zero vector keys."""
+    b, h, nq = qs.shape
+    groups, nk = v.shape[1], v.shape[2]
+    zero = constant_vector(0.0, (_ZERO_VECTOR_DIM,), v.device, v.dtype)
+    q = zero.expand(b, h, nq, _ZERO_VECTOR_DIM)
+    k = zero.expand(b, groups, nk, _ZERO_VECTOR_DIM)
+    a = constant_vector(0.0, (h,), v.device)
+    # tau as it is: the kernel takes 1 / tau per row (tau_in), as the hybrid family's call does
+    tau_t = tau if isinstance(tau, torch.Tensor) else constant_vector(float(tau), (1, 1, 1), v.device)
+    return distance_attention(
+        q, k, v, qs, ks, tau_t, a, a, mask, normalize=True, qnorm=False, knorm=False, kv_same=False, eps=0.0,
+        tau_in=True,
+    )  # fmt: skip
+
+
 def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
     """Fused scalar attention; same arguments and result as ``scalar_attention_naive``.
 
     ``tau`` goes to the kernels as it is (a float, or a ``[B|1, H|1, Nq|1]`` tensor read through its strides): they
-    take ``beta = 1 / tau`` and return ``tau``'s gradient, so a call spends no torch op on the temperature.
+    take ``beta = 1 / tau`` and return ``tau``'s gradient, so a call spends no torch op on the temperature.  Up to
+    ``DECODE_MAX_QUERIES`` query rows without gradients take the split-K decode kernel (:func:`_scalar_decode`).
     """
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    differentiable = (qs, ks, v, tau if isinstance(tau, torch.Tensor) else None, mask.key_log_weights)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
+        return _scalar_decode(qs, ks, v, tau, mask)
     tau_t = tau if isinstance(tau, torch.Tensor) else None
     tau_value = 1.0 if tau_t is not None else float(tau)
-    v = v if v.stride(-1) == 1 else v.contiguous()
     args = (
         qs,
         ks,
@@ -226,8 +258,7 @@ def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
     )
     if torch.compiler.is_compiling():
         return scalar_fwd(*args)[0]
-    differentiable = (qs, ks, v, tau_t, mask.key_log_weights)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
+    if needs_grad:
         return _ScalarFunction.apply(*args)
     return _forward_impl(*args)[0]
 

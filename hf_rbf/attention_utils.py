@@ -245,17 +245,17 @@ _CONSTANTS: dict = {}
 _CONSTANTS_MAX = 256
 
 
-def constant_vector(value: float, shape: tuple, device) -> torch.Tensor:
-    """A float32 tensor of ``shape`` filled with ``value`` on ``device``, cached (read-only: the kernels only read it;
-    under ``torch.compile`` a fresh graph constant)."""
+def constant_vector(value: float, shape: tuple, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` (float32 unless given) filled with ``value`` on ``device``, cached
+    (read-only: the kernels only read it; under ``torch.compile`` a fresh graph constant)."""
     if torch.compiler.is_compiling():
-        return torch.full(shape, value, device=device, dtype=torch.float32)
-    key = (value, shape, str(device))
+        return torch.full(shape, value, device=device, dtype=dtype)
+    key = (value, shape, str(device), dtype)
     t = _CONSTANTS.get(key)
     if t is None:
         if len(_CONSTANTS) >= _CONSTANTS_MAX:
             _CONSTANTS.clear()
-        t = _CONSTANTS[key] = torch.full(shape, value, device=device, dtype=torch.float32)
+        t = _CONSTANTS[key] = torch.full(shape, value, device=device, dtype=dtype)
     return t
 
 

@@ -571,13 +571,14 @@ def ceil_div(a: int, b: int) -> int:
 DECODE_ROWS = 16
 
 
-def auto_order(candidates: dict, device: torch.device, num_queries: int, *, split_k_decode: bool = True) -> dict:
+def auto_order(candidates: dict, device: torch.device, num_queries: int) -> dict:
     """The order "auto" tries a family's backends in: the family's own order, with two moves.
 
     - "triton" goes last on the CPU: there the kernels only run in Triton's interpreter (``TRITON_INTERPRET=1``,
       for tests), far slower than the naive reference; an explicit ``backend="triton"`` still can.
-    - For a handful of query rows (decoding, at most ``DECODE_ROWS``) "naive" goes first on the CPU, and on CUDA
-      too for a family without a split-K decode kernel (``split_k_decode=False``: the scalar family).
+    - For a handful of query rows (decoding, at most ``DECODE_ROWS``) "naive" goes first on the CPU.  On CUDA every
+      family's "triton" serves them with a split-K decode kernel (the scalar family through the distance family's,
+      with the scalar term alone, since 2026-11-27).
 
     Why, measured (benchmarks/bench_decode_backends.py, benchmarks/probe_scalar_decode.py,
     recipes/bench_sorted_decode.py; results under benchmarks/results/):
@@ -587,11 +588,12 @@ def auto_order(candidates: dict, device: torch.device, num_queries: int, *, spli
       rows SDPA wins (11-25 ms against 25-37 ms).
     - H200 (scalar, H=16, G=4, Dv=64, bf16): torch's SDPA picks cuDNN for the padded call with a mask, and cuDNN
       builds a new execution plan for every new key length: ~27 ms per generated token at any context from 4096
-      keys on, against 0.4-0.6 ms naive up to 64K keys (6.4 ms at 1M).  The scalar Triton kernel has no split-K
-      decode path: 0.16 ms at 1K keys but 2.7 ms at 64K and 42 ms at 1M.
+      keys on (so the scalar family keeps SDPA out of decode calls).  The scalar family's own Triton forward has
+      no split-K: 0.16 ms at 1K keys but 2.7 ms at 64K and 42 ms at 1M; naive took 0.4-0.6 ms up to 64K keys, as
+      ~25 torch ops of host work per layer and step (a dynamic-cache decode step is bound by host work).
     """
     first, last = [], []
-    if (device.type == "cpu" or not split_k_decode) and num_queries <= DECODE_ROWS:
+    if device.type == "cpu" and num_queries <= DECODE_ROWS:
         first.append("naive")
     if device.type != "cuda":
         last.append("triton")

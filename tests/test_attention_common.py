@@ -483,6 +483,10 @@ def test_gpu_auto_order():
     assert hf_rbf.last_backend("scalar_attention") == "sdpa"
     hf_rbf.scalar_attention(long_s, long_s, long_q, 1.0, window=256)
     assert hf_rbf.last_backend("scalar_attention") == "triton"
+    # a decode row over the same keys: triton (the split-K decode kernel), not the padding trick
+    with torch.no_grad():
+        hf_rbf.scalar_attention(long_s[:, :, -1:], long_s, long_q, 1.0)
+    assert hf_rbf.last_backend("scalar_attention") == "triton"
     with pytest.raises(ValueError, match=r"flex cannot differentiate `qs`, `ks`"):
         hf_rbf.scalar_attention(qs, qs, q.detach(), 1.0, backend="flex")
 

@@ -188,14 +188,15 @@ def test_every_tuned_launch_keys_on_the_planes_on_gpu(monkeypatch):
 
 
 def test_auto_order_for_decoding():
-    """Decode rows: naive first on the CPU for every family, and on CUDA for a family without a split-K decode
-    kernel (scalar); prefill keeps the family's order, with triton last on the CPU."""
+    """Decode rows: naive first on the CPU for every family; on CUDA the family's order (every family's triton has
+    a split-K decode kernel); prefill keeps the family's order, with triton last on the CPU."""
     fam = {"triton": 1, "sdpa": 2, "flex": 3, "naive": 4}
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     rows = kernels_common.DECODE_ROWS
     assert list(kernels_common.auto_order(fam, cuda, 1)) == ["triton", "sdpa", "flex", "naive"]
-    assert list(kernels_common.auto_order(fam, cuda, 1, split_k_decode=False)) == ["naive", "triton", "sdpa", "flex"]
-    assert list(kernels_common.auto_order(fam, cuda, rows + 1, split_k_decode=False)) == list(fam)
+    assert list(kernels_common.auto_order({"sdpa": 1, "triton": 2, "naive": 3}, cuda, rows + 1)) == [
+        "sdpa", "triton", "naive"
+    ]  # fmt: skip
     assert list(kernels_common.auto_order(fam, cpu, rows)) == ["naive", "sdpa", "flex", "triton"]
     assert list(kernels_common.auto_order(fam, cpu, rows + 1)) == ["sdpa", "flex", "naive", "triton"]
 

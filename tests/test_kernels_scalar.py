@@ -126,3 +126,50 @@ def test_host_path_has_no_temperature_ops():
     compute = {op: n for op, n in counter.ops.items() if op not in count_host_ops.NO_KERNEL_OPS}
     assert compute == {"sum": 1}, dict(counter.ops)
     assert qs.grad.dtype == torch.bfloat16 and ks.grad.dtype == torch.bfloat16 and tau.grad.shape == (4,)
+
+
+def test_decode_rows_take_the_split_k_decode_kernel(monkeypatch):
+    """A few query rows without gradients go through the distance family's split-K decode kernel (the scalar term
+    alone); with gradients, or with more rows, the scalar family's own kernels serve.  Both against float64."""
+    import hf_rbf
+    from hf_rbf import attention_scalar_triton
+
+    calls = []
+    real = attention_scalar_triton.distance_attention
+
+    def recording(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attention_scalar_triton, "distance_attention", recording)
+    g = torch.Generator().manual_seed(3)
+    b, h, groups, nk, dv = 2, 4, 2, 37, 16
+    ks = torch.randn(b, h, nk, generator=g).to(DEVICE)
+    v = torch.randn(b, groups, nk, dv, generator=g).to(DEVICE)
+    tau = (0.5 + torch.rand(h, generator=g)).to(DEVICE)
+    for nq, grad, decode in ((1, False, True), (16, False, True), (17, False, False), (1, True, False)):
+        calls.clear()
+        qs = torch.randn(b, h, nq, generator=g).to(DEVICE).requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out = hf_rbf.scalar_attention(qs, ks, v, tau, num_prefix_keys=1, backend="triton")
+            ref = hf_rbf.scalar_attention(qs.double(), ks.double(), v.double(), tau.double(), num_prefix_keys=1,
+                                          backend="naive")  # fmt: skip
+        assert (len(calls) == 1) == decode, (nq, grad, calls)
+        assert kc.rel_err(out.detach(), ref.detach()) <= kc.TOLERANCES[torch.float32][0]
+
+
+def test_auto_takes_triton_for_decode_rows_on_cuda_at_every_length():
+    """On CUDA "auto" serves a decode step of any length with "triton" (the split-K kernel); SDPA (the padding trick,
+    which rebuilds a cuDNN plan at every new key length) goes first only for training-sized calls from
+    ``SCALAR_SDPA_MIN_KEYS`` keys on."""
+    from types import SimpleNamespace
+
+    from hf_rbf.attention_scalar import SCALAR_SDPA_MIN_KEYS, _candidates
+    from hf_rbf.attention_utils import MaskArgs
+
+    cuda = SimpleNamespace(device=torch.device("cuda"))
+    for nq, nk, first in ((1, 512, "triton"), (1, 4 * SCALAR_SDPA_MIN_KEYS, "triton"), (16, 100_000, "triton"),
+                          (1024, 4 * SCALAR_SDPA_MIN_KEYS, "sdpa"), (1024, 1024, "triton")):  # fmt: skip
+        mask = MaskArgs(causal=True, window=None, num_prefix_keys=0, key_log_weights=None, attention_mask=None,
+                        nq=nq, nk=nk)  # fmt: skip
+        assert next(iter(_candidates(None, None, cuda, None, mask, "auto"))) == first, (nq, nk)
