@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .attention_flex_utils import flex_reason, key_bias, per_query, run_flex, zero_rows_without_live_keys
-from .attention_scalar_triton import scalar_attention_triton, scalar_triton_reason
+from .attention_scalar_triton import scalar_attention_triton, scalar_decodes_in_place, scalar_triton_reason
 from .attention_sdpa_utils import ScoreFeatures, padded_sdpa, sdpa_reason
 from .attention_utils import (
     MaskArgs,
@@ -105,6 +105,7 @@ def scalar_attention(
     num_prefix_keys: int = 0,
     backend: str = "auto",
     return_weights: bool = False,
+    prefix_values: torch.Tensor | None = None,
 ):
     """Scalar Gaussian-kernel attention.
 
@@ -119,6 +120,11 @@ def scalar_attention(
         backend: "auto", "naive", "sdpa", "flex" or "triton".
         return_weights: also return the attention weights, computed by the materialised reference: ``backend`` must
             be "auto" (which then serves with "naive") or "naive".
+        prefix_values: ``R`` values ``[B or 1, G, R, Dv]`` in front of ``v`` (a sink, register tokens) as a separate
+            tensor: the result is that of ``v = torch.cat([prefix_values.expand(B, ...), v], 2)`` with
+            ``num_prefix_keys=R`` (0 or R); ``ks`` and the mask arguments then cover all ``R + Nk`` keys.  The
+            split-K decode kernel reads them in place (no copy of the cached values per decode step); the other
+            paths concatenate.
 
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``v``; with ``return_weights`` ``(out, weights)``, ``weights``
@@ -129,13 +135,15 @@ def scalar_attention(
     check_tensor(OP, "qs", qs, 3, "[B, H, Nq]")
     check_tensor(OP, "ks", ks, 3, "[B, H, Nk]")
     check_tensor(OP, "v", v, 4, "[B, G, Nk, Dv]")
-    qs, ks, v = autocast_inputs(qs, ks, v)
+    qs, ks, v, prefix_values = autocast_inputs(qs, ks, v, prefix_values)
     check_same(OP, {"qs": qs, "ks": ks, "v": v})
     b, h, nq = qs.shape
     nk = ks.shape[2]
     check_dim(OP, "ks", ks, 0, b, "batch size")
     check_dim(OP, "ks", ks, 1, h, "head count")
-    check_grouped_values(OP, v, b, h, nk)
+    if prefix_values is not None:
+        num_prefix_keys = _check_prefix_values(v, prefix_values, num_prefix_keys, b)
+    check_grouped_values(OP, v, b, h, nk - (0 if prefix_values is None else num_prefix_keys))
     tau = per_query_param(OP, "tau", tau, b, h, nq, qs.device)
     mask = normalize_mask_args(
         OP,
@@ -152,9 +160,33 @@ def scalar_attention(
     )
     if return_weights:
         choose_weights_backend(OP, backend, qs.device)
+        if prefix_values is not None:
+            v = torch.cat([prefix_values.expand(b, -1, -1, -1), v], dim=2)
         return scalar_attention_naive(qs, ks, v, tau, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, qs.device, _candidates(qs, ks, v, tau, mask, backend))
+    if prefix_values is not None:
+        if fn is scalar_attention_triton and scalar_decodes_in_place(qs, ks, v, tau, mask):
+            return scalar_attention_triton(qs, ks, v, tau, mask, prefix_values=prefix_values)
+        v = torch.cat([prefix_values.expand(b, -1, -1, -1), v], dim=2)
     return fn(qs, ks, v, tau, mask)
+
+
+def _check_prefix_values(v: torch.Tensor, prefix_values: torch.Tensor, num_prefix_keys: int, batch: int) -> int:
+    """Validate separate prefix values against ``v``; returns their count ``R``."""
+    check_tensor(OP, "prefix_values", prefix_values, 4, "[B or 1, G, R, Dv]")
+    check_same(OP, {"v": v, "prefix_values": prefix_values})
+    g, r, dv = v.shape[1], prefix_values.shape[2], v.shape[3]
+    if prefix_values.shape[0] not in (1, batch) or prefix_values.shape[1] != g or prefix_values.shape[3] != dv:
+        raise ValueError(
+            f"{OP}: `prefix_values` must have shape [{batch} or 1, {g}, R, {dv}] (as `v` [B, G, Nk, Dv]); got "
+            f"{tuple(prefix_values.shape)}"
+        )
+    if num_prefix_keys not in (0, r):
+        raise ValueError(
+            f"{OP}: with `prefix_values` the prefix is its R = {r} keys; `num_prefix_keys` must be 0 or {r}, got "
+            f"{num_prefix_keys!r}"
+        )
+    return r
 
 
 # --------------------------------------------------------------------------------------------------------------------

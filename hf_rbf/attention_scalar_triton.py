@@ -212,36 +212,57 @@ class _ScalarFunction(torch.autograd.Function):
 _ZERO_VECTOR_DIM = 16
 
 
-def _scalar_decode(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
+def _scalar_decode(qs, ks, v, tau, mask: MaskArgs, prefix_values=None) -> torch.Tensor:
     """A few query rows without gradients: the distance family's split-K decode kernel with the scalar term alone
     (``-(qs - ks)^2 / tau`` plus the key log-weights and padding, grouped values read in place), a zero
-    dot-product coefficient and zero vector keys."""
+    dot-product coefficient and zero vector keys; ``prefix_values`` ``[B|1, G, R, Dv]`` read in place too."""
     b, h, nq = qs.shape
     groups, nk = v.shape[1], v.shape[2]
     zero = constant_vector(0.0, (_ZERO_VECTOR_DIM,), v.device, v.dtype)
     q = zero.expand(b, h, nq, _ZERO_VECTOR_DIM)
     k = zero.expand(b, groups, nk, _ZERO_VECTOR_DIM)
+    prefix = None
+    if prefix_values is not None:
+        prefix = (zero.expand(1, groups, prefix_values.shape[2], _ZERO_VECTOR_DIM), prefix_values)
     a = constant_vector(0.0, (h,), v.device)
     # tau as it is: the kernel takes 1 / tau per row (tau_in), as the hybrid family's call does
     tau_t = tau if isinstance(tau, torch.Tensor) else constant_vector(float(tau), (1, 1, 1), v.device)
     return distance_attention(
         q, k, v, qs, ks, tau_t, a, a, mask, normalize=True, qnorm=False, knorm=False, kv_same=False, eps=0.0,
-        tau_in=True,
+        prefix=prefix, tau_in=True,
     )  # fmt: skip
 
 
-def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs) -> torch.Tensor:
+def _needs_grad(qs, ks, v, tau, mask: MaskArgs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    differentiable = (qs, ks, v, tau if isinstance(tau, torch.Tensor) else None, mask.key_log_weights)
+    return any(t is not None and t.requires_grad for t in differentiable)
+
+
+def scalar_decodes_in_place(qs, ks, v, tau, mask: MaskArgs) -> bool:
+    """Whether :func:`scalar_attention_triton` serves this call with the split-K decode kernel (a few query rows,
+    nothing to differentiate), which reads separate prefix values in place."""
+    return mask.nq <= DECODE_MAX_QUERIES and not _needs_grad(qs, ks, v, tau, mask)
+
+
+def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs, prefix_values=None) -> torch.Tensor:
     """Fused scalar attention; same arguments and result as ``scalar_attention_naive``.
 
     ``tau`` goes to the kernels as it is (a float, or a ``[B|1, H|1, Nq|1]`` tensor read through its strides): they
     take ``beta = 1 / tau`` and return ``tau``'s gradient, so a call spends no torch op on the temperature.  Up to
-    ``DECODE_MAX_QUERIES`` query rows without gradients take the split-K decode kernel (:func:`_scalar_decode`).
+    ``DECODE_MAX_QUERIES`` query rows without gradients take the split-K decode kernel (:func:`_scalar_decode`),
+    the only path that takes separate ``prefix_values`` (see :func:`hf_rbf.scalar_attention`).
     """
     v = v if v.stride(-1) == 1 else v.contiguous()
-    differentiable = (qs, ks, v, tau if isinstance(tau, torch.Tensor) else None, mask.key_log_weights)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    needs_grad = _needs_grad(qs, ks, v, tau, mask)
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
-        return _scalar_decode(qs, ks, v, tau, mask)
+        return _scalar_decode(qs, ks, v, tau, mask, prefix_values)
+    if prefix_values is not None:
+        raise ValueError(
+            "scalar_attention_triton: separate `prefix_values` are read in place by the decode path only (at most "
+            f"{DECODE_MAX_QUERIES} query rows, no gradients); got {mask.nq} rows: concatenate them in front of `v`"
+        )
     tau_t = tau if isinstance(tau, torch.Tensor) else None
     tau_value = 1.0 if tau_t is not None else float(tau)
     args = (

@@ -116,18 +116,6 @@ class HybridSortAttention(ScalarSortAttention):
         scale = scale if isinstance(scale, float) else scale.to(ct).view(1, -1, 1)
         return scores + scale * dot
 
-    def attend_with_prefix(
-        self, queries: _Projections, prefix: _Projections | None, keys: _Projections, tau, **mask_args
-    ) -> torch.Tensor:
-        """The prefix's vector keys and values go to ``hybrid_attention`` as separate tensors (the fused kernels read
-        them in place: no copy of the layer's keys and values per call); only the scalar keys are concatenated."""
-        if prefix is None:
-            return self.attention_function(queries, keys, tau, **mask_args)
-        ks = torch.cat([prefix.ks.expand(keys.ks.shape[0], -1, -1), keys.ks], dim=2)
-        return self.attention_function(
-            queries, _Projections(qs=None, ks=ks, v=keys.v, k=keys.k), tau, prefix=prefix, **mask_args
-        )
-
     def attention_function(
         self,
         queries: _Projections,

@@ -293,15 +293,30 @@ class ScalarSortAttention(DecoderAttention):
 
     # -- attention -----------------------------------------------------------------------------------------------
     def attention_function(
-        self, queries: _Projections, keys: _Projections, tau, backend: str | None = None, **mask_args
+        self,
+        queries: _Projections,
+        keys: _Projections,
+        tau,
+        backend: str | None = None,
+        prefix: _Projections | None = None,
+        **mask_args,
     ) -> torch.Tensor:
         """The layer's exact attention over ``keys`` (``scalar_attention``); returns ``[B, H, Nq, Dv]``, or
         ``(out, weights [B, H, Nq, Nk])`` when ``mask_args`` holds ``return_weights=True`` (with ``backend="naive"``).
 
-        ``backend`` overrides ``config.attention_backend`` (the register rows use ``register_backend``).
+        ``backend`` overrides ``config.attention_backend`` (the register rows use ``register_backend``); ``prefix``:
+        values in front of ``keys`` (see :meth:`attend_with_prefix`).
         """
         backend = self.backend if backend is None else backend
-        out = scalar_attention(queries.qs, keys.ks, keys.v, tau, backend=backend, **mask_args)
+        out = scalar_attention(
+            queries.qs,
+            keys.ks,
+            keys.v,
+            tau,
+            backend=backend,
+            prefix_values=None if prefix is None else prefix.v,
+            **mask_args,
+        )
         self._note_backend("scalar_attention")
         return out
 
@@ -309,8 +324,14 @@ class ScalarSortAttention(DecoderAttention):
         self, queries: _Projections, prefix: _Projections | None, keys: _Projections, tau, **mask_args
     ) -> torch.Tensor:
         """:meth:`attention_function` over the ``prefix`` keys (sink, registers; batch 1, or None) followed by
-        ``keys``: here concatenated (the scalar kernels read one key sequence)."""
-        return self.attention_function(queries, self._cat_keys([prefix, keys], queries.qs.shape[0]), tau, **mask_args)
+        ``keys``.  Only the scalar keys are concatenated: the prefix's values (and vector keys) go as separate
+        tensors, which the decode kernel reads in place (no copy of the cached values per layer and step)."""
+        if prefix is None:
+            return self.attention_function(queries, keys, tau, **mask_args)
+        ks = torch.cat([prefix.ks.expand(keys.ks.shape[0], -1, -1), keys.ks], dim=2)
+        return self.attention_function(
+            queries, _Projections(qs=None, ks=ks, v=keys.v, k=keys.k), tau, prefix=prefix, **mask_args
+        )
 
     def decode_scale(self):
         """The dot-product scale passed to the windowed decode step (None: no dot term)."""
@@ -612,8 +633,8 @@ class ScalarSortAttention(DecoderAttention):
         ks, v, k, valid = layer.full_view() if n == 1 else layer.sequence_view(layer.get_seq_length())
         cached = _Projections(qs=None, ks=ks, v=v, k=k)
         am = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1) if num_prefix else valid
-        return self.attention_function(
-            proj, self._cat_keys([prefix, cached], b), tau, causal=True, attention_mask=am, num_prefix_keys=num_prefix
+        return self.attend_with_prefix(
+            proj, prefix, cached, tau, causal=True, attention_mask=am, num_prefix_keys=num_prefix
         )
 
     def _exact_over_cache(self, layer, proj, tau, prefix, num_prefix, output_attentions=False):
@@ -624,9 +645,10 @@ class ScalarSortAttention(DecoderAttention):
         klw = None
         if log_weight is not None:
             klw = torch.cat([log_weight.new_zeros(*log_weight.shape[:-1], num_prefix), log_weight], dim=-1)
-        return self.attention_function(
+        return self.attend_with_prefix(
             proj,
-            self._cat_keys([prefix, cached], b),
+            prefix,
+            cached,
             tau,
             causal=True,
             attention_mask=am,

@@ -107,3 +107,70 @@ def test_gradcheck(backend, tau_kind):
 
     # full gradcheck of the reference; sdpa (also matched to float64 above) in gradcheck's fast mode
     assert torch.autograd.gradcheck(fn, args, fast_mode=backend != "naive")
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa", "triton"])
+@pytest.mark.parametrize("prefix_batch, nq, grad", [(1, 1, False), (2, 3, False), (1, 9, True)])
+def test_prefix_values_equal_the_concatenated_values(backend, prefix_batch, nq, grad):
+    """``prefix_values`` (a sink / register values in front of ``v``, shared by the batch or per element): the
+    output (and with ``grad`` every gradient) equals that of the values concatenated by hand, in float64 on the naive
+    backend.  Decode rows without gradients on "triton" read them in place (the split-K decode kernel, in the
+    interpreter here); the other calls concatenate."""
+    import subprocess
+    import sys
+
+    if backend == "triton":
+        # the interpreter must be set before triton is imported: run this case in a fresh process
+        code = (
+            "import sys; sys.path.insert(0, 'tests'); import test_attention_scalar as t; "
+            f"t._prefix_values_case('triton', {prefix_batch}, {nq}, {grad})"
+        )
+        env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return
+    _prefix_values_case(backend, prefix_batch, nq, grad)
+
+
+def _prefix_values_case(backend, prefix_batch, nq, grad):
+    b, h, g, nk, r, dv = 2, 4, 2, 13, 2, 16
+    gen = torch.Generator().manual_seed(nq)
+    qs = torch.randn(b, h, nq, generator=gen, dtype=torch.float64)
+    ks = torch.randn(b, h, r + nk, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, g, nk, dv, generator=gen, dtype=torch.float64)
+    pv = torch.randn(prefix_batch, g, r, dv, generator=gen, dtype=torch.float64)
+    tau = 0.5 + torch.rand(b, h, nq, generator=gen, dtype=torch.float64)
+    mask = torch.ones(b, r + nk, dtype=torch.bool)
+    mask[1, r : r + 3] = False  # padding after the prefix
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    kwargs = dict(window=6, attention_mask=mask, num_prefix_keys=r)
+
+    def run(separate, backend, dtype):
+        leaves = [t.to(dtype).requires_grad_(grad) for t in (qs, ks, v, pv, tau)]
+        q_, k_, v_, p_, t_ = leaves
+        with torch.set_grad_enabled(grad):
+            if separate:
+                out = hf_rbf.scalar_attention(q_, k_, v_, t_, prefix_values=p_, backend=backend, **kwargs)
+            else:
+                full = torch.cat([p_.expand(b, -1, -1, -1), v_], dim=2)
+                out = hf_rbf.scalar_attention(q_, k_, full, t_, backend=backend, **kwargs)
+            if grad:
+                out.backward(torch.ones_like(out))
+        grads = [t.grad.double() for t in leaves] if grad else []
+        return out.detach().double(), grads
+
+    (out, grads), (ref, ref_grads) = run(True, backend, dtype), run(False, "naive", torch.float64)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    for gr, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(gr, rg, rtol=tol, atol=tol)
+
+
+def test_prefix_values_errors_name_the_argument():
+    qs, ks, v = torch.randn(2, 2, 3), torch.randn(2, 2, 6), torch.randn(2, 1, 5, 8)
+    with pytest.raises(ValueError, match=r"`prefix_values` must have shape \[2 or 1, 1, R, 8\].*got \(2, 2, 1, 8\)"):
+        hf_rbf.scalar_attention(qs, ks, v, 0.5, prefix_values=torch.randn(2, 2, 1, 8))
+    with pytest.raises(ValueError, match=r"`num_prefix_keys` must be 0 or 1, got 2"):
+        hf_rbf.scalar_attention(qs, ks, v, 0.5, prefix_values=torch.randn(1, 1, 1, 8), num_prefix_keys=2)
+    with pytest.raises(ValueError, match=r"`v` has 5 keys|key length"):
+        hf_rbf.scalar_attention(qs, torch.randn(2, 2, 7), v, 0.5, prefix_values=torch.randn(1, 1, 1, 8))
