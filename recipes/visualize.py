@@ -151,13 +151,15 @@ def _float32(arguments: dict) -> dict:
 
 
 def _prefix_in_front(a: dict) -> dict:
-    """A call's arguments with ``prefix_keys`` / ``prefix_values`` (rbf's registers, passed to the kernels as separate
-    tensors) concatenated in front of ``k`` / ``v``, and GKA's ``prefix_features`` in front of ``x`` (the query then
-    the features without them): the same keys in the order the weights are read."""
+    """A call's arguments with ``prefix_keys`` / ``prefix_values`` (rbf's / hybrid's registers, passed to the kernels
+    as separate tensors; the scalar family's ``prefix_values`` alone) concatenated in front of ``k`` / ``v``, and GKA's
+    ``prefix_features`` in front of ``x`` (the query then the features without them): the same keys in the order the
+    weights are read."""
     a = dict(a)
     prefix_keys, prefix_values = a.pop("prefix_keys", None), a.pop("prefix_values", None)
     if prefix_keys is not None:
         a["k"] = torch.cat([prefix_keys.expand(a["k"].shape[0], -1, -1, -1), a["k"]], dim=2)
+    if prefix_values is not None:
         a["v"] = torch.cat([prefix_values.expand(a["v"].shape[0], -1, -1, -1), a["v"]], dim=2)
     prefix_features = a.pop("prefix_features", None)
     if prefix_features is not None:
