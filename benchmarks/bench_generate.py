@@ -65,20 +65,22 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
     return family, overrides, settings
 
 
-def build(variant: str, max_positions: int):
+def build(variant: str, max_positions: int, device: str = "cuda", size: dict | None = None):
+    """The variant's model of ``size`` (default :data:`SIZE`), bf16 on CUDA (float32 elsewhere), greedy, no EOS."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     import hf_rbf  # noqa: F401
 
+    size = SIZE if size is None else size
     family, overrides, _ = parse_variant(variant)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**SIZE, max_position_embeddings=max_positions, attn_implementation="sdpa"))
+        model = LlamaForCausalLM(LlamaConfig(**size, max_position_embeddings=max_positions, attn_implementation="sdpa"))
     else:
-        cfg = AutoConfig.for_model(family, **SIZE, max_position_embeddings=max_positions, **overrides)
+        cfg = AutoConfig.for_model(family, **size, max_position_embeddings=max_positions, **overrides)
         model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return model.to("cuda", torch.bfloat16).eval()
+    return model.to(device, torch.bfloat16 if device == "cuda" else torch.float32).eval()
 
 
 def cache_bytes_per_token(variant: str, model, mode: str, batch: int) -> float:

@@ -40,28 +40,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_generate import SIZE, parse_variant  # noqa: E402
+from bench_generate import SIZE, build, parse_variant  # noqa: E402
 from decoder_settings import decoder_settings  # noqa: E402
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
-
-
-def build(variant: str, max_positions: int, device: str, size: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    import hf_rbf  # noqa: F401
-
-    family, overrides, _ = parse_variant(variant)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**size, max_position_embeddings=max_positions, attn_implementation="sdpa"))
-    else:
-        cfg = AutoConfig.for_model(family, **size, max_position_embeddings=max_positions, **overrides)
-        model = AutoModelForCausalLM.from_config(cfg)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return model.to(device, dtype).eval()
 
 
 def _sync(device: str) -> None:
