@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .attention_flex_utils import flex_reason, key_bias, per_query, run_flex, zero_rows_without_live_keys
-from .attention_scalar_triton import scalar_attention_triton, scalar_decodes_in_place, scalar_triton_reason
+from .attention_scalar_triton import scalar_attention_triton, scalar_triton_reason
 from .attention_sdpa_utils import ScoreFeatures, padded_sdpa, sdpa_reason
 from .attention_utils import (
     MaskArgs,
@@ -164,11 +164,11 @@ def scalar_attention(
             v = torch.cat([prefix_values.expand(b, -1, -1, -1), v], dim=2)
         return scalar_attention_naive(qs, ks, v, tau, mask, return_weights=True)
     _, fn = choose_backend(OP, backend, qs.device, _candidates(qs, ks, v, tau, mask, backend))
-    if prefix_values is not None:
-        if fn is scalar_attention_triton and scalar_decodes_in_place(qs, ks, v, tau, mask):
-            return scalar_attention_triton(qs, ks, v, tau, mask, prefix_values=prefix_values)
-        v = torch.cat([prefix_values.expand(b, -1, -1, -1), v], dim=2)
-    return fn(qs, ks, v, tau, mask)
+    if prefix_values is None:
+        return fn(qs, ks, v, tau, mask)
+    if fn is scalar_attention_triton:
+        return scalar_attention_triton(qs, ks, v, tau, mask, prefix_values=prefix_values)
+    return fn(qs, ks, torch.cat([prefix_values.expand(b, -1, -1, -1), v], dim=2), tau, mask)
 
 
 def _check_prefix_values(v: torch.Tensor, prefix_values: torch.Tensor, num_prefix_keys: int, batch: int) -> int:

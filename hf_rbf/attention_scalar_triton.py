@@ -233,17 +233,11 @@ def _scalar_decode(qs, ks, v, tau, mask: MaskArgs, prefix_values=None) -> torch.
     )  # fmt: skip
 
 
-def _needs_grad(qs, ks, v, tau, mask: MaskArgs) -> bool:
+def _needs_grad(qs, ks, v, tau, mask: MaskArgs, prefix_values=None) -> bool:
     if not torch.is_grad_enabled():
         return False
-    differentiable = (qs, ks, v, tau if isinstance(tau, torch.Tensor) else None, mask.key_log_weights)
+    differentiable = (qs, ks, v, tau if isinstance(tau, torch.Tensor) else None, mask.key_log_weights, prefix_values)
     return any(t is not None and t.requires_grad for t in differentiable)
-
-
-def scalar_decodes_in_place(qs, ks, v, tau, mask: MaskArgs) -> bool:
-    """Whether :func:`scalar_attention_triton` serves this call with the split-K decode kernel (a few query rows,
-    nothing to differentiate), which reads separate prefix values in place."""
-    return mask.nq <= DECODE_MAX_QUERIES and not _needs_grad(qs, ks, v, tau, mask)
 
 
 def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs, prefix_values=None) -> torch.Tensor:
@@ -252,17 +246,15 @@ def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs, prefix_values=None) 
     ``tau`` goes to the kernels as it is (a float, or a ``[B|1, H|1, Nq|1]`` tensor read through its strides): they
     take ``beta = 1 / tau`` and return ``tau``'s gradient, so a call spends no torch op on the temperature.  Up to
     ``DECODE_MAX_QUERIES`` query rows without gradients take the split-K decode kernel (:func:`_scalar_decode`),
-    the only path that takes separate ``prefix_values`` (see :func:`hf_rbf.scalar_attention`).
+    which reads separate ``prefix_values`` (see :func:`hf_rbf.scalar_attention`) in place; the training kernels take
+    them concatenated in front of ``v``.
     """
     v = v if v.stride(-1) == 1 else v.contiguous()
-    needs_grad = _needs_grad(qs, ks, v, tau, mask)
+    needs_grad = _needs_grad(qs, ks, v, tau, mask, prefix_values)
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
         return _scalar_decode(qs, ks, v, tau, mask, prefix_values)
     if prefix_values is not None:
-        raise ValueError(
-            "scalar_attention_triton: separate `prefix_values` are read in place by the decode path only (at most "
-            f"{DECODE_MAX_QUERIES} query rows, no gradients); got {mask.nq} rows: concatenate them in front of `v`"
-        )
+        v = torch.cat([prefix_values.expand(v.shape[0], -1, -1, -1), v], dim=2)
     tau_t = tau if isinstance(tau, torch.Tensor) else None
     tau_value = 1.0 if tau_t is not None else float(tau)
     args = (

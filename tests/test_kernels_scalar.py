@@ -173,3 +173,24 @@ def test_auto_takes_triton_for_decode_rows_on_cuda_at_every_length():
         mask = MaskArgs(causal=True, window=None, num_prefix_keys=0, key_log_weights=None, attention_mask=None,
                         nq=nq, nk=nk)  # fmt: skip
         assert next(iter(_candidates(None, None, cuda, None, mask, "auto"))) == first, (nq, nk)
+
+
+def test_prefix_values_alone_requiring_grad_take_the_training_kernels():
+    """Decode-sized rows whose only differentiable input is ``prefix_values`` (learnable register values over a
+    frozen cache): the training kernels serve (the decode kernel has no backward), and the prefix values' gradient
+    equals the float64 reference's."""
+    import hf_rbf
+
+    g = torch.Generator().manual_seed(8)
+    b, h, groups, nq, nk, r, dv = 2, 4, 2, 2, 21, 2, 16
+    qs = torch.randn(b, h, nq, generator=g).to(DEVICE)
+    ks = torch.randn(b, h, r + nk, generator=g).to(DEVICE)
+    v = torch.randn(b, groups, nk, dv, generator=g).to(DEVICE)
+    pv = torch.randn(1, groups, r, dv, generator=g).to(DEVICE)
+    grads = []
+    for backend, dtype in (("triton", torch.float32), ("naive", torch.float64)):
+        p = pv.to(dtype).clone().requires_grad_(True)
+        out = hf_rbf.scalar_attention(qs.to(dtype), ks.to(dtype), v.to(dtype), 0.7, prefix_values=p, backend=backend)
+        out.square().sum().backward()
+        grads.append(p.grad)
+    assert grads[0] is not None and kc.rel_err(grads[0], grads[1]) <= kc.TOLERANCES[torch.float32][1]
