@@ -491,7 +491,10 @@ if HAS_TRITON:
         tl.store(KB + bh * NK + offs, kb, mask=ok)
 
 
-def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batch: int, knorm: bool, prefix_k=None):
+def key_bias(
+    k, coef, key_log_weights, attention_mask, heads: int, nk: int, batch: int, knorm: bool, prefix_k=None,
+    block: int | None = None, num_warps: int | None = None,
+):
     """The per-key bias (log2 units, fp32 ``[B, H, Nk]``) and the key norms (``[B, H, Nk]`` or an empty tensor).
 
     ``k``: keys ``[B, H, Nk, D]`` (read only when ``knorm``); with ``prefix_k`` (``[B|1, H, P, D]``, separate prefix
@@ -499,7 +502,8 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
     ``b_h ||k||^2`` (natural-log units, negative for a distance);
     ``key_log_weights``: ``[B|1, H|1, Nk]`` or None; ``attention_mask``: bool ``[B, Nk]`` or None.
     Returns ``(None, None)`` when there is nothing to add (no norm, no weights, no padding); ``kn`` is an empty
-    tensor unless ``knorm``.
+    tensor unless ``knorm``.  ``block`` / ``num_warps``: keys per program and warps (``None``: the shipped choice,
+    :func:`key_bias_config`); benchmarks/probe_key_bias.py sweeps them.
     """
     if not knorm and key_log_weights is None and attention_mask is None:
         return None, None
@@ -519,7 +523,10 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
     am = attention_mask
     if am is not None:
         am = am.to(torch.int8)
-    block = 16 if DEFINED_INTERPRETED else 128
+    if block is None or num_warps is None:
+        default_block, default_warps = key_bias_config(k.shape[-1] if knorm else 0)
+        block = default_block if block is None else block
+        num_warps = default_warps if num_warps is None else num_warps
     dummy = kb
     sep_prefix = knorm and prefix_k is not None
     pk = prefix_k if sep_prefix else dummy
@@ -557,10 +564,17 @@ def key_bias(k, coef, key_log_weights, attention_mask, heads: int, nk: int, batc
             HAS_KLW=klw is not None,
             HAS_AM=am is not None,
             BLOCK=block,
-            num_warps=4,
+            num_warps=num_warps,
         ),
     )
     return kb, kn
+
+
+def key_bias_config(d: int) -> tuple[int, int]:
+    """(keys per program, warps) of the key-bias pass for keys of head dim ``d`` (0: no norms read)."""
+    if DEFINED_INTERPRETED:
+        return 16, 4
+    return 128, 4
 
 
 def ceil_div(a: int, b: int) -> int:

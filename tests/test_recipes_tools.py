@@ -316,6 +316,34 @@ def test_forward_probe_variants_agree_with_the_reference_in_the_interpreter():
     assert "agree with the float64 reference" in proc.stdout and "and the backward" in proc.stdout
 
 
+def test_key_bias_probe_configs_agree_with_torch_in_the_interpreter():
+    """benchmarks/probe_key_bias.py --check (the interpreter): the key-bias pass at several keys-per-program / warps
+    choices, on both key layouts and odd lengths, gives torch's norms: the GPU sweep times equal work."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
+    cmd = [sys.executable, str(root / "benchmarks" / "probe_key_bias.py"), "--check"]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "every key-bias config agrees" in proc.stdout
+
+
+def test_decode_kernel_probe_variants_are_exact_in_the_interpreter():
+    """benchmarks/probe_decode_kernel.py --check (the interpreter): the split-K decode variants it times (inline key
+    norms, stored norms as a per-key bias, the GKA form) equal the float64 reference."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
+    cmd = [sys.executable, str(root / "benchmarks" / "probe_decode_kernel.py"), "--check"]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "decode variants agree with the float64 reference" in proc.stdout
+
+
 def test_diagnose_register_paths_reports_every_path_and_backend(tmp_path):
     """benchmarks/diagnose_register_paths.py on the CPU (one family, one register, two steps): a row per register
     path and backend, each step's errors against the float64 rows run; rbf stays at float32 rounding."""
