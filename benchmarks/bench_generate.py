@@ -50,18 +50,26 @@ SIZE = dict(vocab_size=8192, hidden_size=768, num_hidden_layers=12, num_attentio
 
 def parse_variant(variant: str) -> tuple[str, dict, dict]:
     """``"family"`` or ``"family (option, ...)"`` -> ``(family, config overrides, hf_rbf.modeling_decoder settings)``.
-    Options: ``N register(s)`` (``num_register_tokens``), ``rows`` (``register_path = "rows"``: the flat register
-    rows, the default before 2026-11-26, for an A/B against the register stream in one process)."""
+    Options: ``N register(s)`` (``num_register_tokens``), ``window K`` (the sorted families' ``decode_window``: a
+    decode step over the ``K`` keys nearest in scalar space, O(log n + K); without it they decode exactly over every
+    cached key), ``rows`` (``register_path = "rows"``: the flat register rows, the default before 2026-11-26, for an
+    A/B against the register stream in one process)."""
     family, _, rest = variant.partition(" (")
     overrides, settings = {}, {}
     for option in filter(None, (o.strip() for o in rest.rstrip(")").split(","))):
         words = option.split()
         if len(words) == 2 and words[0].isdigit() and words[1] in ("register", "registers"):
             overrides["num_register_tokens"] = int(words[0])
+        elif len(words) == 2 and words[0] == "window" and words[1].isdigit():
+            if family not in SORTED:
+                raise ValueError(f"variant {variant!r}: 'window K' is the sorted families' decode_window ({SORTED})")
+            overrides["decode_window"] = int(words[1])
         elif option == "rows":
             settings["register_path"] = "rows"
         else:
-            raise ValueError(f"variant {variant!r}: unknown option {option!r} (allowed: 'N registers', 'rows')")
+            raise ValueError(
+                f"variant {variant!r}: unknown option {option!r} (allowed: 'N registers', 'window K', 'rows')"
+            )
     return family, overrides, settings
 
 

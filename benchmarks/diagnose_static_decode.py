@@ -3,15 +3,19 @@ GPU: compile counters, CUDA-graph skips and a profile of the decode steps, every
 
     PYTHONPATH=. TORCH_LOGS=recompiles,graph_breaks,cudagraphs,perf_hints \\
         python benchmarks/diagnose_static_decode.py --out DIR [--variants "llama;rbf;gka;scalar_sort;hybrid_sort"]
+        [--prompt 512] [--prefill-chunk N] [--skip-dynamic] [--no-manual]
 
-Per variant (the d768 L12 H12 model of ``bench_generate.py``, batch 1, a 512-token prompt):
+Per variant (the d768 L12 H12 model of ``bench_generate.py``, batch 1, a ``--prompt``-token prompt, 512 by default;
+long prompts go through the cache ``--prefill-chunk`` tokens at a time):
 
 * ms per generated token of ``generate`` with the dynamic and the static cache (``(t(33) - t(1)) / 32``, after a
   warm-up call of each);
 * ``torch._dynamo.utils.counters`` after the static calls (graphs, graph breaks, recompiles, inductor's CUDA-graph
   skips and their reasons);
 * a ``torch.profiler`` trace of one static ``generate`` of 9 new tokens: CUDA graph launches, kernel launches and the
-  CPU ops that took the most host time (where the step's host time goes when no graph replays);
+  CPU ops that took the most host time (where the step's host time goes when no graph replays); and the GPU time per
+  generated token by kernel, from the difference of that trace and one of a 1-token ``generate`` (the prefill and
+  the first token cancel), the kernels inside replayed CUDA graphs included: what a long-context step spends where;
 * ms per step of a hand-compiled decode step (``torch.compile(model.forward, mode="reduce-overhead",
   fullgraph=True)`` over ``model.make_static_cache``), the floor ``generate`` could reach: hf_rbf families only.
 
@@ -38,11 +42,12 @@ from benchmarks.bench_generate import build, timed_generate  # noqa: E402
 
 PROMPT = 512
 NEW = 33
+PROFILED = 9  # new tokens of the profiled static generate
 
 
-def ms_per_token(model, ids, mode: str) -> float:
-    t1, _ = timed_generate(model, ids, 1, mode)
-    tn, _ = timed_generate(model, ids, NEW, mode)
+def ms_per_token(model, ids, mode: str, prefill_chunk: int | None = None) -> float:
+    t1, _ = timed_generate(model, ids, 1, mode, prefill_chunk)
+    tn, _ = timed_generate(model, ids, NEW, mode, prefill_chunk)
     return 1e3 * (tn - t1) / (NEW - 1)
 
 
@@ -52,29 +57,46 @@ def counters_snapshot() -> dict:
     return {k: dict(v) for k, v in counters.items() if v}
 
 
-def profile_static(model, ids) -> dict:
-    """Launch counts and the top host ops of one static ``generate`` of 9 new tokens."""
+def _kernel_us(prof) -> Counter:
+    """GPU microseconds by kernel name (device-side events: kernels, also those a replayed CUDA graph ran)."""
+    out = Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name[:90]] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return out
+
+
+def profile_static(model, ids, prefill_chunk: int | None = None) -> dict:
+    """Launch counts and the top host ops of one static ``generate`` of ``PROFILED`` new tokens, and the GPU time per
+    generated token by kernel (its kernels less those of a 1-token ``generate``, over ``PROFILED - 1``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.bench_generate import generate_kwargs
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, 9, "static", None))
-        torch.cuda.synchronize()
+    kernels = {}
+    for n in (1, PROFILED):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids),
+                           **generate_kwargs(model, n, "static", prefill_chunk))
+            torch.cuda.synchronize()
+        kernels[n] = _kernel_us(prof)
     names = Counter()
     for e in prof.events():
         if e.name.startswith(("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpy", "cudaStreamSync")):
             names[e.name] += 1
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    return dict(launches=dict(names), top_cpu=table)
+    per_token = {k: (kernels[PROFILED][k] - kernels[1].get(k, 0)) / (PROFILED - 1) for k in kernels[PROFILED]}
+    per_token = dict(sorted(((k, v) for k, v in per_token.items() if v > 0), key=lambda kv: -kv[1]))
+    return dict(launches=dict(names), top_cpu=table, kernel_us_per_token=per_token,
+                kernel_ms_per_token=sum(per_token.values()) / 1e3)
 
 
-def manual_step_ms(model, ids) -> float:
+def manual_step_ms(model, ids, prompt: int = PROMPT) -> float:
     """ms per decode step of ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` over the
     family's own static cache (prompt prefilled eagerly), after 3 warm-up steps, 30 timed."""
     from hf_rbf.cache_names import CACHE_NAME
 
-    cache = model.make_static_cache(max_cache_len=PROMPT + 64)
+    cache = model.make_static_cache(max_cache_len=prompt + 64)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), **{CACHE_NAME: cache})
         token = out.logits[:, -1:].argmax(-1)
@@ -95,10 +117,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default="llama;rbf;gka;scalar_sort;hybrid_sort")
     ap.add_argument("--no-manual", action="store_true", help="skip the hand-compiled decode step")
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (the cache holds them and the new ones)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="generate's prefill_chunk_size (long prompts)")
+    ap.add_argument("--skip-dynamic", action="store_true", help="skip the dynamic-cache timing")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ids = torch.randint(2, 8192, (1, PROMPT), generator=torch.Generator().manual_seed(0)).cuda()
+    chunk = args.prefill_chunk
+    ids = torch.randint(2, 8192, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     rows = []
     for variant in args.variants.split(";"):
         row = dict(variant=variant)
@@ -109,19 +135,20 @@ def main() -> int:
             from torch._dynamo.utils import counters
 
             counters.clear()
-            model = build(variant, PROMPT + 128)
-            ms_per_token(model, ids, "dynamic")  # warm-up
-            row["dynamic_ms"] = ms_per_token(model, ids, "dynamic")
+            model = build(variant, args.prompt + 128)
+            if not args.skip_dynamic:
+                ms_per_token(model, ids, "dynamic", chunk)  # warm-up
+                row["dynamic_ms"] = ms_per_token(model, ids, "dynamic", chunk)
             t0 = time.perf_counter()
-            timed_generate(model, ids, 2, "static")  # compiles
+            timed_generate(model, ids, 2, "static", chunk)  # compiles
             row["first_static_s"] = time.perf_counter() - t0
-            ms_per_token(model, ids, "static")
-            row["static_ms"] = ms_per_token(model, ids, "static")
+            ms_per_token(model, ids, "static", chunk)
+            row["static_ms"] = ms_per_token(model, ids, "static", chunk)
             row["counters"] = counters_snapshot()
-            row.update(profile_static(model, ids))
+            row.update(profile_static(model, ids, chunk))
             if variant != "llama" and not args.no_manual:
                 torch._dynamo.reset()
-                row["manual_step_ms"] = manual_step_ms(model, ids)
+                row["manual_step_ms"] = manual_step_ms(model, ids, args.prompt)
         except Exception as err:  # noqa: BLE001  (one family's failure must not hide the others)
             row["error"] = f"{type(err).__name__}: {err}"[:2000]
             row["traceback"] = traceback.format_exc()[-4000:]
@@ -132,11 +159,12 @@ def main() -> int:
     (out / "diagnose.json").write_text(json.dumps(rows, indent=1, default=str))
     lines = [
         f"# static-cache decode diagnosis ({torch.cuda.get_device_name(0)}, torch {torch.__version__}; d768 L12 H12 "
-        f"bf16, batch 1, {PROMPT}-token prompt)",
+        f"bf16, batch 1, {args.prompt}-token prompt{f', prefill chunks of {chunk}' if chunk else ''})",
         "",
         "| model | dynamic ms/token | static ms/token | hand-compiled step ms | first static generate s | "
-        "graphs | graph breaks | cudagraph skips | launches in a 9-token static generate |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "graphs | graph breaks | cudagraph skips | launches in a 9-token static generate | GPU kernel ms per static "
+        "token |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r.get("counters", {})
@@ -144,10 +172,13 @@ def main() -> int:
             f"| {r['variant']} | {r.get('dynamic_ms', float('nan')):.2f} | {r.get('static_ms', float('nan')):.2f} | "
             f"{r.get('manual_step_ms', float('nan')):.2f} | {r.get('first_static_s', float('nan')):.1f} | "
             f"{c.get('stats', {}).get('unique_graphs', '')} | {sum(c.get('graph_break', {}).values())} | "
-            f"{c.get('inductor', {}).get('cudagraph_skips', 0)} | {r.get('launches', r.get('error', ''))} |"
+            f"{c.get('inductor', {}).get('cudagraph_skips', 0)} | {r.get('launches', r.get('error', ''))} | "
+            f"{r.get('kernel_ms_per_token', float('nan')):.3f} |"
         )
     for r in rows:
-        lines += ["", f"## {r['variant']}", "", "```", json.dumps(r.get("counters", {}), default=str)[:3000]]
+        lines += ["", f"## {r['variant']}", "", "GPU us per static token by kernel (top 15):", ""]
+        lines += [f"- {k}: {v:.1f}" for k, v in list(r.get("kernel_us_per_token", {}).items())[:15]]
+        lines += ["", "```", json.dumps(r.get("counters", {}), default=str)[:3000]]
         lines += [r.get("top_cpu", ""), r.get("traceback", ""), "```"]
     (out / "diagnose.md").write_text("\n".join(lines) + "\n")
     return 0

@@ -130,11 +130,16 @@ job_profile() {
         --steps 10 --interleave 3} --variants "$variants"
 }
 job_staticdecode() { python3 benchmarks/bench_sorted_static_decode.py --out "$1" ${STATIC_ARGS:-}; }
-job_generate() { python3 benchmarks/bench_generate.py --out "$1" ${GENERATE_ARGS:-}; }
+# GENERATE_VARIANTS / DIAGNOSE_VARIANTS: a --variants list on its own (names such as "scalar_sort (window 64)" hold
+# spaces, which the *_ARGS variables would split)
+job_generate() {
+    python3 benchmarks/bench_generate.py --out "$1" ${GENERATE_ARGS:-} ${GENERATE_VARIANTS:+--variants "$GENERATE_VARIANTS"}
+}
 job_decodeprofile() { python3 benchmarks/profile_decode.py --out "$1" ${DECODEPROFILE_ARGS:-}; }
 job_diagnose() {
     TORCH_LOGS=${DIAGNOSE_LOGS:-recompiles,graph_breaks,cudagraphs,perf_hints} \
-        python3 benchmarks/diagnose_static_decode.py --out "$1" ${DIAGNOSE_ARGS:-}
+        python3 benchmarks/diagnose_static_decode.py --out "$1" ${DIAGNOSE_ARGS:-} \
+        ${DIAGNOSE_VARIANTS:+--variants "$DIAGNOSE_VARIANTS"}
 }
 job_nonfinite() {
     if [ -n "${NONFINITE_ARGS:-}" ]; then

@@ -235,6 +235,9 @@ def test_bench_generate_variant_names_carry_registers_and_the_register_path():
         {"num_register_tokens": 1},
         {"register_path": "rows"},
     )
+    assert bench.parse_variant("scalar_sort (window 64)") == ("scalar_sort", {"decode_window": 64}, {})
+    with pytest.raises(ValueError, match="sorted families' decode_window"):
+        bench.parse_variant("rbf (window 64)")
     with pytest.raises(ValueError, match="unknown option 'fast'"):
         bench.parse_variant("rbf (fast)")
     from hf_rbf import modeling_decoder
