@@ -21,6 +21,7 @@ import copy
 import logging
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,19 @@ logger = logging.getLogger("hf_rbf")
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _rms_normalize_half(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x ** 2) + eps)`` of a bfloat16 / float16 ``x`` in float32 math, rounded once to ``x.dtype``
+    (``F.rms_norm`` without a weight).  Outside autocast: CUDA's autocast runs ``rms_norm`` in float32, which would
+    add a cast of ``x`` before the fused kernel and one of its float32 output after, forward and backward; the fused
+    kernel does float32 math on the half input itself.  On the CPU (no autocast entry for ``rms_norm``) the value is
+    the chain's of :class:`DecoderRMSNorm` to the bit."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return F.rms_norm(x, (x.shape[-1],), eps=eps)
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
 class DecoderRMSNorm(nn.Module):
     """RMSNorm with a learnable scale (computed in float32, as Llama)."""
 
@@ -63,10 +77,16 @@ class DecoderRMSNorm(nn.Module):
         A float32 input and weight (the residual stream of autocast training) go through ``F.rms_norm``: one fused
         kernel forward and one backward on CUDA, where the chain below (power, mean, add, rsqrt, two products) costs 6
         elementwise kernels forward and about 10 backward over the whole ``[tokens, D]`` float32 tensor, in every norm
-        of every layer.  Other dtypes keep the chain, which is Llama's to the last bit (float32 math, the scale applied
-        after the cast back: what the Llama conversion's exactness relies on)."""
+        of every layer.  Other dtypes compute the chain's values, which are Llama's to the last bit (float32 math, the
+        scale applied after the cast back: what the Llama conversion's exactness relies on).
+
+        A bfloat16 / float16 input (FSDP2's mixed precision: bf16 weights and a bf16 residual stream, as accelerate's
+        ``MixedPrecisionPolicy`` casts every layer's inputs) goes through :func:`_rms_normalize_half` and then the
+        scale, as the chain: the same bits on the CPU, one fused kernel forward and one backward on CUDA where the chain's
+        casts, power, mean, rsqrt and products cost about 8 forward and 10 backward, which FSDP2 added to every norm
+        of every layer (issue 17, benchmarks/results/cpu-fsdp2-ops)."""
+        shape, eps = (hidden_states.shape[-1],), self.variance_epsilon
         if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            shape, eps = (hidden_states.shape[-1],), self.variance_epsilon
             if not num_register_rows:
                 return F.rms_norm(hidden_states, shape, self.weight, eps)
             # one split and one cat (their backwards are a cat and views): no slice, whose backward zero-fills a
@@ -74,6 +94,18 @@ class DecoderRMSNorm(nn.Module):
             text, registers = hidden_states.split([hidden_states.shape[0] - num_register_rows, num_register_rows])
             return torch.cat([F.rms_norm(text, shape, self.weight, eps), self.capped(registers)])
         input_dtype = hidden_states.dtype
+        if input_dtype in (torch.bfloat16, torch.float16):
+            if not num_register_rows:
+                return self.weight * _rms_normalize_half(hidden_states, eps)
+            text, registers = hidden_states.split([hidden_states.shape[0] - num_register_rows, num_register_rows])
+            # one product with the weight over all rows, as the chain: the weight's gradient sums in the same order.
+            # The cat outside autocast: a float16 pair under bfloat16 autocast is refused by autocast's cat
+            # ("Unexpected floating ScalarType in at::autocast::prioritize"), where the chain's was float32.
+            device_type = hidden_states.device.type
+            autocast_on = torch.is_autocast_enabled(device_type)
+            with torch.autocast(device_type, enabled=False) if autocast_on else nullcontext():
+                rows = torch.cat([_rms_normalize_half(text, eps), self._capped_rows(registers)])
+            return self.weight * rows
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         if num_register_rows:
@@ -89,10 +121,14 @@ class DecoderRMSNorm(nn.Module):
         pass unchanged, then the learnable scale.  Identity near zero, where the registers start (RMS norm is singular
         there), and bounded like RMS norm for large states (unnormalised, the register stream grew doubly
         exponentially with depth through the SwiGLU MLPs: a 16-layer model's reached 1e19 and gave NaN gradients)."""
-        input_dtype = hidden_states.dtype
+        return self.weight * self._capped_rows(hidden_states)
+
+    @staticmethod
+    def _capped_rows(hidden_states: torch.Tensor) -> torch.Tensor:
+        """:meth:`capped` without the learnable scale (float32 math, input dtype out)."""
         x = hidden_states.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).clamp(min=1.0))
-        return self.weight * x.to(input_dtype)
+        return x.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

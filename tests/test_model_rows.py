@@ -237,3 +237,52 @@ def test_register_rows_split_off_and_joined_without_slices(family):
         loss.backward()
     assert ops.names.count("slice_backward") == 0, sorted(set(ops.names))
     assert model.model.register_tokens.grad is not None and model.model.register_tokens.grad.abs().sum() > 0
+
+
+def _norm_chain(norm, x, registers=0):
+    """DecoderRMSNorm's chain of float32 ops (Llama's RMSNorm, the register rows capped): the reference of the fused
+    paths."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    if registers:
+        text, regs = variance.split([variance.shape[0] - registers, registers])
+        variance = torch.cat([text + norm.variance_epsilon, regs.clamp(min=1.0)])
+    else:
+        variance = variance + norm.variance_epsilon
+    return norm.weight * (h * torch.rsqrt(variance)).to(dtype)
+
+
+@pytest.mark.parametrize("registers", [0, 2])
+@pytest.mark.parametrize("weight_dtype", ["same", "float32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_norm_is_one_rms_norm_with_the_chains_bits(dtype, weight_dtype, registers, monkeypatch):
+    """A bf16 / fp16 residual stream (FSDP2's mixed precision casts every layer's inputs and weights to bf16) goes
+    through one ``F.rms_norm`` (one fused kernel on CUDA, where the chain was about 8 forward and 10 backward; issue
+    17), with the chain's values, input and weight gradients to the bit on the CPU."""
+    import torch.nn.functional as F
+
+    calls = []
+    rms_norm = F.rms_norm
+    monkeypatch.setattr(F, "rms_norm", lambda x, *a, **k: calls.append(x.dtype) or rms_norm(x, *a, **k))
+    norm = DecoderRMSNorm(16).to(dtype if weight_dtype == "same" else torch.float32)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 16))
+    x = 3 * torch.randn(9, 16, generator=torch.Generator().manual_seed(0))
+    x[-1] *= 0.1  # a register row below RMS 1 (passes unnormalised)
+    x = x.to(dtype)
+    got_x, ref_x = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    got = norm(got_x, registers)
+    assert calls == [dtype]
+    ref = _norm_chain(norm, ref_x, registers)
+    assert got.dtype == ref.dtype and torch.equal(got, ref)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)).to(got.dtype)
+    got_grads = torch.autograd.grad(got, [got_x, norm.weight], grad)
+    ref_grads = torch.autograd.grad(ref, [ref_x, norm.weight], grad)
+    for g, r in zip(got_grads, ref_grads):
+        assert torch.equal(g, r)
+    # under the other half dtype's autocast (a float16 model in a bfloat16 autocast region) the register rows' cat
+    # must not reach autocast's cat, which refuses a float16 pair there ("Unexpected floating ScalarType")
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    with torch.autocast("cpu", dtype=other):
+        assert torch.equal(norm(x, registers), ref.detach())

@@ -233,6 +233,71 @@ def test_fsdp2_wraps_every_decoder_layer_of_the_scale_recipes(family, size, monk
             plain.set_auto_wrap_policy(model)
 
 
+def test_fsdp2_mixed_precision_keeps_the_norms_fused(tmp_path, monkeypatch):
+    """Under accelerate's FSDP2 (fsdp2_zero2.yaml, bf16: ``MixedPrecisionPolicy`` casts each layer's weights and
+    inputs to bf16, so the residual stream is bf16) every ``DecoderRMSNorm`` call still goes through one
+    ``F.rms_norm``: one fused kernel on CUDA, not the ~8 + 10 elementwise kernels of the float32 chain that FSDP2 had
+    added to each norm of each layer (issue 17; benchmarks/probe_fsdp2_ops.py).  One gloo process on the CPU."""
+    import types
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_rbf.modeling_decoder import DecoderRMSNorm
+
+    monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP", raising=False)
+    _, _, plugin = _fsdp_plugin("fsdp2_zero2.yaml", monkeypatch)
+    monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP", raising=False)
+    plugin.set_mixed_precision("bf16")  # as AcceleratorState does for mixed_precision: bf16
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "gka", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=16, num_register_tokens=1,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        accelerator = types.SimpleNamespace(
+            state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16", is_main_process=True,
+            device=torch.device("cpu"), torch_device_mesh=None,
+        )  # fmt: skip
+        model = fsdp2_prepare_model(accelerator, model)
+        assert all(isinstance(layer, FSDPModule) for layer in model.model.layers)
+        norms, fused, inside = [], [], []  # the dtypes of the norms' inputs, of F.rms_norm's inputs inside a norm
+        rms_norm = F.rms_norm
+
+        def counted(x, *args, **kwargs):
+            if inside:  # only inside a DecoderRMSNorm (GKA's attention has F.rms_norm calls of its own)
+                fused.append(x.dtype)
+            return rms_norm(x, *args, **kwargs)
+
+        monkeypatch.setattr(F, "rms_norm", counted)
+
+        def enter(module, args):
+            norms.append(args[0].dtype)
+            inside.append(module)
+
+        def leave(module, args, out):
+            inside.pop()
+
+        for module in model.modules():
+            if isinstance(module, DecoderRMSNorm):
+                module.register_forward_pre_hook(enter)
+                module.register_forward_hook(leave)
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert norms == [torch.bfloat16] * (2 * 2 + 1)  # the residual stream is bf16 under FSDP2
+        assert fused == norms
+    finally:
+        dist.destroy_process_group()
+
+
 def _llama_test_config(tmp_path) -> str:
     """cpu_test.yaml as a Llama (SDPA) recipe: a second family for the benchmark's multi-recipe launches."""
     import yaml
