@@ -49,7 +49,8 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .kernels_sorted_static_decode import static_decode_unavailable_reason, static_sorted_decode_step
+from .kernels_common import next_pow2
+from .kernels_sorted_static_decode import MAX_CANDIDATES, static_decode_unavailable_reason, static_sorted_decode_step
 from .sorted_decode import SortedCacheState, sorted_window_attention
 
 _INF = float("inf")
@@ -61,6 +62,31 @@ STATIC_DECODE_BACKENDS = ("auto", "triton", "torch")
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
+
+
+# The block length of layers without a window (exact decode: no search, the blocks only keep the structure).
+EXACT_BLOCK_SIZE = 64
+
+
+def default_block_size(max_cache_len: int, decode_window: int | None) -> int:
+    """The block length ``T`` a :class:`StaticSortedLayer` takes when none is given: ``next_pow2(sqrt(2 k C))``, which
+    balances the candidate tile of a decode step (``C / T`` blocks of ``min(2k, T)`` entries) against the ``O(T)``
+    insert, raised until the tile fits the fused kernel (``MAX_CANDIDATES``), at most the capacity;
+    ``EXACT_BLOCK_SIZE`` without a window.
+
+    Why not one fixed ``T``: with 64 at 131,072 tokens (the default before 2026-11-27) a step had 2,048 blocks, a
+    131,072-entry candidate tile that the fused kernel refuses, and the PyTorch path sorted those candidates at every
+    step: 0.18 ms per layer step of GPU time on an H100, against the fused step's 0.03 ms at ``T`` = 8,192
+    (benchmarks/results/h100-2026-11-27n, call 3; benchmarks/bench_sorted_static_decode.py)."""
+    if decode_window is None or decode_window >= max_cache_len:
+        return min(EXACT_BLOCK_SIZE, max_cache_len)
+    t = next_pow2(max(1, math.isqrt(2 * decode_window * max_cache_len)))
+    def tile(t: int) -> int:
+        return next_pow2(-(-max_cache_len // t)) * next_pow2(min(2 * decode_window, t))
+
+    while t < max_cache_len and tile(t) > MAX_CANDIDATES:
+        t *= 2
+    return max(1, min(t, max_cache_len))
 
 
 def blocked_window_candidates(
@@ -115,7 +141,8 @@ class StaticSortedLayer(CacheLayerMixin):
         order_heads: the head whose scalar keys define each order (``O`` entries: every head under "per_head", the
             sort head of each value group under "sort_head").
         decode_window: the window ``k`` of single-token steps (None: exact attention over every cached token).
-        block_size: ``T``, the length of the sorted blocks.
+        block_size: ``T``, the length of the sorted blocks (None: :func:`default_block_size` of ``max_cache_len`` and
+            ``decode_window``).
         static_decode_backend: the windowed single-token step: "auto" (default: "triton" on CUDA when the fused
             kernel can serve the layer, else "torch"), "triton" (the fused launch; an error where it cannot run) or
             "torch" (the PyTorch ops, the reference).  What was chosen is ``decode_backend_used`` (and logged once).
@@ -134,19 +161,24 @@ class StaticSortedLayer(CacheLayerMixin):
         num_value_groups: int,
         order_heads: list[int],
         decode_window: int | None,
-        block_size: int = 64,
+        block_size: int | None = None,
         static_decode_backend: str = "auto",
     ):
         super().__init__()
         name = type(self).__name__
         for arg, value in (("max_cache_len", max_cache_len), ("block_size", block_size)):
+            if value is None and arg == "block_size":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: `{arg}` must be an int >= 1; got {value!r}")
+                raise ValueError(f"{name}: `{arg}` must be {'None or ' if arg == 'block_size' else ''}an int >= 1; "
+                                 f"got {value!r}")
         if decode_window is not None and (
             not isinstance(decode_window, int) or isinstance(decode_window, bool) or decode_window < 1
         ):
             raise ValueError(f"{name}: `decode_window` must be None or an int >= 1; got {decode_window!r}")
         self.max_cache_len = max_cache_len
+        if block_size is None:
+            block_size = default_block_size(max_cache_len, decode_window)
         self.block_size = min(block_size, max_cache_len)
         self.num_blocks = math.ceil(max_cache_len / self.block_size)
         self.capacity = self.num_blocks * self.block_size
@@ -491,4 +523,4 @@ class StaticSortedLayer(CacheLayerMixin):
         )
 
 
-__all__ = ["STATIC_DECODE_BACKENDS", "StaticSortedLayer", "blocked_window_candidates"]
+__all__ = ["STATIC_DECODE_BACKENDS", "StaticSortedLayer", "blocked_window_candidates", "default_block_size"]

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .attention_scalar import scalar_attention
 from .cache_names import cache_field, output_cache, resolve_cache_argument
 from .cache_sorted_scalar import ByteBudgetSlidingWindowLayer, SortedScalarCache, SortedScalarCacheLayer
-from .cache_sorted_static import StaticSortedLayer
+from .cache_sorted_static import StaticSortedLayer, default_block_size
 from .cache_static import StaticDecoderCache, StaticKeyValueLayer, static_cache_len_for_bytes
 from .configuration_scalar_sort import ScalarSortConfig, override_cache_settings
 from .modeling_decoder import (
@@ -682,7 +682,7 @@ class ScalarSortAttention(DecoderAttention):
             return isinstance(layer, DynamicSlidingWindowLayer)
         return isinstance(layer, SortedScalarCacheLayer)
 
-    def make_static_cache_layer(self, max_cache_len: int, settings: dict | None = None, block_size: int = 64):
+    def make_static_cache_layer(self, max_cache_len: int, settings: dict | None = None, block_size: int | None = None):
         """A fixed-capacity layer: sorted blocks for full layers (:class:`StaticSortedLayer`), a ring of packed keys
         for sliding layers.  Eviction (``max_cache_tokens`` / ``max_cache_bytes`` of the config) is a dynamic-cache
         feature: refused here.  ``settings["static_decode_backend"]``, when given, picks the single-token step of the
@@ -875,14 +875,15 @@ class SortedCacheModelMixin:
     def make_static_cache(
         self,
         max_cache_len: int | None = None,
-        block_size: int = 64,
+        block_size: int | None = None,
         *,
         max_cache_bytes: int | None = None,
         **settings,
     ) -> StaticDecoderCache:
         """An empty fixed-capacity cache (:mod:`hf_rbf.cache_sorted_static`); ``settings`` override the config's
         sorted-cache fields (e.g. ``decode_window``) and may pick ``static_decode_backend``; ``block_size`` is the
-        length of the sorted blocks.
+        length of the sorted blocks (None: :func:`~hf_rbf.cache_sorted_static.default_block_size` of the capacity and
+        the window, which keeps long contexts on the fused decode step).
 
         ``max_cache_bytes`` sizes the cache in bytes instead: its capacity is the largest ``max_cache_len`` whose
         layers keep their per-token buffers within ``max_cache_bytes`` bytes per batch row each, for the model's
@@ -890,6 +891,12 @@ class SortedCacheModelMixin:
         ``generate`` does: prompt + new tokens), must fit in it.  A static cache never evicts, so this replaces the
         config's eviction budget (``max_cache_tokens`` / ``max_cache_bytes``)."""
         if max_cache_bytes is not None:
+            if block_size is None:
+                # the block length follows the capacity, which the budget bounds: the length the budget allows
+                # unrounded, then that length's default block, to whose multiple the capacity is rounded down
+                unrounded = static_cache_len_for_bytes(self.config, max_cache_bytes, self.dtype, block_size=1)
+                window = override_cache_settings(self.config.sorted_cache_settings(), settings).get("decode_window")
+                block_size = default_block_size(unrounded, window)
             capacity = static_cache_len_for_bytes(self.config, max_cache_bytes, self.dtype, block_size=block_size)
             if max_cache_len is not None and max_cache_len > capacity:
                 raise ValueError(

@@ -423,3 +423,62 @@ def test_warps_per_program_setting(monkeypatch):
         static_decode.decode_num_warps(512)
     with pytest.raises(SystemExit):
         main(["--smoke", "--out", "unused", "--num-warps", "1", "3"])
+
+
+@pytest.mark.parametrize(
+    "capacity, window, expected",
+    [(131072, 64, 4096), (1 << 20, 64, 16384), (8192, 64, 1024), (100, 4, 32), (1000, None, 64), (40, None, 40),
+     (4096, 4096, 64), (1 << 20, 4096, None)],
+)
+def test_default_block_size_keeps_long_contexts_on_the_fused_step(capacity, window, expected):
+    """Without a ``block_size`` a layer takes ``next_pow2(sqrt(2 k C))`` (64 without a window): at 131,072 tokens and
+    k = 64 that is 4,096, a 32 x 128 candidate tile the fused kernel serves, where the former fixed 64 gave 2,048
+    blocks, a 131,072-entry tile it refused (the PyTorch path then sorted those candidates at every step: 0.18 ms per
+    layer step on an H100).  A window so wide that no balance fits raises ``T`` until the tile does."""
+    from math import isqrt
+
+    from hf_rbf.cache_sorted_static import default_block_size
+    from hf_rbf.kernels_common import next_pow2
+
+    t = default_block_size(capacity, window)
+    if expected is not None:
+        assert t == expected
+    assert 1 <= t <= capacity
+    layer = _layer("auto", b_heads=(4, 2), scheme="per_head", window=window, block_size=None, capacity=capacity)
+    assert layer.block_size == t and layer.capacity % t == 0
+    if layer.windowed:
+        tile = next_pow2(layer.num_blocks) * next_pow2(min(2 * window, t))
+        assert tile <= MAX_CANDIDATES
+        assert t >= min(next_pow2(isqrt(2 * window * capacity)), capacity)
+        # what the fused kernel's own check says of the shape (its device / dtype part aside)
+        reason = static_decode_unavailable_reason(
+            torch.device("cuda"), torch.bfloat16, num_blocks=layer.num_blocks, block_size=t, window=window,
+            value_dim=64, head_dim=64,
+        )
+        assert reason is None or "candidate" not in reason, reason
+
+
+def test_model_static_cache_takes_the_default_block_size():
+    """``make_static_cache`` / ``generate(cache_implementation="static")`` without ``block_size``: every sorted layer
+    takes :func:`default_block_size` of the capacity and window; sized in bytes, the capacity is a multiple of it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_rbf  # noqa: F401
+    from hf_rbf.cache_sorted_static import default_block_size
+
+    cfg = AutoConfig.for_model("scalar_sort", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=64, decode_window=8)
+    model = AutoModelForCausalLM.from_config(cfg)
+    cache = model.make_static_cache(20000)
+    sorted_layers = [layer for layer in cache.layers if isinstance(layer, StaticSortedLayer)]
+    assert sorted_layers and all(layer.block_size == default_block_size(20000, 8) == 1024 for layer in sorted_layers)
+    assert model.make_static_cache(20000, block_size=64).layers[0].block_size == 64  # an explicit one stays
+    from hf_rbf.cache_static import static_cache_len_for_bytes
+
+    unrounded = static_cache_len_for_bytes(model.config, 400_000, model.dtype, block_size=1)
+    sized = model.make_static_cache(max_cache_bytes=400_000)
+    t = default_block_size(unrounded, 8)
+    assert t > 64 and sized.max_cache_len == unrounded - unrounded % t
+    for layer in sized.layers:
+        if isinstance(layer, StaticSortedLayer):
+            assert layer.block_size == t and layer.capacity == sized.max_cache_len
