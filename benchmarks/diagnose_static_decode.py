@@ -8,8 +8,8 @@ GPU: compile counters, CUDA-graph skips and a profile of the decode steps, every
 Per variant (the d768 L12 H12 model of ``bench_generate.py``, batch 1, a ``--prompt``-token prompt, 512 by default;
 long prompts go through the cache ``--prefill-chunk`` tokens at a time):
 
-* ms per generated token of ``generate`` with the dynamic and the static cache (``(t(33) - t(1)) / 32``, after a
-  warm-up call of each);
+* ms per generated token of ``generate`` with the dynamic and the static cache (``(t(n) - t(1)) / (n - 1)``,
+  ``n = --new-tokens``, 33 by default, after a warm-up call of each);
 * ``torch._dynamo.utils.counters`` after the static calls (graphs, graph breaks, recompiles, inductor's CUDA-graph
   skips and their reasons);
 * a ``torch.profiler`` trace of one static ``generate`` of 9 new tokens: CUDA graph launches, kernel launches and the
@@ -45,10 +45,10 @@ NEW = 33
 PROFILED = 9  # new tokens of the profiled static generate
 
 
-def ms_per_token(model, ids, mode: str, prefill_chunk: int | None = None) -> float:
+def ms_per_token(model, ids, mode: str, prefill_chunk: int | None = None, new: int = NEW) -> float:
     t1, _ = timed_generate(model, ids, 1, mode, prefill_chunk)
-    tn, _ = timed_generate(model, ids, NEW, mode, prefill_chunk)
-    return 1e3 * (tn - t1) / (NEW - 1)
+    tn, _ = timed_generate(model, ids, new, mode, prefill_chunk)
+    return 1e3 * (tn - t1) / (new - 1)
 
 
 def counters_snapshot() -> dict:
@@ -120,6 +120,9 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (the cache holds them and the new ones)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="generate's prefill_chunk_size (long prompts)")
     ap.add_argument("--skip-dynamic", action="store_true", help="skip the dynamic-cache timing")
+    ap.add_argument("--new-tokens", type=int, default=NEW,
+                    help="tokens of the long timed call; with long prompts the prefill's run-to-run spread divides by "
+                         "this (at 131k tokens a 33-token call left +-0.3 ms per token of it)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,15 +138,15 @@ def main() -> int:
             from torch._dynamo.utils import counters
 
             counters.clear()
-            model = build(variant, args.prompt + 128)
+            model = build(variant, args.prompt + max(128, args.new_tokens + 8))
             if not args.skip_dynamic:
-                ms_per_token(model, ids, "dynamic", chunk)  # warm-up
-                row["dynamic_ms"] = ms_per_token(model, ids, "dynamic", chunk)
+                ms_per_token(model, ids, "dynamic", chunk, args.new_tokens)  # warm-up
+                row["dynamic_ms"] = ms_per_token(model, ids, "dynamic", chunk, args.new_tokens)
             t0 = time.perf_counter()
             timed_generate(model, ids, 2, "static", chunk)  # compiles
             row["first_static_s"] = time.perf_counter() - t0
-            ms_per_token(model, ids, "static", chunk)
-            row["static_ms"] = ms_per_token(model, ids, "static", chunk)
+            ms_per_token(model, ids, "static", chunk, args.new_tokens)
+            row["static_ms"] = ms_per_token(model, ids, "static", chunk, args.new_tokens)
             row["counters"] = counters_snapshot()
             row.update(profile_static(model, ids, chunk))
             if variant != "llama" and not args.no_manual:
