@@ -3,10 +3,10 @@ GPU: compile counters, CUDA-graph skips and a profile of the decode steps, every
 
     PYTHONPATH=. TORCH_LOGS=recompiles,graph_breaks,cudagraphs,perf_hints \\
         python benchmarks/diagnose_static_decode.py --out DIR [--variants "llama;rbf;gka;scalar_sort;hybrid_sort"]
-        [--prompt 512] [--prefill-chunk N] [--skip-dynamic] [--no-manual]
+        [--prompt 512] [--batch 1] [--prefill-chunk N] [--new-tokens 33] [--skip-dynamic] [--no-manual]
 
-Per variant (the d768 L12 H12 model of ``bench_generate.py``, batch 1, a ``--prompt``-token prompt, 512 by default;
-long prompts go through the cache ``--prefill-chunk`` tokens at a time):
+Per variant (the d768 L12 H12 model of ``bench_generate.py``, ``--batch`` rows (1) of a ``--prompt``-token prompt,
+512 by default; long prompts go through the cache ``--prefill-chunk`` tokens at a time):
 
 * ms per generated token of ``generate`` with the dynamic and the static cache (``(t(n) - t(1)) / (n - 1)``,
   ``n = --new-tokens``, 33 by default, after a warm-up call of each);
@@ -118,6 +118,7 @@ def main() -> int:
     ap.add_argument("--variants", default="llama;rbf;gka;scalar_sort;hybrid_sort")
     ap.add_argument("--no-manual", action="store_true", help="skip the hand-compiled decode step")
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (the cache holds them and the new ones)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per generate (random, all of --prompt tokens)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="generate's prefill_chunk_size (long prompts)")
     ap.add_argument("--skip-dynamic", action="store_true", help="skip the dynamic-cache timing")
     ap.add_argument("--new-tokens", type=int, default=NEW,
@@ -127,7 +128,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     chunk = args.prefill_chunk
-    ids = torch.randint(2, 8192, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = torch.randint(2, 8192, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     rows = []
     for variant in args.variants.split(";"):
         row = dict(variant=variant)
@@ -162,7 +163,7 @@ def main() -> int:
     (out / "diagnose.json").write_text(json.dumps(rows, indent=1, default=str))
     lines = [
         f"# static-cache decode diagnosis ({torch.cuda.get_device_name(0)}, torch {torch.__version__}; d768 L12 H12 "
-        f"bf16, batch 1, {args.prompt}-token prompt{f', prefill chunks of {chunk}' if chunk else ''})",
+        f"bf16, batch {args.batch}, {args.prompt}-token prompt{f', prefill chunks of {chunk}' if chunk else ''})",
         "",
         "| model | dynamic ms/token | static ms/token | hand-compiled step ms | first static generate s | "
         "graphs | graph breaks | cudagraph skips | launches in a 9-token static generate | GPU kernel ms per static "
