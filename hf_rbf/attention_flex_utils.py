@@ -182,20 +182,27 @@ def bias_score_mod(bias: torch.Tensor):
     return score_mod
 
 
-def _flex_call(q, k, v, block_mask, make_score_mod, captured: tuple, return_lse: bool):
+def _flex_call(q, k, v, block_mask, make_score_mod, captured: tuple, return_lse: bool, prepare=None):
     # The score_mod closure is built here, inside the compiled region, from tensors that are plain arguments:
     # a fresh closure passed from outside would make Dynamo guard on (and recompile for) every new function object.
+    # `prepare` (a module-level function) turns the call's inputs into flex's: inside the compiled region its
+    # elementwise ops and reductions (scaled queries, key-norm biases) fuse into a few kernels, forward and backward,
+    # where eagerly each was a pass over q or k of its own.
+    extra = None
+    if prepare is not None:
+        q, k, v, captured, extra = prepare(q, k, v, *captured)
     score_mod = make_score_mod(*captured)
     kwargs = {"score_mod": score_mod, "block_mask": block_mask, "scale": 1.0}
     if not return_lse:
-        return flex_attention(q, k, v, **kwargs), None
+        return flex_attention(q, k, v, **kwargs), None, extra
     if AuxRequest is not None:
         out, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
-        return out, aux.lse
-    return flex_attention(q, k, v, return_lse=True, **kwargs)
+        return out, aux.lse, extra
+    out, lse = flex_attention(q, k, v, return_lse=True, **kwargs)
+    return out, lse, extra
 
 
-def _flex_callable(q, k, v, mask: MaskArgs, make_score_mod, captured: tuple, return_lse: bool):
+def _flex_callable(q, k, v, mask: MaskArgs, make_score_mod, captured: tuple, return_lse: bool, prepare=None):
     """``_flex_call`` itself (eager) off the compiled devices, else its compiled copy for this call's signature."""
     if q.device.type not in COMPILE_DEVICE_TYPES:
         return _flex_call
@@ -207,6 +214,7 @@ def _flex_callable(q, k, v, mask: MaskArgs, make_score_mod, captured: tuple, ret
     signature = (
         "flex",
         make_score_mod,
+        prepare,
         return_lse,
         torch.is_grad_enabled(),
         str(q.device),
@@ -226,6 +234,16 @@ def run_flex(q, k, v, make_score_mod, captured: tuple, mask: MaskArgs, *, return
     score_mod from the ``captured`` tensors.  ``lse`` is the natural-log log-sum-exp ``[B, H, Nq]`` in float32
     (float64 for float64 inputs), ``-inf`` for rows without an allowed key.
     """
+    out, lse, _ = run_flex_prepared(q, k, v, make_score_mod, captured, mask, return_lse=return_lse)
+    return out, lse
+
+
+def run_flex_prepared(q, k, v, make_score_mod, captured: tuple, mask: MaskArgs, *, return_lse: bool, prepare=None):
+    """:func:`run_flex` with a ``prepare`` step inside the compiled call: ``prepare(q, k, v, *captured)`` (a
+    module-level function) returns ``(q', k', v', captured', extra)``, flex runs on ``q', k', v'`` with
+    ``make_score_mod(*captured')``, and ``(out, lse or None, extra)`` comes back.  ``q, k, v`` here are the call's
+    own tensors (a family's unscaled queries, its keys), padded to flex's smallest head dim with zero columns, which
+    must leave ``prepare``'s results unchanged (norms, dot products)."""
     if not torch.is_grad_enabled():
         # flex refuses leaf tensors that require grad outside CUDA even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
@@ -240,12 +258,12 @@ def run_flex(q, k, v, make_score_mod, captured: tuple, mask: MaskArgs, *, return
     if dv < FLEX_MIN_DIM:
         v = torch.nn.functional.pad(v, (0, FLEX_MIN_DIM - dv))
     captured = tuple(captured)
-    fn = _flex_callable(q, k, v, mask, make_score_mod, captured, return_lse)
+    fn = _flex_callable(q, k, v, mask, make_score_mod, captured, return_lse, prepare)
     with warnings.catch_warnings():
         # eager flex on CPU warns that it materialises the scores: that is the intended CPU path
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out, lse = fn(q, k, v, block_mask, make_score_mod, captured, return_lse)
-    return out[..., :dv], lse
+        out, lse, extra = fn(q, k, v, block_mask, make_score_mod, captured, return_lse, prepare)
+    return out[..., :dv], lse, extra
 
 
 def key_bias(bias: torch.Tensor, batch: int, heads: int) -> torch.Tensor:

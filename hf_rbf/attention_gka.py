@@ -12,7 +12,7 @@ import math
 import torch
 
 from .attention_distance_triton import distance_attention, distance_reason
-from .attention_flex_utils import bias_score_mod, flex_reason, key_bias, run_flex, zero_rows_without_live_keys
+from .attention_flex_utils import bias_score_mod, flex_reason, key_bias, run_flex_prepared, zero_rows_without_live_keys
 from .attention_sdpa_utils import ScoreFeatures, padded_sdpa, sdpa_reason
 from .attention_utils import (
     MaskArgs,
@@ -267,25 +267,46 @@ def gka_sdpa_reason(mask: MaskArgs) -> str | None:
 # The paper's ``eps`` then enters exactly: ``sum_j K_ij x_j / (Z_i + eps) = O_i * sigmoid(log Z_i - log eps)``.
 
 
-def gka_attention_flex(query, x, log_sigma, eps: float, mask: MaskArgs) -> torch.Tensor:
-    """The flex backend of :func:`hf_rbf.gka_attention` (arguments already validated)."""
+def _gka_flex_inputs(query, x, log_sigma, key_log_weights):
+    """``(q' = s x_i, the per-key bias -s ||x_j||^2 / 2 + log w_j, the norm part alone, s, query in float32)``, with
+    ``s = 1 / sigma^2`` (float32 math, ``q'`` rounded once to ``x``'s dtype)."""
     ct = compute_dtype(x.dtype)
     b, h = x.shape[:2]
-    if isinstance(log_sigma, float):
-        inv_var = inv_var4 = math.exp(-2.0 * log_sigma)
-    else:
-        inv_var = torch.exp(-2.0 * log_sigma.to(ct)).view(1, -1, 1)  # [1, H, 1]
-        inv_var4 = inv_var.unsqueeze(-1)
+    inv_var = torch.exp(-2.0 * log_sigma.to(ct)).reshape(1, -1, 1)  # [1, H|1, 1]
     qf = query.to(ct)
-    q_scaled = (inv_var4 * qf).to(x.dtype)
+    q_scaled = (inv_var.unsqueeze(-1) * qf).to(x.dtype)
     norm_bias = -0.5 * inv_var * x.to(ct).square().sum(-1)
-    bias = norm_bias if mask.key_log_weights is None else norm_bias + mask.key_log_weights.to(ct)
-    bias = key_bias(bias, b, h)
-    out, lse = run_flex(q_scaled, x, x, bias_score_mod, (bias,), mask, return_lse=eps > 0)
+    bias = norm_bias if key_log_weights is None else norm_bias + key_log_weights.to(ct)
+    return q_scaled, key_bias(bias, b, h), norm_bias, inv_var, qf
+
+
+def _gka_flex_prepare(query, x, v, log_sigma, key_log_weights):
+    """Inside the compiled flex call (``run_flex_prepared``): :func:`_gka_flex_inputs`, and as the extra output each
+    row's shift :func:`row_shift` (what ``eps > 0`` needs after the call)."""
+    q_scaled, bias, norm_bias, inv_var, qf = _gka_flex_inputs(query, x, log_sigma, key_log_weights)
+    return q_scaled, x, v, (bias,), row_shift(q_scaled, qf, x, norm_bias, inv_var, compute_dtype(x.dtype))
+
+
+def _gka_flex_prepare_no_eps(query, x, v, log_sigma, key_log_weights):
+    """:func:`_gka_flex_prepare` for ``eps = 0``: no row shift."""
+    q_scaled, bias = _gka_flex_inputs(query, x, log_sigma, key_log_weights)[:2]
+    return q_scaled, x, v, (bias,), None
+
+
+def gka_attention_flex(query, x, log_sigma, eps: float, mask: MaskArgs) -> torch.Tensor:
+    """The flex backend of :func:`hf_rbf.gka_attention` (arguments already validated).  The query scaling, the
+    key-norm bias and the row shift run inside the compiled call (:func:`_gka_flex_prepare`), fused there."""
+    ct = compute_dtype(x.dtype)
+    if not isinstance(log_sigma, torch.Tensor):
+        log_sigma = torch.full((), float(log_sigma), device=x.device, dtype=ct)
+    out, lse, shift = run_flex_prepared(
+        query, x, x, bias_score_mod, (log_sigma, mask.key_log_weights), mask, return_lse=eps > 0,
+        prepare=_gka_flex_prepare if eps > 0 else _gka_flex_prepare_no_eps,
+    )
     if eps == 0:
         return zero_rows_without_live_keys(out, mask)
     # lse_i = log Z_i + r_i; r_i as the kernel sees it (see row_shift above)
-    log_z = lse.to(ct) - row_shift(q_scaled, qf, x, norm_bias, inv_var, ct)
+    log_z = lse.to(ct) - shift
     # Z / (Z + eps) = sigmoid(log Z - log eps); 0 for a row without keys (log Z = -inf)
     return (out.to(ct) * torch.sigmoid(log_z - math.log(eps)).unsqueeze(-1)).to(x.dtype)
 

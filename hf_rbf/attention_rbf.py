@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_distance_triton import distance_attention, distance_reason
-from .attention_flex_utils import bias_score_mod, flex_reason, key_bias, run_flex, zero_rows_without_live_keys
+from .attention_flex_utils import bias_score_mod, flex_reason, key_bias, run_flex_prepared, zero_rows_without_live_keys
 from .attention_sdpa_utils import ScoreFeatures, padded_sdpa, sdpa_reason
 from .attention_utils import (
     MaskArgs,
@@ -238,22 +238,33 @@ def rbf_sdpa_reason(q, normalize: bool, mask: MaskArgs) -> str | None:
 # ``out_i = sum_j exp(s_ij) v_j = softmax_out_i * exp(lse_i - gamma ||q_i||^2)``, from flex's log-sum-exp.
 
 
-def rbf_attention_flex(q, k, v, gamma, normalize: bool, mask: MaskArgs) -> torch.Tensor:
-    """The flex backend of :func:`hf_rbf.rbf_attention` (arguments already validated)."""
+def _rbf_flex_prepare(q, k, v, gamma, key_log_weights):
+    """Inside the compiled flex call (``run_flex_prepared``): ``q' = 2 gamma q`` (float32 math on ``q`` as it is,
+    rounded once) and the score_mod's per-key bias ``-gamma ||k_j||^2 + log w_j`` (float32, ``[B, H, Nk]``)."""
     ct = compute_dtype(q.dtype)
     b, h = q.shape[:2]
-    g = gamma if isinstance(gamma, float) else gamma.to(ct).view(1, -1, 1)  # [1, H, 1]
-    # the product in float32 from q as it is (type promotion: no float32 copy of q first), rounded once
-    q_scaled = (2.0 * (g if isinstance(g, float) else g.unsqueeze(-1)) * q).to(q.dtype)
+    g = gamma.to(ct).reshape(1, -1, 1)  # [1, H|1, 1]
+    q_scaled = (2.0 * g.unsqueeze(-1) * q).to(q.dtype)
     bias = -g * k.to(ct).square().sum(-1)
-    if mask.key_log_weights is not None:
-        bias = bias + mask.key_log_weights.to(ct)
-    bias = key_bias(bias, b, h)
-    out, lse = run_flex(q_scaled, k, v, bias_score_mod, (bias,), mask, return_lse=not normalize)
+    if key_log_weights is not None:
+        bias = bias + key_log_weights.to(ct)
+    return q_scaled, k, v, (key_bias(bias, b, h),), None
+
+
+def rbf_attention_flex(q, k, v, gamma, normalize: bool, mask: MaskArgs) -> torch.Tensor:
+    """The flex backend of :func:`hf_rbf.rbf_attention` (arguments already validated).  The query scaling and the
+    key-norm bias run inside the compiled call (:func:`_rbf_flex_prepare`): fused there, where eagerly they were
+    about seven passes over ``q`` / ``k`` forward and as many backward (benchmarks/results/h100-2026-11-27j:
+    this backend 1.10x FlexAttention used directly)."""
+    ct = compute_dtype(q.dtype)
+    g = gamma if isinstance(gamma, torch.Tensor) else torch.full((), float(gamma), device=q.device, dtype=ct)
+    out, lse, _ = run_flex_prepared(
+        q, k, v, bias_score_mod, (g, mask.key_log_weights), mask, return_lse=not normalize, prepare=_rbf_flex_prepare
+    )
     if normalize:
         return zero_rows_without_live_keys(out, mask)
     # lse_i = log sum_j exp(s_ij + gamma ||q_i||^2): remove the row shift; exp(-inf) = 0 for empty rows
-    log_z = lse.to(ct) - g * q.to(ct).square().sum(-1)
+    log_z = lse.to(ct) - g.to(ct).reshape(1, -1, 1) * q.to(ct).square().sum(-1)
     return (out.to(ct) * torch.exp(log_z).unsqueeze(-1)).to(q.dtype)
 
 

@@ -527,3 +527,49 @@ def test_float_coefficients_are_cached_device_constants():
         ops = _aten_ops(fn)
         assert "full" not in ops and "fill_" not in ops, f"{name}: {ops}"
         torch.testing.assert_close(fn(), first)
+
+
+@pytest.mark.parametrize("family", ["rbf", "gka"])
+def test_flex_prologue_runs_inside_the_compiled_call(family, monkeypatch):
+    """rbf's and GKA's flex paths scale the queries and build the key-norm bias (GKA: and the row shift of ``eps``)
+    inside the compiled call, where they fuse (eagerly they were separate passes over q and k, forward and backward:
+    the flex backend measured 1.10x FlexAttention used directly).  Here on the CPU with Dynamo's "aot_eager" backend
+    (without gradients: a compiled flex call has no CPU backward, even with flex's eager one lifted onto the CPU; the
+    GPU test ``test_gpu_backends_match_reference`` differentiates the compiled call, and the CPU gradient tests of
+    each family the same ``prepare`` uncompiled): the compiled graph holds the squares and sums of the key norms, and
+    the output equals the naive reference's, with key log-weights and, for GKA, a separate query and ``eps`` (the
+    row shift computed inside)."""
+    import torch._dynamo
+
+    import hf_rbf.attention_flex_utils as flex_utils
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+
+    monkeypatch.setattr(flex_utils, "COMPILE_DEVICE_TYPES", {"cpu"})
+    monkeypatch.setattr(flex_utils, "COMPILE_BACKEND", backend)
+    monkeypatch.setattr(flex_utils, "_COMPILED", type(flex_utils._COMPILED)())
+    monkeypatch.setattr(flex_utils, "_BLOCK_MASK_CACHE", {})
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 24, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    klw = torch.randn(1, 1, 24, generator=g, dtype=torch.float64)
+    param = torch.tensor([0.2, -0.1], dtype=torch.float64)
+
+    def run(backend):
+        if family == "rbf":
+            return hf_rbf.rbf_attention(q, k, k.flip(2), gamma=param.exp(), causal=True, key_log_weights=klw,
+                                        backend=backend)
+        return hf_rbf.gka_attention(k, log_sigma=param, query=q, causal=True, eps=1e-3, key_log_weights=klw,
+                                    backend=backend)
+
+    with torch.no_grad():
+        torch.testing.assert_close(run("flex"), run("naive"))
+    flex_graphs = [code for code in graphs if "flex_attention" in code]
+    assert flex_graphs and all("square" in code and "sum" in code for code in flex_graphs), flex_graphs
+    torch._dynamo.reset()
