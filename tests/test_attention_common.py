@@ -325,6 +325,19 @@ def test_flex_without_grad_mode_accepts_leaves_that_require_grad():
     torch.testing.assert_close(out, want)
 
 
+def _compile_flex_on_cpu(monkeypatch, backend):
+    """Make the flex adapters compile on the CPU (as on CUDA) with Dynamo backend ``backend``, from empty caches."""
+    import torch._dynamo
+
+    import hf_rbf.attention_flex_utils as flex_utils
+
+    monkeypatch.setattr(flex_utils, "COMPILE_DEVICE_TYPES", {"cpu"})
+    monkeypatch.setattr(flex_utils, "COMPILE_BACKEND", backend)
+    monkeypatch.setattr(flex_utils, "_COMPILED", type(flex_utils._COMPILED)())
+    monkeypatch.setattr(flex_utils, "_BLOCK_MASK_CACHE", {})
+    torch._dynamo.reset()
+
+
 def test_flex_compiles_once_per_call_signature(monkeypatch):
     """The compiled flex path (CUDA's; here on the CPU with Dynamo's cheap "eager" backend and no gradients) compiles
     one graph per call signature and never again for it: a sweep over families, lengths and masks that would pass
@@ -335,11 +348,7 @@ def test_flex_compiles_once_per_call_signature(monkeypatch):
     import hf_rbf.attention_flex_utils as flex_utils
 
     counter = torch._dynamo.testing.CompileCounter()
-    monkeypatch.setattr(flex_utils, "COMPILE_DEVICE_TYPES", {"cpu"})
-    monkeypatch.setattr(flex_utils, "COMPILE_BACKEND", counter)
-    monkeypatch.setattr(flex_utils, "_COMPILED", type(flex_utils._COMPILED)())
-    monkeypatch.setattr(flex_utils, "_BLOCK_MASK_CACHE", {})
-    torch._dynamo.reset()
+    _compile_flex_on_cpu(monkeypatch, counter)
     g = torch.Generator().manual_seed(0)
     calls = []
     for n in (16, 24, 40, 56, 72):
@@ -541,7 +550,6 @@ def test_flex_prologue_runs_inside_the_compiled_call(family, monkeypatch):
     row shift computed inside)."""
     import torch._dynamo
 
-    import hf_rbf.attention_flex_utils as flex_utils
 
     graphs = []
 
@@ -551,11 +559,7 @@ def test_flex_prologue_runs_inside_the_compiled_call(family, monkeypatch):
 
         return aot_eager(gm, example_inputs)
 
-    monkeypatch.setattr(flex_utils, "COMPILE_DEVICE_TYPES", {"cpu"})
-    monkeypatch.setattr(flex_utils, "COMPILE_BACKEND", backend)
-    monkeypatch.setattr(flex_utils, "_COMPILED", type(flex_utils._COMPILED)())
-    monkeypatch.setattr(flex_utils, "_BLOCK_MASK_CACHE", {})
-    torch._dynamo.reset()
+    _compile_flex_on_cpu(monkeypatch, backend)
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 2, 24, 16, generator=g, dtype=torch.float64) for _ in range(2))
     klw = torch.randn(1, 1, 24, generator=g, dtype=torch.float64)

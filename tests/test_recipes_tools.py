@@ -305,46 +305,29 @@ def test_diagnose_fsdp2_register_stream_runs_on_two_gloo_processes():
     assert compiled["path"].startswith("compiled") and compiled["unique_graphs"] == 1 and compiled["recompiles"] == 0
 
 
-def test_forward_probe_variants_agree_with_the_reference_in_the_interpreter():
-    """benchmarks/probe_forward_variants.py --check (the interpreter): its forward and backward variants with the
-    key norms compute the float64 reference's attention, so the GPU timings compare equal work."""
+@pytest.mark.parametrize(
+    "script, marker",
+    [
+        # the forward and backward variants with the key norms compute the float64 reference's attention
+        ("probe_forward_variants.py", "agree with the float64 reference"),
+        # the key-bias pass at several keys-per-program / warps choices, both key layouts, odd lengths: torch's norms
+        ("probe_key_bias.py", "every key-bias config agrees"),
+        # the split-K decode variants (inline key norms, stored norms as a per-key bias, the GKA form): float64's
+        ("probe_decode_kernel.py", "decode variants agree with the float64 reference"),
+    ],
+)
+def test_kernel_probes_check_their_variants_in_the_interpreter(script, marker):
+    """``benchmarks/<probe> --check`` (the interpreter): every variant a GPU probe times computes what the reference
+    does, so its timings compare equal work."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
-    cmd = [sys.executable, str(root / "benchmarks" / "probe_forward_variants.py"), "--check"]
+    cmd = [sys.executable, str(root / "benchmarks" / script), "--check"]
     proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "agree with the float64 reference" in proc.stdout and "and the backward" in proc.stdout
-
-
-def test_key_bias_probe_configs_agree_with_torch_in_the_interpreter():
-    """benchmarks/probe_key_bias.py --check (the interpreter): the key-bias pass at several keys-per-program / warps
-    choices, on both key layouts and odd lengths, gives torch's norms: the GPU sweep times equal work."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
-    cmd = [sys.executable, str(root / "benchmarks" / "probe_key_bias.py"), "--check"]
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "every key-bias config agrees" in proc.stdout
-
-
-def test_decode_kernel_probe_variants_are_exact_in_the_interpreter():
-    """benchmarks/probe_decode_kernel.py --check (the interpreter): the split-K decode variants it times (inline key
-    norms, stored norms as a per-key bias, the GKA form) equal the float64 reference."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), TRITON_INTERPRET="1")
-    cmd = [sys.executable, str(root / "benchmarks" / "probe_decode_kernel.py"), "--check"]
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "decode variants agree with the float64 reference" in proc.stdout
+    assert marker in proc.stdout
 
 
 def test_diagnose_register_paths_reports_every_path_and_backend(tmp_path):
