@@ -107,6 +107,21 @@ def cache_bytes_per_token(variant: str, model, mode: str, batch: int) -> float:
 SORTED = ("scalar_sort", "hybrid_sort")
 
 
+def release_caches(model, compiled: bool = False) -> None:
+    """Drop the static cache hf_rbf's ``generate`` keeps on a model between calls (``_generation_static_cache``;
+    transformers builds its own per call) and return the allocator's free memory; with ``compiled`` also every
+    compiled decode step and the memory pools of its CUDA graphs (``torch.compiler.reset()``: every model's).  After a
+    call that ran out of memory the next model's calls would otherwise run in what is left."""
+    import gc
+
+    model.__dict__.pop("_generation_static_cache", None)
+    if compiled:
+        torch.compiler.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def generate_kwargs(model, new_tokens: int, mode: str, prefill_chunk: int | None, exact: bool = False) -> dict:
     """``generate`` arguments of one mode; ``exact``: the sorted families decode over every cached token."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
@@ -126,14 +141,17 @@ def generate_kwargs(model, new_tokens: int, mode: str, prefill_chunk: int | None
 def timed_generate(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None = None) -> tuple[float, int]:
     """Seconds of one greedy ``generate`` and its peak allocated GPU bytes."""
     kwargs = generate_kwargs(model, new_tokens, mode, prefill_chunk)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = ids.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     assert out.shape[1] == ids.shape[1] + new_tokens
-    return time.perf_counter() - t0, torch.cuda.max_memory_allocated()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() if cuda else 0
 
 
 def agreement(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None) -> float:
@@ -158,68 +176,70 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="generate's prefill_chunk_size (long prompts)")
     ap.add_argument("--agreement", action="store_true", help="sorted families: windowed vs exact decode tokens")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (float32, with --size)")
+    ap.add_argument("--size", default=None, help="JSON of config overrides (default: the d768 L12 H12 size)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one model at a time (built, measured, released) instead of interleaved rounds: for caches "
+                         "too large for every model at once; Llama's ratio then compares different moments")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     max_pos = max(n for _, n in cases) + args.new_tokens + 8
+    size = dict(SIZE, **json.loads(args.size)) if args.size else dict(SIZE)
     import transformers
-    import triton
 
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
     res = dict(
-        gpu=torch.cuda.get_device_name(0),
+        gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
         torch=torch.__version__,
-        triton=triton.__version__,
+        triton=triton_version,
         transformers=transformers.__version__,
         rows=[],
     )
     g = torch.Generator(device="cpu").manual_seed(0)
-    prompts = {c: torch.randint(2, 8192, c, generator=g).cuda() for c in cases}
-    models = {}
-    for variant in args.variants.split(";"):
-        try:
-            models[variant] = build(variant, max_pos)
-        except Exception as err:
-            res["rows"].append(dict(variant=variant, error=f"{type(err).__name__}: {err}"))
+    prompts = {c: torch.randint(2, size["vocab_size"], c, generator=g).to(args.device) for c in cases}
     best: dict = {}
     peak: dict = {}
-    # cases outermost: a model's static cache (and the CUDA graphs recorded for its buffers) serves every call of one
-    # batch size, as transformers' own static cache does; alternating cases would rebuild it at every call
-    for case in cases:
-        for rnd in range(args.rounds + 1):  # round 0 is the warm-up
-            for mode in args.modes.split(","):
-                for variant, model in models.items():
-                    key = (variant, case, mode)
-                    if best.get(key) == "error":
-                        continue
-                    try:
-                        with decoder_settings(parse_variant(variant)[2]):
-                            t1, _ = timed_generate(model, prompts[case], 1, mode, args.prefill_chunk)
-                            tn, mem = timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
-                        ms = 1e3 * (tn - t1) / (args.new_tokens - 1)
-                        peak[key] = max(peak.get(key, 0), mem)
-                    except Exception as err:  # a failing family or mode must not hide the others
-                        best[key] = "error"
-                        res["rows"].append(
-                            dict(variant=variant, batch=case[0], prompt=case[1], mode=mode, error=f"{err}"[:300])
-                        )
-                        print(f"[error] {key}: {err}", flush=True)
-                        continue
-                    if rnd == 0:
-                        # no per-token figure: the first (1-token) call also compiles and tunes, so t(n) - t(1) can
-                        # be negative here
-                        print(f"[warm-up] {variant} {case} {mode}: 1 token {t1:.2f} s, {args.new_tokens} tokens "
-                              f"{tn:.2f} s", flush=True)
-                        continue
-                    best[key] = min(best.get(key, float("inf")), ms)
-                    print(f"[round {rnd}] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
-    for (variant, case, mode), ms in best.items():
-        if ms != "error":
-            per_token = cache_bytes_per_token(parse_variant(variant)[0], models[variant], mode, case[0])
+
+    def measure(variant, model, case, mode, rnd):
+        key = (variant, case, mode)
+        if best.get(key) == "error":
+            return
+        try:
+            with decoder_settings(parse_variant(variant)[2]):
+                t1, _ = timed_generate(model, prompts[case], 1, mode, args.prefill_chunk)
+                tn, mem = timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
+            ms = 1e3 * (tn - t1) / (args.new_tokens - 1)
+            peak[key] = max(peak.get(key, 0), mem)
+        except Exception as err:  # a failing family or mode must not hide the others
+            best[key] = "error"
+            res["rows"].append(dict(variant=variant, batch=case[0], prompt=case[1], mode=mode, error=f"{err}"[:300]))
+            print(f"[error] {key}: {err}", flush=True)
+            release_caches(model, compiled=args.sequential)  # what the failed call held must not fail the next model
+            return
+        if rnd == 0:
+            # no per-token figure: the first (1-token) call also compiles and tunes, so t(n) - t(1) can be negative
+            print(f"[warm-up] {variant} {case} {mode}: 1 token {t1:.2f} s, {args.new_tokens} tokens {tn:.2f} s",
+                  flush=True)
+            return
+        best[key] = min(best.get(key, float("inf")), ms)
+        print(f"[round {rnd}] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
+
+    def rows_of(variant, model):
+        for (name, case, mode), ms in list(best.items()):
+            if name != variant or ms == "error":
+                continue
+            per_token = cache_bytes_per_token(parse_variant(variant)[0], model, mode, case[0])
             agree = None
             if args.agreement and parse_variant(variant)[0] in SORTED:
                 try:
-                    agree = agreement(models[variant], prompts[case], args.new_tokens, mode, args.prefill_chunk)
+                    agree = agreement(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
                 except Exception as err:  # noqa: BLE001  (reported in the row, the table goes on)
                     agree = f"error: {err}"[:200]
             res["rows"].append(
@@ -234,11 +254,47 @@ def main() -> int:
                     agreement_with_exact=agree,
                 )
             )
+
+    variants = args.variants.split(";")
+    if args.sequential:
+        # one model at a time: built, measured (its rounds back to back), released; for caches so large that two
+        # models' do not fit together (8 x 131k: Llama's static cache alone is 38.7 GB)
+        for variant in variants:
+            try:
+                model = build(variant, max_pos, args.device, size)
+            except Exception as err:
+                res["rows"].append(dict(variant=variant, error=f"{type(err).__name__}: {err}"))
+                continue
+            for case in cases:
+                for rnd in range(args.rounds + 1):
+                    for mode in args.modes.split(","):
+                        measure(variant, model, case, mode, rnd)
+            rows_of(variant, model)
+            release_caches(model, compiled=True)
+            del model
+            torch.cuda.empty_cache()
+    else:
+        models = {}
+        for variant in variants:
+            try:
+                models[variant] = build(variant, max_pos, args.device, size)
+            except Exception as err:
+                res["rows"].append(dict(variant=variant, error=f"{type(err).__name__}: {err}"))
+        # cases outermost: a model's static cache (and the CUDA graphs recorded for its buffers) serves every call of
+        # one batch size, as transformers' own static cache does; alternating cases would rebuild it at every call
+        for case in cases:
+            for rnd in range(args.rounds + 1):  # round 0 is the warm-up
+                for mode in args.modes.split(","):
+                    for variant, model in models.items():
+                        measure(variant, model, case, mode, rnd)
+        for variant, model in models.items():
+            rows_of(variant, model)
     (out / "generate.json").write_text(json.dumps(res, indent=1))
     lines = [
         f"# ms per generated token ({res['gpu']}, torch {res['torch']}, triton {res['triton']}, transformers "
-        f"{res['transformers']}; d768 L12 H12 bf16, greedy, {args.new_tokens} new tokens, best of {args.rounds} "
-        "interleaved rounds)",
+        f"{res['transformers']}; {'d768 L12 H12' if size == SIZE else json.dumps(size)} "
+        f"{'bf16' if args.device == 'cuda' else 'float32'}, greedy, {args.new_tokens} new tokens, best of "
+        f"{args.rounds} {'rounds, one model at a time' if args.sequential else 'interleaved rounds'})",
         "",
         "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) | cache bytes/token | peak GiB | "
         "tokens as exact decode |",

@@ -330,6 +330,44 @@ def test_kernel_probes_check_their_variants_in_the_interpreter(script, marker):
     assert marker in proc.stdout
 
 
+@pytest.mark.parametrize("sequential", [False, True])
+def test_bench_generate_runs_every_model_interleaved_or_one_at_a_time(tmp_path, sequential):
+    """benchmarks/bench_generate.py on the CPU (a tiny size, float32): a row per (model, case, mode) with a per-token
+    time and the cache bytes, interleaved or ``--sequential`` (each model built, measured and released before the
+    next: for caches too large for every model at once); ``release_caches`` drops what a model kept."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    size = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 128}
+    cmd = [sys.executable, str(root / "benchmarks" / "bench_generate.py"), "--out", str(tmp_path), "--device", "cpu",
+           "--size", json.dumps(size), "--cases", "1x12", "--new-tokens", "3", "--rounds", "1", "--modes",
+           "dynamic,static", "--variants", "llama;gka;scalar_sort (window 4)"]
+    cmd += ["--sequential"] if sequential else []
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(root)), cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    got = {(r["variant"], r["mode"]) for r in rows}
+    assert got == {(v, m) for v in ("llama", "gka", "scalar_sort (window 4)") for m in ("dynamic", "static")}
+    assert all(isinstance(r["ms_per_token"], float) and r["cache_bytes_per_token"] > 0 for r in rows)
+    header = (tmp_path / "generate.md").read_text().splitlines()[0]
+    assert ("one model at a time" in header) == sequential
+    spec = importlib.util.spec_from_file_location("bench_generate_release", root / "benchmarks" / "bench_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    model._generation_static_cache = ("key", object())
+    bench.release_caches(model)
+    assert not hasattr(model, "_generation_static_cache")
+
+
 def test_diagnose_register_paths_reports_every_path_and_backend(tmp_path):
     """benchmarks/diagnose_register_paths.py on the CPU (one family, one register, two steps): a row per register
     path and backend, each step's errors against the float64 rows run; rbf stays at float32 rounding."""
