@@ -177,7 +177,7 @@ def main():
             print(f"D{d} N{n} forward:", {k_: (round(g, 1), round(s, 1)) for k_, (g, s) in res.items()}, flush=True)
             del q, k, v
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
-                tokens=args.tokens, heads=args.heads, shipped={d: key_bias_config(int(d)) for d in args.d.split(",")},
+                tokens=args.tokens, heads=args.heads, shipped=key_bias_config(),
                 seconds=round(time.time() - started, 1))
     with open(os.path.join(args.out, "key_bias.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

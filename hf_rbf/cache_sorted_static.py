@@ -78,9 +78,18 @@ def default_block_size(max_cache_len: int, decode_window: int | None) -> int:
     131,072-entry candidate tile that the fused kernel refuses, and the PyTorch path sorted those candidates at every
     step: 0.18 ms per layer step of GPU time on an H100, against the fused step's 0.03 ms at ``T`` = 8,192
     (benchmarks/results/h100-2026-11-27n, call 3; benchmarks/bench_sorted_static_decode.py)."""
+    for arg, value, allowed in (
+        ("max_cache_len", max_cache_len, "an int >= 1"),
+        ("decode_window", decode_window, "None or an int >= 1"),
+    ):
+        if value is None and arg == "decode_window":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"default_block_size: `{arg}` must be {allowed}; got {value!r}")
     if decode_window is None or decode_window >= max_cache_len:
         return min(EXACT_BLOCK_SIZE, max_cache_len)
     t = next_pow2(max(1, math.isqrt(2 * decode_window * max_cache_len)))
+
     def tile(t: int) -> int:
         return next_pow2(-(-max_cache_len // t)) * next_pow2(min(2 * decode_window, t))
 

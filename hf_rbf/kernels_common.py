@@ -523,10 +523,8 @@ def key_bias(
     am = attention_mask
     if am is not None:
         am = am.to(torch.int8)
-    if block is None or num_warps is None:
-        default_block, default_warps = key_bias_config(k.shape[-1] if knorm else 0)
-        block = default_block if block is None else block
-        num_warps = default_warps if num_warps is None else num_warps
+    block = key_bias_config()[0] if block is None else block
+    num_warps = key_bias_config()[1] if num_warps is None else num_warps
     dummy = kb
     sep_prefix = knorm and prefix_k is not None
     pk = prefix_k if sep_prefix else dummy
@@ -570,8 +568,10 @@ def key_bias(
     return kb, kn
 
 
-def key_bias_config(d: int) -> tuple[int, int]:
-    """(keys per program, warps) of the key-bias pass for keys of head dim ``d`` (0: no norms read)."""
+def key_bias_config() -> tuple[int, int]:
+    """(keys per program, warps) of the key-bias pass.  One choice for every head dim: on an H100 every choice from
+    32 to 512 keys and 1 to 8 warps read the keys at 2.2-2.7 TB/s (benchmarks/probe_key_bias.py,
+    benchmarks/results/h100-2026-11-27n, section 3)."""
     if DEFINED_INTERPRETED:
         return 16, 4
     return 128, 4

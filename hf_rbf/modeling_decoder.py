@@ -49,17 +49,9 @@ logger = logging.getLogger("hf_rbf")
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _rms_normalize_half(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x ** 2) + eps)`` of a bfloat16 / float16 ``x`` in float32 math, rounded once to ``x.dtype``
-    (``F.rms_norm`` without a weight).  Outside autocast: CUDA's autocast runs ``rms_norm`` in float32, which would
-    add a cast of ``x`` before the fused kernel and one of its float32 output after, forward and backward; the fused
-    kernel does float32 math on the half input itself.  On the CPU (no autocast entry for ``rms_norm``) the value is
-    the chain's of :class:`DecoderRMSNorm` to the bit."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            return F.rms_norm(x, (x.shape[-1],), eps=eps)
-    return F.rms_norm(x, (x.shape[-1],), eps=eps)
+def _autocast_off(device_type: str):
+    """A context with autocast disabled on ``device_type`` when it is on there (else a no-op context)."""
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
 
 
 class DecoderRMSNorm(nn.Module):
@@ -81,10 +73,10 @@ class DecoderRMSNorm(nn.Module):
         scale applied after the cast back: what the Llama conversion's exactness relies on).
 
         A bfloat16 / float16 input (FSDP2's mixed precision: bf16 weights and a bf16 residual stream, as accelerate's
-        ``MixedPrecisionPolicy`` casts every layer's inputs) goes through :func:`_rms_normalize_half` and then the
-        scale, as the chain: the same bits on the CPU, one fused kernel forward and one backward on CUDA where the chain's
-        casts, power, mean, rsqrt and products cost about 8 forward and 10 backward, which FSDP2 added to every norm
-        of every layer (issue 17, benchmarks/results/cpu-fsdp2-ops)."""
+        ``MixedPrecisionPolicy`` casts every layer's inputs) goes through one ``F.rms_norm`` without a weight and
+        then the scale, as the chain: the same bits on the CPU, one fused kernel forward and one backward on CUDA,
+        where the chain's casts, power, mean, rsqrt and products cost about 8 forward and 10 backward, which FSDP2
+        added to every norm of every layer (issue 17, benchmarks/results/cpu-fsdp2-ops)."""
         shape, eps = (hidden_states.shape[-1],), self.variance_epsilon
         if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
             if not num_register_rows:
@@ -95,16 +87,18 @@ class DecoderRMSNorm(nn.Module):
             return torch.cat([F.rms_norm(text, shape, self.weight, eps), self.capped(registers)])
         input_dtype = hidden_states.dtype
         if input_dtype in (torch.bfloat16, torch.float16):
-            if not num_register_rows:
-                return self.weight * _rms_normalize_half(hidden_states, eps)
-            text, registers = hidden_states.split([hidden_states.shape[0] - num_register_rows, num_register_rows])
-            # one product with the weight over all rows, as the chain: the weight's gradient sums in the same order.
-            # The cat outside autocast: a float16 pair under bfloat16 autocast is refused by autocast's cat
-            # ("Unexpected floating ScalarType in at::autocast::prioritize"), where the chain's was float32.
-            device_type = hidden_states.device.type
-            autocast_on = torch.is_autocast_enabled(device_type)
-            with torch.autocast(device_type, enabled=False) if autocast_on else nullcontext():
-                rows = torch.cat([_rms_normalize_half(text, eps), self._capped_rows(registers)])
+            # Outside autocast: CUDA's autocast runs rms_norm in float32 (a cast of the input before the fused kernel
+            # and of its output after, both ways, where the kernel does float32 math on the half input itself), and
+            # autocast's cat refuses a float16 pair under bfloat16 autocast.  One product with the weight over all
+            # rows, as the chain: the weight's gradient sums in the same order.
+            with _autocast_off(hidden_states.device.type):
+                if not num_register_rows:
+                    rows = F.rms_norm(hidden_states, shape, eps=eps)
+                else:
+                    text, registers = hidden_states.split(
+                        [hidden_states.shape[0] - num_register_rows, num_register_rows]
+                    )
+                    rows = torch.cat([F.rms_norm(text, shape, eps=eps), self._capped_rows(registers)])
             return self.weight * rows
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)

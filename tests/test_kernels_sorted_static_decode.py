@@ -482,3 +482,16 @@ def test_model_static_cache_takes_the_default_block_size():
     for layer in sized.layers:
         if isinstance(layer, StaticSortedLayer):
             assert layer.block_size == t and layer.capacity == sized.max_cache_len
+
+
+@pytest.mark.parametrize(
+    "capacity, window, named",
+    [(0, 8, "max_cache_len"), (16.0, 8, "max_cache_len"), (16, 0, "decode_window"), (16, True, "decode_window")],
+)
+def test_default_block_size_names_a_bad_argument(capacity, window, named):
+    from hf_rbf.cache_sorted_static import default_block_size
+
+    with pytest.raises(ValueError, match=f"`{named}` must be"):
+        default_block_size(capacity, window)
+    with pytest.raises(ValueError, match="`block_size` must be None or an int >= 1"):
+        _layer("auto", b_heads=(4, 2), scheme="per_head", window=4, block_size=0, capacity=16)
