@@ -12,7 +12,8 @@ Two timings per cell, because at these sizes a call's host time is as long as it
   time alone, no host.
 - "stream us": 50 calls back to back between two CUDA events, no synchronisation between them: what a model's
   stream of calls pays, the host included where the host is the slower side.
-Every pass config is first checked against ``torch.linalg.vector_norm`` in float32 (the run stops on a mismatch).
+Every pass config is first checked against ``torch.linalg.vector_norm`` in float32, and the forward's two norm
+sources against the naive float32 attention (``probe_forward_variants.check_cell``); the run stops on a mismatch.
 Keys come in two layouts: contiguous ``[B, H, N, D]`` and the heads-interleaved view of a ``[B, N, H, D]`` projection
 output (what a model's ``.view(...).transpose(1, 2)`` passes).  Writes ``key_bias.json`` / ``key_bias.md``.
 """
@@ -33,6 +34,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hf_rbf.kernels_common import key_bias, key_bias_config  # noqa: E402
+from probe_forward_variants import check_cell  # noqa: E402
 
 # (keys per program, warps) tried one by one
 PASS_CONFIGS = [(32, 1), (32, 2), (64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8)]
@@ -171,9 +173,13 @@ def main():
                       flush=True)
                 del k
             q, k, v = (make_keys(b, args.heads, n, d, "contiguous", dev, torch.bfloat16, seed=i) for i in range(3))
+            # the forward with inline norms and with the pass's norms, on the first batch element, against the naive
+            # float32 attention before any timing (raises over 3e-2: a timing of a wrong kernel is no timing)
+            error = check_cell(q, k, v, gamma)
             res = measure(forward_fns(q, k, v, gamma), args.rounds)
             for name, (g, s) in res.items():
-                rows.append(dict(d=d, n=n, b=b, layout="contiguous", name=name, gpu_us=g, stream_us=s))
+                rows.append(dict(d=d, n=n, b=b, layout="contiguous", name=name, gpu_us=g, stream_us=s,
+                                 error_vs_naive=None if name.startswith(("SDPA", "fwd no norm")) else error))
             print(f"D{d} N{n} forward:", {k_: (round(g, 1), round(s, 1)) for k_, (g, s) in res.items()}, flush=True)
             del q, k, v
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
