@@ -13,9 +13,10 @@ variant is reported per cell, and each cell is first checked against the naive f
 (``check_cell``: the run stops on a relative error over 3e-2).  Writes ``forward_variants.json`` / ``.md``.
 
 What the rows say: "no norm term" against flash is the kernel's own shape (tiles, pipelining); "inline norms" against
-"no norm term" is what computing ``||k||^2`` from a second read of each key tile costs; "key-bias pass" trades that for
-one more launch that reads the keys once (its own time in its own row).  ``--backward`` adds the backward kernels
-alone (dQ and dK/dV on saved forward outputs) of the three variants and SDPA flash's backward: the same split for the
+"no norm term" is what computing ``||k||^2`` from a second read of each key tile costs; "online max" is the shipped
+kernel with a running row maximum instead of the fixed one from the query norm (``kernels_flash_fwd.FIXED_ROW_MAX``);
+"key-bias pass" trades that for one more launch that reads the keys once (its own time in its own row).
+``--backward`` adds the backward kernels alone (dQ and dK/dV on saved forward outputs) of the three variants and SDPA flash's backward: the same split for the
 backward, whose dQ loop streams the key tiles as the forward does.
 """
 
@@ -61,17 +62,27 @@ def rbf_inputs(b, h, n, d, device, dtype, seed=0):
     return q, k, v, gamma
 
 
+# the variants that compute the rbf score (checked against the reference before any timing)
+CHECKED = ("inline norms (shipped)", "inline norms, online max", "key-bias pass + forward")
+
+
 def variants(q, k, v, gamma):
     """name -> callable returning the output, for one set of inputs."""
     b, h, n, _ = q.shape
     common = dict(causal=True, window=None, num_prefix_keys=0, normalize=True, qnorm=False, kv_same=False, eps=0.0)
 
+    fixed = kernels_flash_fwd.use_fixed_max(None, None, True, True, q.dtype)  # what the model's forward chooses
+
     def inline():
+        return distance_forward(q, k, v, None, None, None, None, gamma, None, knorm_inline=True, fixed_max=fixed,
+                                **common)[0]
+
+    def inline_online():
         return distance_forward(q, k, v, None, None, None, None, gamma, None, knorm_inline=True, **common)[0]
 
     def kb_pass():
         kb, _ = key_bias(k, -gamma, None, None, h, n, b, True)
-        return distance_forward(q, k, v, kb, None, None, None, gamma, None, **common)[0]
+        return distance_forward(q, k, v, kb, None, None, None, gamma, None, fixed_max=fixed, **common)[0]
 
     def kb_alone():
         return key_bias(k, -gamma, None, None, h, n, b, True)[0]
@@ -79,8 +90,8 @@ def variants(q, k, v, gamma):
     def no_norm():
         return distance_forward(q, k, v, None, None, None, None, gamma, None, **common)[0]
 
-    return {"inline norms (shipped)": inline, "key-bias pass + forward": kb_pass, "key-bias pass alone": kb_alone,
-            "no norm term": no_norm}
+    return {"inline norms (shipped)": inline, "inline norms, online max": inline_online,
+            "key-bias pass + forward": kb_pass, "key-bias pass alone": kb_alone, "no norm term": no_norm}
 
 
 def backward_variants(q, k, v, gamma, dout):
@@ -197,7 +208,7 @@ def check_on_cpu():
     s = -gamma.double().view(1, -1, 1, 1) * torch.cdist(qd, kd).square()
     s = s.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf"))
     ref = torch.softmax(s, -1) @ vd
-    for name in ("inline norms (shipped)", "key-bias pass + forward"):
+    for name in CHECKED:
         err = (outs[name].double() - ref).abs().max().item()
         assert err < 1e-4, (name, err)
     assert (outs["no norm term"].double() - ref).abs().max().item() > 1e-3  # it is a different score
@@ -231,7 +242,7 @@ def check_cell(q, k, v, gamma, dout=None) -> float:
         return ((a.float() - r).norm() / r.norm()).item()
 
     fns = variants(q1, k1, v1, gamma)
-    for name in ("inline norms (shipped)", "key-bias pass + forward"):
+    for name in CHECKED:
         worst = max(worst, rel(fns[name](), ref.detach()))
     if dout is not None:
         d1 = dout[:1].contiguous()
@@ -311,8 +322,8 @@ def main():
     lines = [f"# Forward variants, causal bf16 ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
              f"{args.tokens} tokens per call, H{args.heads}; ms, best of {args.rounds} interleaved rounds of the "
              f"median of {args.iters})", ""]
-    names = ["SDPA flash", "SDPA cuDNN", "inline norms (shipped)", "key-bias pass + forward", "key-bias pass alone",
-             "no norm term"]
+    names = ["SDPA flash", "SDPA cuDNN", "inline norms (shipped)", "inline norms, online max",
+             "key-bias pass + forward", "key-bias pass alone", "no norm term"]
     if args.backward:
         names += ["SDPA flash bwd", "bwd inline norms", "bwd norms from the pass", "bwd no norm term"]
     lines += ["| shape | " + " | ".join(names) + " | shipped / flash | no norm / flash | autotuned config | "
