@@ -182,6 +182,12 @@ def bias_score_mod(bias: torch.Tensor):
     return score_mod
 
 
+def _fixed_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a view with its own sizes and strides: the same values, but Inductor gives the view a fixed layout
+    (its ``as_strided`` lowering), which its flex_attention lowering needs of every input."""
+    return torch.as_strided(t, t.shape, t.stride())
+
+
 def _flex_call(q, k, v, block_mask, make_score_mod, captured: tuple, return_lse: bool, prepare=None):
     # The score_mod closure is built here, inside the compiled region, from tensors that are plain arguments:
     # a fresh closure passed from outside would make Dynamo guard on (and recompile for) every new function object.
@@ -190,7 +196,16 @@ def _flex_call(q, k, v, block_mask, make_score_mod, captured: tuple, return_lse:
     # where eagerly each was a pass over q or k of its own.
     extra = None
     if prepare is not None:
+        q0, k0, v0 = q, k, v
         q, k, v, captured, extra = prepare(q, k, v, *captured)
+        # Inductor (torch 2.11) lowers flex_attention only over inputs of a fixed layout: a query computed in the
+        # graph failed with "convert FlexibleLayout to FixedLayout first" (H100, benchmarks/results/
+        # h100-2026-11-27o).  A view with explicit strides fixes each computed input's layout; the call's own
+        # tensors have one already.
+        q = q if q is q0 else _fixed_layout(q)
+        k = k if k is k0 else _fixed_layout(k)
+        v = v if v is v0 else _fixed_layout(v)
+        captured = tuple(None if t is None else _fixed_layout(t) for t in captured)
     score_mod = make_score_mod(*captured)
     kwargs = {"score_mod": score_mod, "block_mask": block_mask, "scale": 1.0}
     if not return_lse:
