@@ -6,7 +6,10 @@ cache and with ``cache_implementation="static"`` (where transformers compiles th
         [--rounds 2]
 
 d768 L12 H12 (110M parameters with the 8192-token vocabulary), bf16 weights, greedy, random prompt tokens, no EOS.
-The time per token is ``(t(new_tokens) - t(1)) / (new_tokens - 1)``: the prefill and the first token cancel.  Every
+The time per token is ``(t(new_tokens) - t(1)) / (new_tokens - 1)``: the prefill and the first token cancel; with
+``--step-clock`` it is the time between the first and the last generated token's step inside one ``generate`` (a CUDA
+event recorded per step by a logits processor), over the steps between: one prefill per measurement, for prompts
+whose prefill takes minutes (8 x 131k).  Every
 (model, case, mode) runs once as a warm-up (compilation, autotuning), then ``--rounds`` interleaved rounds, the
 best kept; one case after the other (a model's static cache, and the CUDA graphs recorded for its buffers, serve
 every call of one batch size, as transformers' own static cache does).  Writes ``generate.json`` and ``generate.md``.
@@ -154,6 +157,52 @@ def timed_generate(model, ids, new_tokens: int, mode: str, prefill_chunk: int | 
     return time.perf_counter() - t0, torch.cuda.max_memory_allocated() if cuda else 0
 
 
+class StepClock:
+    """A logits processor that only records when each step's logits reach it: a CUDA event per step on the GPU (no
+    synchronisation: the step stream runs as without it), the host clock on the CPU.  ``ms_per_step()`` is the time
+    from the first generated token's step to the last one's over the steps between: the decode steps alone, without
+    the prefill, from one ``generate``."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, []
+
+    def __call__(self, input_ids, scores):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+        return scores
+
+    def ms_per_step(self) -> float:
+        if len(self.marks) < 2:
+            raise ValueError("StepClock: needs at least 2 generated tokens (--new-tokens >= 2)")
+        first, last = self.marks[0], self.marks[-1]
+        ms = first.elapsed_time(last) if self.cuda else 1e3 * (last - first)
+        return ms / (len(self.marks) - 1)
+
+
+def step_timed_generate(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None = None):
+    """``(ms per decode step, peak allocated GPU bytes)`` of one greedy ``generate`` (:class:`StepClock`): one
+    prefill per measurement instead of ``timed_generate``'s two, for prompts whose prefill takes minutes."""
+    from transformers import LogitsProcessorList
+
+    kwargs = generate_kwargs(model, new_tokens, mode, prefill_chunk)
+    cuda = ids.is_cuda
+    clock = StepClock(cuda)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([clock]),
+                             **kwargs)
+    if cuda:
+        torch.cuda.synchronize()
+    assert out.shape[1] == ids.shape[1] + new_tokens and len(clock.marks) == new_tokens
+    return clock.ms_per_step(), torch.cuda.max_memory_allocated() if cuda else 0
+
+
 def agreement(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None) -> float:
     """Share of the generated tokens (all rows) equal between the windowed and the exact decode."""
     with torch.no_grad():
@@ -178,6 +227,9 @@ def main() -> int:
     ap.add_argument("--agreement", action="store_true", help="sorted families: windowed vs exact decode tokens")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (float32, with --size)")
     ap.add_argument("--size", default=None, help="JSON of config overrides (default: the d768 L12 H12 size)")
+    ap.add_argument("--step-clock", action="store_true",
+                    help="time the decode steps inside one generate (a CUDA event per step) instead of t(n) - t(1): "
+                         "one prefill per measurement (long prompts)")
     ap.add_argument("--sequential", action="store_true",
                     help="one model at a time (built, measured, released) instead of interleaved rounds: for caches "
                          "too large for every model at once; Llama's ratio then compares different moments")
@@ -213,9 +265,14 @@ def main() -> int:
             return
         try:
             with decoder_settings(parse_variant(variant)[2]):
-                t1, _ = timed_generate(model, prompts[case], 1, mode, args.prefill_chunk)
-                tn, mem = timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
-            ms = 1e3 * (tn - t1) / (args.new_tokens - 1)
+                if args.step_clock:
+                    t0 = time.perf_counter()
+                    ms, mem = step_timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
+                    t1, tn = 0.0, time.perf_counter() - t0
+                else:
+                    t1, _ = timed_generate(model, prompts[case], 1, mode, args.prefill_chunk)
+                    tn, mem = timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
+                    ms = 1e3 * (tn - t1) / (args.new_tokens - 1)
             peak[key] = max(peak.get(key, 0), mem)
         except Exception as err:  # a failing family or mode must not hide the others
             best[key] = "error"
@@ -225,8 +282,8 @@ def main() -> int:
             return
         if rnd == 0:
             # no per-token figure: the first (1-token) call also compiles and tunes, so t(n) - t(1) can be negative
-            print(f"[warm-up] {variant} {case} {mode}: 1 token {t1:.2f} s, {args.new_tokens} tokens {tn:.2f} s",
-                  flush=True)
+            what = "one generate" if args.step_clock else f"1 token {t1:.2f} s,"
+            print(f"[warm-up] {variant} {case} {mode}: {what} {args.new_tokens} tokens {tn:.2f} s", flush=True)
             return
         best[key] = min(best.get(key, float("inf")), ms)
         print(f"[round {rnd}] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
@@ -255,6 +312,38 @@ def main() -> int:
                 )
             )
 
+    def write_tables(final: bool):
+        (out / "generate.json").write_text(json.dumps(res, indent=1))
+        lines = [
+            f"# ms per generated token ({res['gpu']}, torch {res['torch']}, triton {res['triton']}, transformers "
+            f"{res['transformers']}; {'d768 L12 H12' if size == SIZE else json.dumps(size)} "
+            f"{'bf16' if args.device == 'cuda' else 'float32'}, greedy, {args.new_tokens} new tokens, best of "
+            f"{args.rounds} {'rounds, one model at a time' if args.sequential else 'interleaved rounds'}; "
+            f"{'decode steps timed inside one generate' if args.step_clock else '(t(n) - t(1)) / (n - 1)'})",
+            "",
+            "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) | cache bytes/token | peak GiB | "
+            "tokens as exact decode |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in res["rows"]:
+            if "error" in r:
+                lines.append(
+                    f"| {r['variant']} | {r.get('batch', '')}x{r.get('prompt', '')} | {r.get('mode', '')} | "
+                    f"error: {r['error'][:100]} | | | | |"
+                )
+                continue
+            base = best.get(("llama", (r["batch"], r["prompt"]), r["mode"]))
+            ratio = f"{base / r['ms_per_token']:.2f}x" if isinstance(base, float) else ""
+            agree = r.get("agreement_with_exact")
+            agree = "" if agree is None else (f"{agree:.3f}" if isinstance(agree, float) else agree)
+            lines.append(
+                f"| {r['variant']} | {r['batch']}x{r['prompt']} | {r['mode']} | {r['ms_per_token']:.2f} | {ratio} | "
+                f"{r['cache_bytes_per_token']:.0f} | {r['peak_gib']:.2f} | {agree} |"
+            )
+        (out / "generate.md").write_text("\n".join(lines) + "\n")
+        if final:
+            print("\n".join(lines))
+
     variants = args.variants.split(";")
     if args.sequential:
         # one model at a time: built, measured (its rounds back to back), released; for caches so large that two
@@ -270,6 +359,7 @@ def main() -> int:
                     for mode in args.modes.split(","):
                         measure(variant, model, case, mode, rnd)
             rows_of(variant, model)
+            write_tables(final=False)  # a call cut by its time limit keeps the models measured so far
             release_caches(model, compiled=True)
             del model
             torch.cuda.empty_cache()
@@ -289,34 +379,8 @@ def main() -> int:
                         measure(variant, model, case, mode, rnd)
         for variant, model in models.items():
             rows_of(variant, model)
-    (out / "generate.json").write_text(json.dumps(res, indent=1))
-    lines = [
-        f"# ms per generated token ({res['gpu']}, torch {res['torch']}, triton {res['triton']}, transformers "
-        f"{res['transformers']}; {'d768 L12 H12' if size == SIZE else json.dumps(size)} "
-        f"{'bf16' if args.device == 'cuda' else 'float32'}, greedy, {args.new_tokens} new tokens, best of "
-        f"{args.rounds} {'rounds, one model at a time' if args.sequential else 'interleaved rounds'})",
-        "",
-        "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) | cache bytes/token | peak GiB | "
-        "tokens as exact decode |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["rows"]:
-        if "error" in r:
-            lines.append(
-                f"| {r['variant']} | {r.get('batch', '')}x{r.get('prompt', '')} | {r.get('mode', '')} | "
-                f"error: {r['error'][:100]} | | | | |"
-            )
-            continue
-        base = best.get(("llama", (r["batch"], r["prompt"]), r["mode"]))
-        ratio = f"{base / r['ms_per_token']:.2f}x" if isinstance(base, float) else ""
-        agree = r.get("agreement_with_exact")
-        agree = "" if agree is None else (f"{agree:.3f}" if isinstance(agree, float) else agree)
-        lines.append(
-            f"| {r['variant']} | {r['batch']}x{r['prompt']} | {r['mode']} | {r['ms_per_token']:.2f} | {ratio} | "
-            f"{r['cache_bytes_per_token']:.0f} | {r['peak_gib']:.2f} | {agree} |"
-        )
-    (out / "generate.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+
+    write_tables(final=True)
     return 0
 
 
