@@ -75,6 +75,8 @@ DECODE_CONFIGS = [
     ({"BLOCK_M": 16, "BLOCK_N": 32}, 4, 2),
 ]
 _INTERPRET_CONFIG = ({"BLOCK_M": 16, "BLOCK_N": 16}, 1, 1)
+# The rescue launch after a fixed-maximum forward (rarely any work: see RESCUE in the kernel); fits head dim 256.
+RESCUE_CONFIG = ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
 
 
 def _fits(cfg, nargs, rows_key="BLOCK_M", cols_key="BLOCK_N") -> bool:
@@ -397,6 +399,7 @@ if HAS_TRITON:
         SEP_PREFIX: tl.constexpr,
         TIED: tl.constexpr,
         FIXED_MAX: tl.constexpr,
+        RESCUE: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -410,6 +413,12 @@ if HAS_TRITON:
         t0 = S - NQ  # position of query row 0 (bottom-right alignment)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < NQ
+        if RESCUE:
+            # the second launch after a FIXED_MAX forward: only row blocks holding a row it marked (lse = NaN) run,
+            # with the online softmax; the others leave at once
+            marked = tl.load(LSE + bh * NQ + offs_m, mask=row_ok, other=0.0)
+            if tl.max((marked != marked).to(tl.int32), 0) == 0:
+                return
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
         q = _load_tile(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], row_ok, offs_d, D, D_PAD, True)
@@ -456,8 +465,10 @@ if HAS_TRITON:
             # The distance score is bounded by its query: s_ij = -c ||q_i - k_j||^2 + c ||q_i||^2 <= c ||q_i||^2
             # (log2 units).  So a fixed row "maximum" near that bound replaces the running one: no row max, no
             # rescaling of acc and l per tile.  A headroom of 40 keeps p <= 2^40; a row whose sum leaves
-            # [2^-60, 2^100] (every key far away, or key log-weights beyond the bound) runs again with the online
-            # softmax, so the result never depends on the guess.
+            # [2^-60, 2^100] (every key far away, or key log-weights beyond the bound) is marked and its row block
+            # runs again with the online softmax in a second launch (RESCUE), so the result never depends on the
+            # guess.  (The rescue in this launch, a second inlined copy of every loop, spilled 104 registers per
+            # thread at 128 x 64 tiles: benchmarks/results/h100-2026-11-27o, call 3.)
             qf32 = q.to(tl.float32)
             m_i = tl.sum(qf32 * qf32, 1) * (-kn_coef) - 40.0
         acc, l_i, m_i = _fwd_rows(
@@ -465,17 +476,6 @@ if HAS_TRITON:
             sksn, P, S, NQ, pid_m, a, kn_coef, WINDOW, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW,
             HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, SPLIT, FIXED_MAX, DOT_PREC,
         )
-        if FIXED_MAX:
-            # NaN fails both comparisons and is rescued too; rows past NQ never count
-            sound = (l_i >= 8.673617379884035e-19) & (l_i <= 1.2676506002282294e30)
-            if tl.max((row_ok & ~sound).to(tl.int32), 0) > 0:
-                acc, l_i, m_i = _fwd_rows(
-                    tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
-                    tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), q, qs_r, beta_r, t_r, PK_ptr, PV_ptr, K_seq,
-                    V_seq, KB_ptr, KS_ptr, pkn, pvn, skn, svn, sksn, P, S, NQ, pid_m, a, kn_coef, WINDOW, D, DV,
-                    D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE, KV_SAME,
-                    KNORM_INLINE, SPLIT, False, DOT_PREC,
-                )
 
         if HAS_EPS:
             e = LOG2_EPS - r  # log2 of the eps term, relative to the scores without r
@@ -495,6 +495,11 @@ if HAS_TRITON:
                 den = l_i * tl.math.exp2(m_i - big) + tl.math.exp2(e - big)
                 lse = tl.where(den > 0, big + tl.math.log2(den), float("inf"))
                 out = acc * tl.math.exp2(m_i - lse)[:, None]
+                if FIXED_MAX:
+                    # a row whose sum left [2^-60, 2^100] (every key far below the guess: underflow; key log-weights
+                    # past the bound: overflow; NaN fails both tests) is marked for the rescue launch
+                    sound = (l_i >= 8.673617379884035e-19) & (l_i <= 1.2676506002282294e30)
+                    lse = tl.where(sound, lse, float("nan"))
             else:
                 lse = m_i
                 out = acc
@@ -626,7 +631,8 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
 
 
 def _flags(
-    q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in, fixed=False
+    q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in, fixed=False,
+    rescue=False,
 ):
     return dict(
         D=d,
@@ -646,6 +652,7 @@ def _flags(
         SEP_PREFIX=prefix is not None,
         TIED=tied,
         FIXED_MAX=fixed,
+        RESCUE=rescue,
         DOT_PREC=dot_precision(q.dtype),
     )
 
@@ -700,40 +707,22 @@ def distance_forward(
     if nq == 0:
         return out, lse
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
-    launch_tuned(
-        _distance_fwd,
-        grid,
-        *tensors,
-        out,
-        lse,
-        lse,
-        lse,
-        *strides,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        *sstrides,
-        *scalars,
-        SPLIT=False,
-        **_flags(
-            q,
-            d,
-            dv,
-            causal,
-            window,
-            kb,
-            qs,
-            qnorm,
-            normalize,
-            eps,
-            kv_same,
-            knorm_inline,
-            prefix,
-            b is None,
-            tau_in,
-            fixed_max,
-        ),
+    args = (*tensors, out, lse, lse, lse, *strides, out.stride(0), out.stride(1), out.stride(2), *sstrides, *scalars)
+    flags = _flags(
+        q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in,
+        fixed_max,
     )
+    launch_tuned(_distance_fwd, grid, *args, SPLIT=False, **flags)
+    if fixed_max:
+        # the rows the fixed maximum could not serve (lse = NaN), again with the online softmax; a block without
+        # such a row reads its lse and leaves (a few microseconds in all), so no tuning: one modest config
+        tiles, warps, stages = _INTERPRET_CONFIG if DEFINED_INTERPRETED else RESCUE_CONFIG
+        launch_jit(
+            _distance_fwd_kernel,
+            (triton.cdiv(nq, tiles["BLOCK_M"]), bsz * heads, 1),
+            args,
+            dict(flags, SPLIT=False, FIXED_MAX=False, RESCUE=True, **tiles, num_warps=warps, num_stages=stages),
+        )
     return out, lse
 
 
