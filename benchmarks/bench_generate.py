@@ -175,15 +175,17 @@ class StepClock:
             self.marks.append(time.perf_counter())
         return scores
 
-    def ms_per_step(self) -> float:
-        if len(self.marks) < 2:
-            raise ValueError("StepClock: needs at least 2 generated tokens (--new-tokens >= 2)")
-        first, last = self.marks[0], self.marks[-1]
+    def ms_per_step(self, skip: int = 0) -> float:
+        """Per step from the ``skip``-th generated token's step on (the first decode steps compile and capture)."""
+        marks = self.marks[skip:]
+        if len(marks) < 2:
+            raise ValueError(f"StepClock: needs at least {skip + 2} generated tokens (--new-tokens > --skip-steps + 1)")
+        first, last = marks[0], marks[-1]
         ms = first.elapsed_time(last) if self.cuda else 1e3 * (last - first)
-        return ms / (len(self.marks) - 1)
+        return ms / (len(marks) - 1)
 
 
-def step_timed_generate(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None = None):
+def step_timed_generate(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None = None, skip: int = 0):
     """``(ms per decode step, peak allocated GPU bytes)`` of one greedy ``generate`` (:class:`StepClock`): one
     prefill per measurement instead of ``timed_generate``'s two, for prompts whose prefill takes minutes."""
     from transformers import LogitsProcessorList
@@ -200,7 +202,7 @@ def step_timed_generate(model, ids, new_tokens: int, mode: str, prefill_chunk: i
     if cuda:
         torch.cuda.synchronize()
     assert out.shape[1] == ids.shape[1] + new_tokens and len(clock.marks) == new_tokens
-    return clock.ms_per_step(), torch.cuda.max_memory_allocated() if cuda else 0
+    return clock.ms_per_step(skip), torch.cuda.max_memory_allocated() if cuda else 0
 
 
 def agreement(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None) -> float:
@@ -230,6 +232,9 @@ def main() -> int:
     ap.add_argument("--step-clock", action="store_true",
                     help="time the decode steps inside one generate (a CUDA event per step) instead of t(n) - t(1): "
                          "one prefill per measurement (long prompts)")
+    ap.add_argument("--skip-steps", type=int, default=0,
+                    help="--step-clock: time from this generated token's step on; with --rounds 0 the warm-up generate "
+                         "itself is timed (its first steps compile: skip them, e.g. 16), one prefill per model")
     ap.add_argument("--sequential", action="store_true",
                     help="one model at a time (built, measured, released) instead of interleaved rounds: for caches "
                          "too large for every model at once; Llama's ratio then compares different moments")
@@ -267,7 +272,8 @@ def main() -> int:
             with decoder_settings(parse_variant(variant)[2]):
                 if args.step_clock:
                     t0 = time.perf_counter()
-                    ms, mem = step_timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
+                    ms, mem = step_timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk,
+                                                  args.skip_steps)
                     t1, tn = 0.0, time.perf_counter() - t0
                 else:
                     t1, _ = timed_generate(model, prompts[case], 1, mode, args.prefill_chunk)
@@ -280,7 +286,7 @@ def main() -> int:
             print(f"[error] {key}: {err}", flush=True)
             release_caches(model, compiled=args.sequential)  # what the failed call held must not fail the next model
             return
-        if rnd == 0:
+        if rnd == 0 and not (args.step_clock and args.rounds == 0):
             # no per-token figure: the first (1-token) call also compiles and tunes, so t(n) - t(1) can be negative
             what = "one generate" if args.step_clock else f"1 token {t1:.2f} s,"
             print(f"[warm-up] {variant} {case} {mode}: {what} {args.new_tokens} tokens {tn:.2f} s", flush=True)
@@ -317,8 +323,9 @@ def main() -> int:
         lines = [
             f"# ms per generated token ({res['gpu']}, torch {res['torch']}, triton {res['triton']}, transformers "
             f"{res['transformers']}; {'d768 L12 H12' if size == SIZE else json.dumps(size)} "
-            f"{'bf16' if args.device == 'cuda' else 'float32'}, greedy, {args.new_tokens} new tokens, best of "
-            f"{args.rounds} {'rounds, one model at a time' if args.sequential else 'interleaved rounds'}; "
+            f"{'bf16' if args.device == 'cuda' else 'float32'}, greedy, {args.new_tokens} new tokens, "
+            + (f"the warm-up timed from step {args.skip_steps}, " if args.rounds == 0 else f"best of {args.rounds} ")
+            + f"{'rounds, one model at a time' if args.sequential else 'interleaved rounds'}; "
             f"{'decode steps timed inside one generate' if args.step_clock else '(t(n) - t(1)) / (n - 1)'})",
             "",
             "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) | cache bytes/token | peak GiB | "

@@ -13,10 +13,9 @@ variant is reported per cell, and each cell is first checked against the naive f
 (``check_cell``: the run stops on a relative error over 3e-2).  Writes ``forward_variants.json`` / ``.md``.
 
 What the rows say: "no norm term" against flash is the kernel's own shape (tiles, pipelining); "inline norms" against
-"no norm term" is what computing ``||k||^2`` from a second read of each key tile costs; "online max" is the shipped
-kernel with a running row maximum instead of the fixed one from the query norm (``kernels_flash_fwd.FIXED_ROW_MAX``);
-"key-bias pass" trades that for one more launch that reads the keys once (its own time in its own row).
-``--backward`` adds the backward kernels alone (dQ and dK/dV on saved forward outputs) of the three variants and SDPA flash's backward: the same split for the
+"no norm term" is what computing ``||k||^2`` from a second read of each key tile costs; "key-bias pass" trades that
+for one more launch that reads the keys once (its own time in its own row).  ``--backward`` adds the backward kernels
+alone (dQ and dK/dV on saved forward outputs) of the three variants and SDPA flash's backward: the same split for the
 backward, whose dQ loop streams the key tiles as the forward does.
 """
 
@@ -63,7 +62,7 @@ def rbf_inputs(b, h, n, d, device, dtype, seed=0):
 
 
 # the variants that compute the rbf score (checked against the reference before any timing)
-CHECKED = ("inline norms (shipped)", "inline norms, online max", "key-bias pass + forward")
+CHECKED = ("inline norms (shipped)", "key-bias pass + forward")
 
 
 def variants(q, k, v, gamma):
@@ -71,18 +70,12 @@ def variants(q, k, v, gamma):
     b, h, n, _ = q.shape
     common = dict(causal=True, window=None, num_prefix_keys=0, normalize=True, qnorm=False, kv_same=False, eps=0.0)
 
-    fixed = kernels_flash_fwd.use_fixed_max(None, None, True, True, q.dtype)  # what the model's forward chooses
-
     def inline():
-        return distance_forward(q, k, v, None, None, None, None, gamma, None, knorm_inline=True, fixed_max=fixed,
-                                **common)[0]
-
-    def inline_online():
         return distance_forward(q, k, v, None, None, None, None, gamma, None, knorm_inline=True, **common)[0]
 
     def kb_pass():
         kb, _ = key_bias(k, -gamma, None, None, h, n, b, True)
-        return distance_forward(q, k, v, kb, None, None, None, gamma, None, fixed_max=fixed, **common)[0]
+        return distance_forward(q, k, v, kb, None, None, None, gamma, None, **common)[0]
 
     def kb_alone():
         return key_bias(k, -gamma, None, None, h, n, b, True)[0]
@@ -90,8 +83,8 @@ def variants(q, k, v, gamma):
     def no_norm():
         return distance_forward(q, k, v, None, None, None, None, gamma, None, **common)[0]
 
-    return {"inline norms (shipped)": inline, "inline norms, online max": inline_online,
-            "key-bias pass + forward": kb_pass, "key-bias pass alone": kb_alone, "no norm term": no_norm}
+    return {"inline norms (shipped)": inline, "key-bias pass + forward": kb_pass, "key-bias pass alone": kb_alone,
+            "no norm term": no_norm}
 
 
 def backward_variants(q, k, v, gamma, dout):
@@ -322,8 +315,8 @@ def main():
     lines = [f"# Forward variants, causal bf16 ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
              f"{args.tokens} tokens per call, H{args.heads}; ms, best of {args.rounds} interleaved rounds of the "
              f"median of {args.iters})", ""]
-    names = ["SDPA flash", "SDPA cuDNN", "inline norms (shipped)", "inline norms, online max",
-             "key-bias pass + forward", "key-bias pass alone", "no norm term"]
+    names = ["SDPA flash", "SDPA cuDNN", "inline norms (shipped)", "key-bias pass + forward", "key-bias pass alone",
+             "no norm term"]
     if args.backward:
         names += ["SDPA flash bwd", "bwd inline norms", "bwd norms from the pass", "bwd no norm term"]
     lines += ["| shape | " + " | ".join(names) + " | shipped / flash | no norm / flash | autotuned config | "

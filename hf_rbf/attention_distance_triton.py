@@ -36,7 +36,7 @@ from torch import Tensor
 from .attention_utils import MaskArgs
 from .kernels_common import key_bias, triton_unavailable_reason
 from .kernels_flash_bwd import distance_backward
-from .kernels_flash_fwd import distance_decode, distance_forward, use_fixed_max
+from .kernels_flash_fwd import distance_decode, distance_forward
 
 _NS = (
     "hf_rbf"
@@ -155,7 +155,6 @@ def _forward_impl(
         knorm_inline=inline,
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
         tau_in=tau_in,
-        fixed_max=use_fixed_max(b, qs, normalize, knorm, q.dtype),
     )
     return out, lse, kb
 

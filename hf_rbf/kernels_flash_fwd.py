@@ -53,10 +53,6 @@ if HAS_TRITON:
     from .kernels_common import _allowed, _dot, _key_range, _load_tile, _row_sq_norms
 
 
-# The training forward of the distance form (rbf, GKA) keeps a fixed row maximum from the query norm instead of a
-# running one (`use_fixed_max`); False restores the online softmax everywhere (benchmarks compare the two).
-FIXED_ROW_MAX = True
-
 # (tile sizes, num_warps, num_stages).  BLOCK_N = 64 with 4 warps is the Triton tutorial's Hopper choice at head dim
 # 64; 128-wide key tiles and 8 warps pay at head dim 128 where one wgmma per tile amortises more; 64x32 tiles keep
 # the fp32 accumulator of head dim 256 in registers.  Pruned by `_prune_fwd` (shared memory, registers, autotune off).
@@ -75,8 +71,6 @@ DECODE_CONFIGS = [
     ({"BLOCK_M": 16, "BLOCK_N": 32}, 4, 2),
 ]
 _INTERPRET_CONFIG = ({"BLOCK_M": 16, "BLOCK_N": 16}, 1, 1)
-# The rescue launch after a fixed-maximum forward (rarely any work: see RESCUE in the kernel); fits head dim 256.
-RESCUE_CONFIG = ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 2)
 
 
 def _fits(cfg, nargs, rows_key="BLOCK_M", cols_key="BLOCK_N") -> bool:
@@ -185,7 +179,6 @@ if HAS_TRITON:
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
         KNORM_INLINE: tl.constexpr,
-        FIXED: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         """Key tiles ``lo .. hi`` (indices ``key_base + n``, valid below ``bound``).
@@ -218,15 +211,7 @@ if HAS_TRITON:
                 s = tl.where(ok, s, float("-inf"))
             elif MODE == 2:
                 s = tl.where(col_ok[None, :], s, float("-inf"))
-            if FIXED:
-                # a fixed row maximum (see FIXED_MAX in the kernel): no running max, no rescaling.  The row sum adds
-                # the probabilities as the P @ V product sees them (rounded to V's dtype), so that the output is a
-                # convex combination of the values whatever the rounding: a row with one dominant key returns its
-                # value exactly, as the online softmax does with its p = 1 (without it, bf16 gradients lost a factor
-                # of 2.5 in accuracy on the tests' shapes)
-                p = tl.math.exp2(s - m_i[:, None]).to(V_ptr.dtype.element_ty)
-                l_i += tl.sum(p.to(tl.float32), 1)
-            elif NORMALIZE:
+            if NORMALIZE:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 # A row that has seen no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -242,90 +227,6 @@ if HAS_TRITON:
             else:
                 v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
             acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
-        return acc, l_i, m_i
-
-    @triton.jit
-    def _fwd_rows(
-        acc,
-        l_i,
-        m_i,
-        q,
-        qs_r,
-        beta_r,
-        t_r,
-        PK_ptr,
-        PV_ptr,
-        K_seq,
-        V_seq,
-        KB_ptr,
-        KS_ptr,
-        pkn,
-        pvn,
-        skn,
-        svn,
-        sksn,
-        P,
-        S,
-        NQ,
-        pid_m,
-        a,
-        kn_coef,
-        WINDOW,
-        D: tl.constexpr,
-        DV: tl.constexpr,
-        D_PAD: tl.constexpr,
-        DV_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        HAS_KB: tl.constexpr,
-        SCALAR: tl.constexpr,
-        NORMALIZE: tl.constexpr,
-        KV_SAME: tl.constexpr,
-        KNORM_INLINE: tl.constexpr,
-        SPLIT: tl.constexpr,
-        FIXED: tl.constexpr,
-        DOT_PREC: tl.constexpr,
-    ):
-        """Every key tile of one row block: the prefix keys, then the masked edge tiles before and after the fully
-        allowed ones (split-K: this program's chunk of them)."""
-        # the prefix (register tokens / sinks): visible to every query; split 0 owns it in decode
-        prefix_hi = P
-        if SPLIT:
-            prefix_hi = P - P * tl.minimum(tl.program_id(2), 1)
-        acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, PK_ptr, PV_ptr, KB_ptr, KS_ptr, pkn, pvn, sksn, 0, prefix_hi, 0, P,
-            a, kn_coef, WINDOW, 2, D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE,
-            KV_SAME, KNORM_INLINE, FIXED, DOT_PREC,
-        )
-        t0 = S - NQ
-        t_first = t0 + pid_m * BLOCK_M
-        t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
-        start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
-        if SPLIT:
-            n_split = tl.num_programs(2)
-            chunk = tl.cdiv(tl.cdiv(end - start, n_split), BLOCK_N) * BLOCK_N
-            c0 = start + tl.program_id(2) * chunk
-            start = tl.minimum(c0, end)
-            end = tl.minimum(c0 + chunk, end)
-            full_lo = tl.minimum(tl.maximum(full_lo, start), end)
-            full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
-        acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, KB_ptr, KS_ptr, skn, svn, sksn, start, full_lo, P, S,
-            a, kn_coef, WINDOW, 1, D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE,
-            KV_SAME, KNORM_INLINE, FIXED, DOT_PREC,
-        )
-        acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, KB_ptr, KS_ptr, skn, svn, sksn, full_lo, full_hi, P,
-            S, a, kn_coef, WINDOW, 0, D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE,
-            KV_SAME, KNORM_INLINE, FIXED, DOT_PREC,
-        )
-        acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, KB_ptr, KS_ptr, skn, svn, sksn, full_hi, end, P, S,
-            a, kn_coef, WINDOW, 1, D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, NORMALIZE,
-            KV_SAME, KNORM_INLINE, FIXED, DOT_PREC,
-        )
         return acc, l_i, m_i
 
     @triton.jit
@@ -398,8 +299,6 @@ if HAS_TRITON:
         KNORM_INLINE: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
         TIED: tl.constexpr,
-        FIXED_MAX: tl.constexpr,
-        RESCUE: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -413,12 +312,6 @@ if HAS_TRITON:
         t0 = S - NQ  # position of query row 0 (bottom-right alignment)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < NQ
-        if RESCUE:
-            # the second launch after a FIXED_MAX forward: only row blocks holding a row it marked (lse = NaN) run,
-            # with the online softmax; the others leave at once
-            marked = tl.load(LSE + bh * NQ + offs_m, mask=row_ok, other=0.0)
-            if tl.max((marked != marked).to(tl.int32), 0) == 0:
-                return
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
         q = _load_tile(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], row_ok, offs_d, D, D_PAD, True)
@@ -461,20 +354,169 @@ if HAS_TRITON:
         KB_ptr = KB + bh * NK
         KS_ptr = KS + b * sksb + h * sksh
 
-        if FIXED_MAX:
-            # The distance score is bounded by its query: s_ij = -c ||q_i - k_j||^2 + c ||q_i||^2 <= c ||q_i||^2
-            # (log2 units).  So a fixed row "maximum" near that bound replaces the running one: no row max, no
-            # rescaling of acc and l per tile.  A headroom of 40 keeps p <= 2^40; a row whose sum leaves
-            # [2^-60, 2^100] (every key far away, or key log-weights beyond the bound) is marked and its row block
-            # runs again with the online softmax in a second launch (RESCUE), so the result never depends on the
-            # guess.  (The rescue in this launch, a second inlined copy of every loop, spilled 104 registers per
-            # thread at 128 x 64 tiles: benchmarks/results/h100-2026-11-27o, call 3.)
-            qf32 = q.to(tl.float32)
-            m_i = tl.sum(qf32 * qf32, 1) * (-kn_coef) - 40.0
-        acc, l_i, m_i = _fwd_rows(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, PK_ptr, PV_ptr, K_seq, V_seq, KB_ptr, KS_ptr, pkn, pvn, skn, svn,
-            sksn, P, S, NQ, pid_m, a, kn_coef, WINDOW, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW,
-            HAS_KB, SCALAR, NORMALIZE, KV_SAME, KNORM_INLINE, SPLIT, FIXED_MAX, DOT_PREC,
+        # the prefix (register tokens / sinks): visible to every query; split 0 owns it in decode
+        prefix_hi = P
+        if SPLIT:
+            prefix_hi = P - P * tl.minimum(tl.program_id(2), 1)
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            PK_ptr,
+            PV_ptr,
+            KB_ptr,
+            KS_ptr,
+            pkn,
+            pvn,
+            sksn,
+            0,
+            prefix_hi,
+            0,
+            P,
+            a,
+            kn_coef,
+            WINDOW,
+            2,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
+
+        t_first = t0 + pid_m * BLOCK_M
+        t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
+        start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
+        if SPLIT:
+            n_split = tl.num_programs(2)
+            chunk = tl.cdiv(tl.cdiv(end - start, n_split), BLOCK_N) * BLOCK_N
+            c0 = start + tl.program_id(2) * chunk
+            start = tl.minimum(c0, end)
+            end = tl.minimum(c0 + chunk, end)
+            full_lo = tl.minimum(tl.maximum(full_lo, start), end)
+            full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_seq,
+            V_seq,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            start,
+            full_lo,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            1,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_seq,
+            V_seq,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            full_lo,
+            full_hi,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            0,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+        )
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_seq,
+            V_seq,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            full_hi,
+            end,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            1,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
         )
 
         if HAS_EPS:
@@ -495,11 +537,6 @@ if HAS_TRITON:
                 den = l_i * tl.math.exp2(m_i - big) + tl.math.exp2(e - big)
                 lse = tl.where(den > 0, big + tl.math.log2(den), float("inf"))
                 out = acc * tl.math.exp2(m_i - lse)[:, None]
-                if FIXED_MAX:
-                    # a row whose sum left [2^-60, 2^100] (every key far below the guess: underflow; key log-weights
-                    # past the bound: overflow; NaN fails both tests) is marked for the rescue launch
-                    sound = (l_i >= 8.673617379884035e-19) & (l_i <= 1.2676506002282294e30)
-                    lse = tl.where(sound, lse, float("nan"))
             else:
                 lse = m_i
                 out = acc
@@ -558,7 +595,7 @@ if HAS_TRITON:
     # (KNORM_INLINE) and of one that loads a bias per key (HAS_KB) differ
     _FWD_KEY = [
         *("D_PAD", "DV_PAD", "N_BUCKET", "PLANES"),
-        *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME", "HAS_KB", "KNORM_INLINE", "FIXED_MAX"),
+        *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME", "HAS_KB", "KNORM_INLINE"),
     ]
     _distance_fwd = autotune(make_configs(FWD_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(_distance_fwd_kernel)
     _distance_decode = autotune(make_configs(DECODE_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(
@@ -630,10 +667,7 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
     return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta + sprefix, scalars
 
 
-def _flags(
-    q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in, fixed=False,
-    rescue=False,
-):
+def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in):
     return dict(
         D=d,
         DV=dv,
@@ -651,8 +685,6 @@ def _flags(
         KNORM_INLINE=knorm_inline,
         SEP_PREFIX=prefix is not None,
         TIED=tied,
-        FIXED_MAX=fixed,
-        RESCUE=rescue,
         DOT_PREC=dot_precision(q.dtype),
     )
 
@@ -678,7 +710,6 @@ def distance_forward(
     knorm_inline=False,
     prefix=None,
     tau_in=False,
-    fixed_max=False,
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
 
@@ -691,14 +722,8 @@ def distance_forward(
     computed from the key tiles (the key norms without a key-bias pass; ``kb`` then holds at most the key
     log-weights and padding); ``prefix``: None, or the ``num_prefix_keys`` prefix keys and values ``(pk [B|1, H, P,
     D], pv [B|1, G, P, Dv])`` as separate tensors (then ``k`` / ``v`` hold only the sequence keys; ``kb``, ``ks``
-    and the masks still cover all ``P + N`` keys); ``fixed_max``: the softmax with a fixed row maximum from the query
-    norm instead of a running one (see :func:`fixed_max_applies`).
+    and the masks still cover all ``P + N`` keys).
     """
-    if fixed_max and not fixed_max_applies(b, qs, normalize, True, q.dtype):
-        raise ValueError(
-            "fixed_max=True needs the distance form (b=None) with its key norms, softmax (normalize=True), no scalar "
-            f"term (qs=None) and a bfloat16 or float32 query (got {q.dtype})"
-        )
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
         q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix
     )
@@ -707,37 +732,26 @@ def distance_forward(
     if nq == 0:
         return out, lse
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
-    args = (*tensors, out, lse, lse, lse, *strides, out.stride(0), out.stride(1), out.stride(2), *sstrides, *scalars)
-    flags = _flags(
-        q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in,
-        fixed_max,
+    launch_tuned(
+        _distance_fwd,
+        grid,
+        *tensors,
+        out,
+        lse,
+        lse,
+        lse,
+        *strides,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        *sstrides,
+        *scalars,
+        SPLIT=False,
+        **_flags(
+            q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in
+        ),
     )
-    launch_tuned(_distance_fwd, grid, *args, SPLIT=False, **flags)
-    if fixed_max:
-        # the rows the fixed maximum could not serve (lse = NaN), again with the online softmax; a block without
-        # such a row reads its lse and leaves (a few microseconds in all), so no tuning: one modest config
-        tiles, warps, stages = _INTERPRET_CONFIG if DEFINED_INTERPRETED else RESCUE_CONFIG
-        launch_jit(
-            _distance_fwd_kernel,
-            (triton.cdiv(nq, tiles["BLOCK_M"]), bsz * heads, 1),
-            args,
-            dict(flags, SPLIT=False, FIXED_MAX=False, RESCUE=True, **tiles, num_warps=warps, num_stages=stages),
-        )
     return out, lse
-
-
-def fixed_max_applies(b, qs, normalize: bool, knorm: bool, dtype) -> bool:
-    """Whether the forward may use a fixed row maximum: the distance form ``-c ||q - k||^2`` with its key-norm term
-    (``b`` None, ``knorm``), whose score is bounded above by ``c ||q||^2``, under a softmax (``normalize``; the
-    softmax-free path already has a fixed maximum), without the hybrid's scalar term (``qs`` None, whose dot part has
-    no such bound), and a query dtype that holds probabilities up to ``2^40`` in the P @ V product (bfloat16 and
-    float32; float16 tops out at 65504)."""
-    return b is None and knorm and normalize and qs is None and dtype in (torch.bfloat16, torch.float32)
-
-
-def use_fixed_max(b, qs, normalize: bool, knorm: bool, dtype) -> bool:
-    """``fixed_max`` for a training forward: ``FIXED_ROW_MAX`` and :func:`fixed_max_applies`."""
-    return FIXED_ROW_MAX and fixed_max_applies(b, qs, normalize, knorm, dtype)
 
 
 def _num_sms(device) -> int:

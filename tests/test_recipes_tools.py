@@ -345,9 +345,10 @@ def test_bench_generate_runs_every_model_interleaved_or_one_at_a_time(tmp_path, 
     size = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "intermediate_size": 128}
     cmd = [sys.executable, str(root / "benchmarks" / "bench_generate.py"), "--out", str(tmp_path), "--device", "cpu",
-           "--size", json.dumps(size), "--cases", "1x12", "--new-tokens", "3", "--rounds", "1", "--modes",
+           "--size", json.dumps(size), "--cases", "1x12", "--new-tokens", "4", "--rounds", "1", "--modes",
            "dynamic,static", "--variants", "llama;gka;scalar_sort (window 4)"]
-    cmd += ["--sequential", "--step-clock"] if sequential else []
+    # one model at a time, the steps timed inside its one (warm-up) generate from the second on
+    cmd += ["--sequential", "--step-clock", "--rounds", "0", "--skip-steps", "1"] if sequential else []
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(root)), cwd=root, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
