@@ -324,8 +324,12 @@ def main() -> int:
             f"# ms per generated token ({res['gpu']}, torch {res['torch']}, triton {res['triton']}, transformers "
             f"{res['transformers']}; {'d768 L12 H12' if size == SIZE else json.dumps(size)} "
             f"{'bf16' if args.device == 'cuda' else 'float32'}, greedy, {args.new_tokens} new tokens, "
-            + (f"the warm-up timed from step {args.skip_steps}, " if args.rounds == 0 else f"best of {args.rounds} ")
-            + f"{'rounds, one model at a time' if args.sequential else 'interleaved rounds'}; "
+            + ", ".join(
+                [f"the warm-up timed from step {args.skip_steps}" if args.rounds == 0
+                 else f"best of {args.rounds} {'rounds' if args.sequential else 'interleaved rounds'}"]
+                + (["one model at a time"] if args.sequential else [])
+            )
+            + "; "
             f"{'decode steps timed inside one generate' if args.step_clock else '(t(n) - t(1)) / (n - 1)'})",
             "",
             "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) | cache bytes/token | peak GiB | "
