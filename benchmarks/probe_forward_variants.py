@@ -13,11 +13,10 @@ variant is reported per cell, and each cell is first checked against the naive f
 (``check_cell``: the run stops on a relative error over 3e-2).  Writes ``forward_variants.json`` / ``.md``.
 
 What the rows say: "no norm term" against flash is the kernel's own shape (tiles, pipelining); "inline norms" against
-"no norm term" is what computing ``||k||^2`` from a second read of each key tile costs; "key-bias pass" trades that for
-one more launch that reads the keys once (its own time in its own row); "norms through the MMA" adds the norm term in a
-16-wide extra tensor-core step (``kx``, built beforehand, untimed) instead of an operation per score. ``--backward``
-adds the backward kernels alone (dQ and dK/dV on saved forward outputs) of the three variants and SDPA flash's backward:
-the same split for the backward, whose dQ loop streams the key tiles as the forward does.
+"no norm term" is what computing ``||k||^2`` from a second read of each key tile costs; "key-bias pass" trades that
+for one more launch that reads the keys once (its own time in its own row).  ``--backward`` adds the backward kernels
+alone (dQ and dK/dV on saved forward outputs) of the three variants and SDPA flash's backward: the same split for the
+backward, whose dQ loop streams the key tiles as the forward does.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ def rbf_inputs(b, h, n, d, device, dtype, seed=0):
 
 
 # the variants that compute the rbf score (checked against the reference before any timing)
-CHECKED = ("inline norms (shipped)", "key-bias pass + forward", "norms through the MMA (kx given)")
+CHECKED = ("inline norms (shipped)", "key-bias pass + forward")
 
 
 def variants(q, k, v, gamma):
@@ -81,16 +80,11 @@ def variants(q, k, v, gamma):
     def kb_alone():
         return key_bias(k, -gamma, None, None, h, n, b, True)[0]
 
-    kx = kernels_flash_fwd.norm_columns(k)  # built once: the row times the kernel (the pass would write it)
-
-    def mma_norms():
-        return distance_forward(q, k, v, None, None, None, None, gamma, None, kx=kx, **common)[0]
-
     def no_norm():
         return distance_forward(q, k, v, None, None, None, None, gamma, None, **common)[0]
 
     return {"inline norms (shipped)": inline, "key-bias pass + forward": kb_pass, "key-bias pass alone": kb_alone,
-            "norms through the MMA (kx given)": mma_norms, "no norm term": no_norm}
+            "no norm term": no_norm}
 
 
 def backward_variants(q, k, v, gamma, dout):
@@ -322,7 +316,7 @@ def main():
              f"{args.tokens} tokens per call, H{args.heads}; ms, best of {args.rounds} interleaved rounds of the "
              f"median of {args.iters})", ""]
     names = ["SDPA flash", "SDPA cuDNN", "inline norms (shipped)", "key-bias pass + forward", "key-bias pass alone",
-             "norms through the MMA (kx given)", "no norm term"]
+             "no norm term"]
     if args.backward:
         names += ["SDPA flash bwd", "bwd inline norms", "bwd norms from the pass", "bwd no norm term"]
     lines += ["| shape | " + " | ".join(names) + " | shipped / flash | no norm / flash | autotuned config | "

@@ -155,7 +155,6 @@ if HAS_TRITON:
         K_ptr,
         V_ptr,
         KB_ptr,
-        KX_ptr,
         KS_ptr,
         skn,
         svn,
@@ -180,7 +179,6 @@ if HAS_TRITON:
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
         KNORM_INLINE: tl.constexpr,
-        KNORM_MMA: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         """Key tiles ``lo .. hi`` (indices ``key_base + n``, valid below ``bound``).
@@ -190,23 +188,12 @@ if HAS_TRITON:
         """
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
-        if KNORM_MMA:
-            # the norm term through the tensor cores: a 16-wide K slice, ones in the query's first three columns
-            # against the keys' -||k||^2 / 2 split into three parts of q's dtype (KX [BH, NK, 4]), so that
-            # a (q.k + kx.1) = a q.k + b ||k||^2 without an ALU operation per score (an experiment: probe_key_bias)
-            offs_x = tl.arange(0, 16)
-            ones_x = tl.where(offs_x[None, :] < 3, 1.0, 0.0).to(q.dtype) + tl.zeros([q.shape[0], 16], q.dtype)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             j = key_base + offs_n
             col_ok = offs_n < bound
             k = _load_tile(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
-            if KNORM_MMA:
-                kx = tl.load(KX_ptr + j[:, None] * 4 + offs_x[None, :], mask=col_ok[:, None] & (offs_x[None, :] < 3),
-                             other=0.0)
-                s = _dot(ones_x, tl.trans(kx), _dot(q, tl.trans(k), None, DOT_PREC), DOT_PREC) * a
-            else:
-                s = _dot(q, tl.trans(k), None, DOT_PREC) * a
+            s = _dot(q, tl.trans(k), None, DOT_PREC) * a
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
             if KNORM_INLINE:
@@ -248,7 +235,6 @@ if HAS_TRITON:
         K,
         V,
         KB,
-        KX,
         QS,
         KS,
         BETA,
@@ -311,7 +297,6 @@ if HAS_TRITON:
         KV_SAME: tl.constexpr,
         SPLIT: tl.constexpr,
         KNORM_INLINE: tl.constexpr,
-        KNORM_MMA: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
         TIED: tl.constexpr,
         DOT_PREC: tl.constexpr,
@@ -367,7 +352,6 @@ if HAS_TRITON:
             K, V, PK, PV, b, h, g, skb, skh, skn, svb, svh, svn, spkb, spkh, spkn, spvb, spvh, spvn, P, SEP_PREFIX
         )
         KB_ptr = KB + bh * NK
-        KX_ptr = KX + bh * NK * 4
         KS_ptr = KS + b * sksb + h * sksh
 
         # the prefix (register tokens / sinks): visible to every query; split 0 owns it in decode
@@ -385,7 +369,6 @@ if HAS_TRITON:
             PK_ptr,
             PV_ptr,
             KB_ptr,
-            KX_ptr,
             KS_ptr,
             pkn,
             pvn,
@@ -410,7 +393,6 @@ if HAS_TRITON:
             NORMALIZE,
             KV_SAME,
             KNORM_INLINE,
-            KNORM_MMA,
             DOT_PREC,
         )
 
@@ -436,7 +418,6 @@ if HAS_TRITON:
             K_seq,
             V_seq,
             KB_ptr,
-            KX_ptr,
             KS_ptr,
             skn,
             svn,
@@ -461,7 +442,6 @@ if HAS_TRITON:
             NORMALIZE,
             KV_SAME,
             KNORM_INLINE,
-            KNORM_MMA,
             DOT_PREC,
         )
         acc, l_i, m_i = _fwd_tiles(
@@ -475,7 +455,6 @@ if HAS_TRITON:
             K_seq,
             V_seq,
             KB_ptr,
-            KX_ptr,
             KS_ptr,
             skn,
             svn,
@@ -500,7 +479,6 @@ if HAS_TRITON:
             NORMALIZE,
             KV_SAME,
             KNORM_INLINE,
-            KNORM_MMA,
             DOT_PREC,
         )
         acc, l_i, m_i = _fwd_tiles(
@@ -514,7 +492,6 @@ if HAS_TRITON:
             K_seq,
             V_seq,
             KB_ptr,
-            KX_ptr,
             KS_ptr,
             skn,
             svn,
@@ -539,7 +516,6 @@ if HAS_TRITON:
             NORMALIZE,
             KV_SAME,
             KNORM_INLINE,
-            KNORM_MMA,
             DOT_PREC,
         )
 
@@ -619,7 +595,7 @@ if HAS_TRITON:
     # (KNORM_INLINE) and of one that loads a bias per key (HAS_KB) differ
     _FWD_KEY = [
         *("D_PAD", "DV_PAD", "N_BUCKET", "PLANES"),
-        *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME", "HAS_KB", "KNORM_INLINE", "KNORM_MMA"),
+        *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME", "HAS_KB", "KNORM_INLINE"),
     ]
     _distance_fwd = autotune(make_configs(FWD_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(_distance_fwd_kernel)
     _distance_decode = autotune(make_configs(DECODE_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(
@@ -639,7 +615,7 @@ def prefix_args(prefix, k, v, bsz: int):
     return pk, pv, spk + spv
 
 
-def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix=None, kx=None):
+def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix=None):
     bsz, heads, nq, d = q.shape
     # with separate prefix tensors, k / v hold the sequence keys only
     nk = k.shape[2] + (num_prefix_keys if prefix is not None else 0)
@@ -658,7 +634,6 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
         k,
         v,
         kb if kb is not None else dummy,
-        kx if kx is not None else dummy,
         qs if qs is not None else dummy,
         ks if ks is not None else dummy,
         beta if beta is not None else dummy,
@@ -692,9 +667,7 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
     return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta + sprefix, scalars
 
 
-def _flags(
-    q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in, kx=False
-):
+def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in):
     return dict(
         D=d,
         DV=dv,
@@ -710,7 +683,6 @@ def _flags(
         HAS_EPS=normalize and eps > 0,
         KV_SAME=kv_same,
         KNORM_INLINE=knorm_inline,
-        KNORM_MMA=kx,
         SEP_PREFIX=prefix is not None,
         TIED=tied,
         DOT_PREC=dot_precision(q.dtype),
@@ -738,7 +710,6 @@ def distance_forward(
     knorm_inline=False,
     prefix=None,
     tau_in=False,
-    kx=None,
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
 
@@ -751,11 +722,10 @@ def distance_forward(
     computed from the key tiles (the key norms without a key-bias pass; ``kb`` then holds at most the key
     log-weights and padding); ``prefix``: None, or the ``num_prefix_keys`` prefix keys and values ``(pk [B|1, H, P,
     D], pv [B|1, G, P, Dv])`` as separate tensors (then ``k`` / ``v`` hold only the sequence keys; ``kb``, ``ks``
-    and the masks still cover all ``P + N`` keys); ``kx``: an experiment (``benchmarks/probe_key_bias.py``), the key
-    norms as :func:`norm_columns` for the tensor cores instead of ``knorm_inline`` / ``kb``'s (distance form only).
+    and the masks still cover all ``P + N`` keys).
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
-        q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix, kx
+        q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix
     )
     out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(bsz, heads, nq, device=q.device, dtype=torch.float32)
@@ -778,36 +748,10 @@ def distance_forward(
         *scalars,
         SPLIT=False,
         **_flags(
-            q,
-            d,
-            dv,
-            causal,
-            window,
-            kb,
-            qs,
-            qnorm,
-            normalize,
-            eps,
-            kv_same,
-            knorm_inline,
-            prefix,
-            b is None,
-            tau_in,
-            kx is not None,
+            q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in
         ),
     )
     return out, lse
-
-
-def norm_columns(k):
-    """``kx [B, H, N, 4]`` in ``k``'s dtype: ``-||k_j||^2 / 2`` (float32) split into three parts of that dtype whose sum
-    is it to ~24 bits, and a zero column (for the forward's ``kx`` experiment)."""
-    n2 = k.float().square().sum(-1).mul(-0.5)
-    hi = n2.to(k.dtype)
-    r1 = n2 - hi.float()
-    mid = r1.to(k.dtype)
-    lo = (r1 - mid.float()).to(k.dtype)
-    return torch.stack([hi, mid, lo, torch.zeros_like(hi)], -1).contiguous()
 
 
 def _num_sms(device) -> int:
