@@ -146,6 +146,7 @@ def report_kernel(name: str, constexprs: dict, kernel) -> dict:
 
 def cases(names, n: int, d: int, dtype, prefix_keys: int = 0):
     """Inputs of each family's training call (B1 H4, causal), as CPU tensors: the host code builds the launch."""
+    from hf_rbf.kernels_common import key_bias
     from hf_rbf.kernels_flash_bwd import distance_backward
     from hf_rbf.kernels_flash_fwd import distance_decode, distance_forward
     from hf_rbf.kernels_scalar_bwd import scalar_backward
@@ -159,7 +160,7 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0):
 
     out = {}
     for name in names:
-        if name in ("rbf", "gka", "hybrid"):
+        if name in ("rbf", "gka", "hybrid", "rbf_nonorm", "rbf_pass"):
             # prefix keys (registers, the sorted families' sink) sit before the text keys, as the models pass them
             nk = n + prefix_keys
             q, k = rnd(b, h, n, d), rnd(b, h, nk, d)
@@ -178,12 +179,17 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0):
                 kv_same=name == "gka",
                 eps=1e-6 if name == "gka" else 0.0,
             )
-            knorm = name != "hybrid"
+            # rbf_nonorm: the same kernel without the key-norm term (a plain scaled softmax: the kernel's own shape);
+            # rbf_pass: the norms from the key-bias pass (one fp32 bias per key) instead of the key tiles
+            knorm = name not in ("hybrid", "rbf_nonorm")
+            inline = knorm and name != "rbf_pass"
+            kb = key_bias(k, -a, None, None, h, nk, b, True)[0] if name == "rbf_pass" else None
 
-            def run(q=q, k=k, v=v, qs=qs, ks=ks, beta=beta, a=a, bb=bb, flags=flags, knorm=knorm):
-                o, lse = distance_forward(q, k, v, None, qs, ks, beta, a, bb, knorm_inline=knorm, **flags)
+            def run(q=q, k=k, v=v, kb=kb, qs=qs, ks=ks, beta=beta, a=a, bb=bb, flags=flags, knorm=knorm, inline=inline):
+                o, lse = distance_forward(q, k, v, kb, qs, ks, beta, a, bb, knorm_inline=inline, **flags)
                 distance_backward(
-                    o, q, k, v, None, qs, ks, beta, a, bb, o, lse, knorm=knorm, need_dbeta=qs is not None, **flags
+                    o, q, k, v, kb, qs, ks, beta, a, bb, o, lse, knorm=knorm, knorm_inline=inline,
+                    need_dbeta=qs is not None, **flags
                 )
 
             out[name] = run
@@ -294,7 +300,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--cases",
         default="rbf,gka,hybrid,scalar",
-        help="of rbf, gka, hybrid, scalar, rbf_decode, gka_decode, sorted_static_scalar, sorted_static_hybrid",
+        help="of rbf, gka, hybrid, scalar, rbf_nonorm (no key-norm term), rbf_pass (norms from the key-bias pass), "
+        "rbf_decode, gka_decode, sorted_static_scalar, sorted_static_hybrid",
     )
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--d", type=int, default=64)
@@ -306,6 +313,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     known = (
         "rbf",
+        "rbf_nonorm",
+        "rbf_pass",
         "gka",
         "hybrid",
         "scalar",
