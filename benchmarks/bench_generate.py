@@ -239,6 +239,14 @@ def main() -> int:
                     help="one model at a time (built, measured, released) instead of interleaved rounds: for caches "
                          "too large for every model at once; Llama's ratio then compares different moments")
     args = ap.parse_args()
+    if args.rounds < 0:
+        ap.error(f"--rounds must be >= 0; got {args.rounds}")
+    if args.rounds == 0 and not args.step_clock:
+        ap.error("--rounds 0 times the warm-up generate itself: it needs --step-clock")
+    if args.skip_steps and not args.step_clock:
+        ap.error("--skip-steps needs --step-clock")
+    if not 0 <= args.skip_steps <= args.new_tokens - 2:
+        ap.error(f"--skip-steps must be in [0, --new-tokens - 2] = [0, {args.new_tokens - 2}]; got {args.skip_steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]

@@ -200,8 +200,8 @@ def test_compare_runs_table_and_plot(tmp_path):
 
 
 def test_kernel_benchmarks_refuse_bad_arguments():
-    """benchmarks/offline_kernel_report.py, find_nonfinite_grads.py and bench_attention.py name the argument and what
-    it takes before they compile, train or time anything."""
+    """benchmarks/offline_kernel_report.py, find_nonfinite_grads.py, bench_attention.py and bench_generate.py name the
+    argument and what it takes before they compile, train or time anything."""
     import subprocess
     import sys
 
@@ -214,6 +214,9 @@ def test_kernel_benchmarks_refuse_bad_arguments():
         ("offline_kernel_report.py", ["--prefix-keys", "-2"], "--prefix-keys takes a count"),
         ("find_nonfinite_grads.py", ["--config", "c.yaml", "--out", "unused", "--steps", "0"], "--steps must be >= 1"),
         ("bench_attention.py", ["--out", "unused", "--tokens", "0"], "--tokens must be a positive number"),
+        ("bench_generate.py", ["--out", "unused", "--rounds", "0"], "it needs --step-clock"),
+        ("bench_generate.py", ["--out", "unused", "--step-clock", "--skip-steps", "-1"], "--skip-steps must be in"),
+        ("bench_generate.py", ["--out", "unused", "--step-clock", "--skip-steps", "63"], "--skip-steps must be in"),
     ):
         cmd = [sys.executable, os.path.join(repo, "benchmarks", script), *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
