@@ -4,18 +4,21 @@ GPU: compile counters, CUDA-graph skips and a profile of the decode steps, every
     PYTHONPATH=. TORCH_LOGS=recompiles,graph_breaks,cudagraphs,perf_hints \\
         python benchmarks/diagnose_static_decode.py --out DIR [--variants "llama;rbf;gka;scalar_sort;hybrid_sort"]
         [--prompt 512] [--batch 1] [--prefill-chunk N] [--new-tokens 33] [--skip-dynamic] [--no-manual]
+        [--step-clock]
 
 Per variant (the d768 L12 H12 model of ``bench_generate.py``, ``--batch`` rows (1) of a ``--prompt``-token prompt,
 512 by default; long prompts go through the cache ``--prefill-chunk`` tokens at a time):
 
 * ms per generated token of ``generate`` with the dynamic and the static cache (``(t(n) - t(1)) / (n - 1)``,
-  ``n = --new-tokens``, 33 by default, after a warm-up call of each);
+  ``n = --new-tokens``, 33 by default, after a warm-up call of each; with ``--step-clock`` the static steps are timed
+  inside one ``generate``, one prefill instead of four);
 * ``torch._dynamo.utils.counters`` after the static calls (graphs, graph breaks, recompiles, inductor's CUDA-graph
   skips and their reasons);
-* a ``torch.profiler`` trace of one static ``generate`` of 9 new tokens: CUDA graph launches, kernel launches and the
-  CPU ops that took the most host time (where the step's host time goes when no graph replays); and the GPU time per
-  generated token by kernel, from the difference of that trace and one of a 1-token ``generate`` (the prefill and
-  the first token cancel), the kernels inside replayed CUDA graphs included: what a long-context step spends where;
+* a ``torch.profiler`` trace of the decode steps of one static ``generate`` of 9 new tokens (the profiler starts
+  when the prefill's logits reach a logits processor, so a long prefill never enters the trace): CUDA graph
+  launches, kernel launches per step and the CPU ops that took the most host time (where the step's host time goes
+  when no graph replays); and the GPU time per generated token by kernel, the kernels inside replayed CUDA graphs
+  included: what a long-context step spends where;
 * ms per step of a hand-compiled decode step (``torch.compile(model.forward, mode="reduce-overhead",
   fullgraph=True)`` over ``model.make_static_cache``), the floor ``generate`` could reach: hf_rbf families only.
 
@@ -38,7 +41,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_generate import build, timed_generate  # noqa: E402
+from benchmarks.bench_generate import build, step_timed_generate, timed_generate  # noqa: E402
 
 PROMPT = 512
 NEW = 33
@@ -66,29 +69,51 @@ def _kernel_us(prof) -> Counter:
     return out
 
 
-def profile_static(model, ids, prefill_chunk: int | None = None) -> dict:
-    """Launch counts and the top host ops of one static ``generate`` of ``PROFILED`` new tokens, and the GPU time per
-    generated token by kernel (its kernels less those of a 1-token ``generate``, over ``PROFILED - 1``)."""
+class _StartProfiler:
+    """A logits processor that starts ``prof`` when the prefill's logits reach it: the trace then holds the decode
+    steps alone (a 512k-token prefill's kernels would take minutes to parse and only cancel out)."""
+
+    def __init__(self, prof):
+        self.prof, self.calls = prof, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == 1:
+            if scores.is_cuda:
+                torch.cuda.synchronize()
+            self.prof.start()
+        return scores
+
+
+def profile_static(model, ids, prefill_chunk: int | None = None, new: int = PROFILED) -> dict:
+    """Launch counts, the top host ops and the GPU time per generated token by kernel of the decode steps of one
+    static ``generate`` of ``new`` tokens: the profiler starts once the prefill's logits exist, so the trace holds the
+    ``new - 1`` decode forwards (and their sampling) only."""
     from torch.profiler import ProfilerActivity, profile
+    from transformers import LogitsProcessorList
 
     from benchmarks.bench_generate import generate_kwargs
 
-    kernels = {}
-    for n in (1, PROFILED):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids),
-                           **generate_kwargs(model, n, "static", prefill_chunk))
-            torch.cuda.synchronize()
-        kernels[n] = _kernel_us(prof)
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else []))
+    start = _StartProfiler(prof)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([start]),
+                       **generate_kwargs(model, new, "static", prefill_chunk))
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    prof.stop()
+    if start.calls != new:
+        raise RuntimeError(f"profile_static: {start.calls} logits calls for {new} new tokens")
+    kernels = _kernel_us(prof)
     names = Counter()
     for e in prof.events():
         if e.name.startswith(("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpy", "cudaStreamSync")):
             names[e.name] += 1
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    per_token = {k: (kernels[PROFILED][k] - kernels[1].get(k, 0)) / (PROFILED - 1) for k in kernels[PROFILED]}
-    per_token = dict(sorted(((k, v) for k, v in per_token.items() if v > 0), key=lambda kv: -kv[1]))
-    return dict(launches=dict(names), top_cpu=table, kernel_us_per_token=per_token,
-                kernel_ms_per_token=sum(per_token.values()) / 1e3)
+    per_token = {k: v / (new - 1) for k, v in kernels.items() if v > 0}
+    per_token = dict(sorted(per_token.items(), key=lambda kv: -kv[1]))
+    return dict(launches={k: v / (new - 1) for k, v in names.items()}, top_cpu=table,
+                kernel_us_per_token=per_token, kernel_ms_per_token=sum(per_token.values()) / 1e3)
 
 
 def manual_step_ms(model, ids, prompt: int = PROMPT) -> float:
@@ -124,6 +149,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=NEW,
                     help="tokens of the long timed call; with long prompts the prefill's run-to-run spread divides by "
                          "this (at 131k tokens a 33-token call left +-0.3 ms per token of it)")
+    ap.add_argument("--step-clock", action="store_true",
+                    help="time the static decode steps inside one generate (a CUDA event per step) instead of "
+                         "(t(n) - t(1)) / (n - 1) over four calls: one prefill instead of four (long prompts)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,10 +172,15 @@ def main() -> int:
                 ms_per_token(model, ids, "dynamic", chunk, args.new_tokens)  # warm-up
                 row["dynamic_ms"] = ms_per_token(model, ids, "dynamic", chunk, args.new_tokens)
             t0 = time.perf_counter()
-            timed_generate(model, ids, 2, "static", chunk)  # compiles
+            # compiles; the longest call first, so that every later call fits the static cache it made (a longer
+            # call than the first one gets a bigger cache and recompiles the step for its size)
+            timed_generate(model, ids, args.new_tokens, "static", chunk)
             row["first_static_s"] = time.perf_counter() - t0
-            ms_per_token(model, ids, "static", chunk, args.new_tokens)
-            row["static_ms"] = ms_per_token(model, ids, "static", chunk, args.new_tokens)
+            if args.step_clock:
+                row["static_ms"] = step_timed_generate(model, ids, args.new_tokens, "static", chunk, skip=1)[0]
+            else:
+                ms_per_token(model, ids, "static", chunk, args.new_tokens)
+                row["static_ms"] = ms_per_token(model, ids, "static", chunk, args.new_tokens)
             row["counters"] = counters_snapshot()
             row.update(profile_static(model, ids, chunk))
             if variant != "llama" and not args.no_manual:
@@ -166,7 +199,7 @@ def main() -> int:
         f"bf16, batch {args.batch}, {args.prompt}-token prompt{f', prefill chunks of {chunk}' if chunk else ''})",
         "",
         "| model | dynamic ms/token | static ms/token | hand-compiled step ms | first static generate s | "
-        "graphs | graph breaks | cudagraph skips | launches in a 9-token static generate | GPU kernel ms per static "
+        "graphs | graph breaks | cudagraph skips | launches per decode step | GPU kernel ms per static "
         "token |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]

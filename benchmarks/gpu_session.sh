@@ -14,6 +14,9 @@
 #   bench        benchmarks/bench_attention.py (training sweep and decode rows, ratios against SDPA-flash)    [300]
 #   forward      benchmarks/probe_forward_variants.py (the rbf forward as shipped, with a key-bias pass, without
 #                the norm term, SDPA flash / cuDNN; then its tile configs one by one; FORWARD_ARGS appended)   [300]
+#   hopper       benchmarks/probe_hopper_forward.py (a tutorial-shaped rbf forward with TMA descriptors, warp
+#                specialisation on/off and three forms of the norm term, vs the shipped kernel and SDPA;
+#                HOPPER_ARGS appended)                                                                         [300]
 #   keybias      benchmarks/probe_key_bias.py (the key-bias pass's configs one by one against a copy of the keys, the
 #                rbf forward with inline norms / the pass / no norm term vs SDPA, CUDA-graph and stream timings;
 #                KEYBIAS_ARGS appended)                                                                        [240]
@@ -82,7 +85,7 @@ for d in .whl wheels; do
         --upgrade --target "$SITE" "$d"/*.whl 2>&1 | tail -3
 done
 
-declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [backwardhost]=200 [firststeps]=300 [profile]=500 [staticdecode]=400 [generate]=500 [decodeprofile]=300 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [forward]=300 [keybias]=240 [decodekernel]=240 [sorted]=120 [mass]=300 [vit]=300
+declare -A LIMIT=([env]=120 [deit]=120 [science]=560 [hostops]=240 [backwardhost]=200 [firststeps]=300 [profile]=500 [staticdecode]=400 [generate]=500 [decodeprofile]=300 [diagnose]=400 [gputests]=240 [kernelcheck]=240 [bench]=300 [forward]=300 [hopper]=300 [keybias]=240 [decodekernel]=240 [sorted]=120 [mass]=300 [vit]=300
                   [lm]=560 [multi]=400 [throughput]=150 [scaling]=540 [nonfinite]=300)
 
 job_env() {
@@ -101,6 +104,7 @@ job_gputests() { HF_RBF_TRITON_AUTOTUNE=0 python3 -m pytest -m gpu -q -p no:cach
 job_kernelcheck() { python3 benchmarks/check_kernels_gpu.py --workers 14; }
 job_bench() { python3 benchmarks/bench_attention.py --out "$1" ${BENCH_ARGS:-}; }
 job_forward() { python3 benchmarks/probe_forward_variants.py --out "$1" ${FORWARD_ARGS:-}; }
+job_hopper() { python3 benchmarks/probe_hopper_forward.py --out "$1" ${HOPPER_ARGS:-}; }
 job_keybias() { python3 benchmarks/probe_key_bias.py --out "$1" ${KEYBIAS_ARGS:-}; }
 job_decodekernel() { python3 benchmarks/probe_decode_kernel.py --out "$1" ${DECODEKERNEL_ARGS:-}; }
 job_sorted() { python3 recipes/bench_sorted_decode.py --device cuda --output "$1" ${SORTED_ARGS:-}; }
