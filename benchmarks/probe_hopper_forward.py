@@ -178,6 +178,30 @@ def check_on_cpu():
     print("every probe variant agrees with the float64 reference")
 
 
+def whole_calls(q, k, v, c):
+    """``{name: (callable, None)}``: the shipped rbf forward+backward and GKA forward, SDPA flash forward+backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    import hf_rbf
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
+    log_sigma = torch.full((q.shape[1],), 0.5 * math.log(math.sqrt(q.shape[-1])), device=q.device)
+
+    def rbf_fwd_bwd():
+        out = hf_rbf.rbf_attention(*leaves, gamma=c, causal=True, backend="triton")
+        return torch.autograd.grad(out, leaves, dout)
+
+    def sdpa_fwd_bwd():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        return torch.autograd.grad(out, leaves, dout)
+
+    return {"SDPA flash fwd+bwd": (sdpa_fwd_bwd, None), "shipped rbf fwd+bwd": (rbf_fwd_bwd, None),
+            "shipped gka forward": (lambda: hf_rbf.gka_attention(k, log_sigma, causal=True, backend="triton"), None)}
+
+
 def events_ms(fn, iters):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
@@ -227,6 +251,10 @@ def main():
     ap.add_argument("--tune-n", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-ws", action="store_true", help="leave out the warp-specialised variants")
+    ap.add_argument("--whole", action="store_true",
+                    help="add the shipped calls: rbf forward+backward and GKA's forward (rbf_attention / "
+                         "gka_attention, unchecked here: the GPU tests check them) and SDPA flash forward+backward")
     ap.add_argument("--check", action="store_true", help="CPU check of every variant under the interpreter")
     args = ap.parse_args()
     if args.check:
@@ -240,8 +268,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
     rows, tuned, failed = [], {}, {}
+    variants = [v for v in VARIANTS if not (args.no_ws and v[2])]
     for d in (int(x) for x in args.d.split(",")):
-        best, failures = tune(d, args, VARIANTS)
+        best, failures = tune(d, args, variants)
         tuned[d] = {name: list(cfg) for name, (cfg, _) in best.items()}
         failed[d] = failures
         for name, lines in failures.items():
@@ -260,21 +289,26 @@ def main():
 
             fns = {"SDPA flash": (sdpa(SDPBackend.FLASH_ATTENTION), 0),
                    "SDPA cuDNN": (sdpa(SDPBackend.CUDNN_ATTENTION), 0),
-                   "shipped rbf forward (inline norms)": (
-                       lambda: distance_forward(q, k, v, None, None, None, None, c, None, causal=True, window=None,
-                                                num_prefix_keys=0, normalize=True, qnorm=False, kv_same=False,
-                                                eps=0.0, knorm_inline=True)[0], 1)}
-            for name, norm, ws in VARIANTS:
+                   }
+            for label, tma in (("TMA", True), ("pointer loads", False)):
+                fns[f"shipped rbf forward ({label})"] = (
+                    lambda tma=tma: distance_forward(q, k, v, None, None, None, None, c, None, causal=True,
+                                                     window=None, num_prefix_keys=0, normalize=True, qnorm=False,
+                                                     kv_same=False, eps=0.0, knorm_inline=True, tma=tma)[0], 1)
+            if args.whole:
+                fns.update(whole_calls(q, k, v, c))
+            for name, norm, ws in variants:
                 if name in best:
                     fns[name] = (lambda norm=norm, ws=ws, cfg=best[name][0]:
                                  probe_forward(q, k, v, c, kb, norm, ws, cfg)[0], norm)
             errors = {}
             for name, (fn, norm) in fns.items():
                 try:
-                    errors[name] = rel_err(fn()[:1], refs[min(norm, 1)])
+                    out = fn()
+                    errors[name] = None if norm is None else rel_err(out[:1], refs[min(norm, 1)])
                 except Exception as e:  # noqa: BLE001
                     errors[name] = f"{type(e).__name__}: {str(e)[:160]}"
-            live = {name: fn for name, (fn, _) in fns.items() if isinstance(errors[name], float)}
+            live = {name: fn for name, (fn, _) in fns.items() if not isinstance(errors[name], str)}
             times = {}
             for _ in range(args.rounds):
                 for name, fn in live.items():
@@ -288,7 +322,7 @@ def main():
             print(f"D{d} N{n}:", {name: round(times.get(name, math.nan) / flash, 3) for name in fns},
                   "errors:", {name: (round(e, 5) if isinstance(e, float) else e) for name, e in errors.items()},
                   flush=True)
-            del q, k, v, kb, refs
+            q = k = v = kb = refs = fns = live = None  # the closures hold the inputs
             torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 args=vars(args), seconds=round(time.time() - started, 1), tuned=tuned, failures=failed)
@@ -298,11 +332,12 @@ def main():
         f.write(f"# Hopper forward probe\n\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
                 f"{meta['seconds']} s; causal bf16, H{args.heads}, {args.tokens} tokens per call; "
                 "ms per forward (best round), ratio to SDPA flash, relative error vs naive fp32 (batch element 0)\n\n")
-        f.write("| D | N | variant | config (BM, BN, warps, stages) | ms | vs flash | rel. error |\n|---|---|---|---|---|---|---|\n")
+        f.write("| D | N | variant | config (BM, BN, warps, stages) | ms | vs flash | rel. error |\n"
+                "|---|---|---|---|---|---|---|\n")
         for r in rows:
             err = r["error_vs_naive"]
             f.write(f"| {r['d']} | {r['n']} | {r['name']} | {r['config'] or ''} | {r['ms']:.3f} | "
-                    f"{r['vs_flash']:.3f} | {err if isinstance(err, str) else f'{err:.2e}'} |\n")
+                    f"{r['vs_flash']:.3f} | {err if isinstance(err, str) else '' if err is None else f'{err:.2e}'} |\n")
         for d, fails in failed.items():
             for name, lines in fails.items():
                 f.write(f"\nD{d} {name}: configs that failed:\n" + "".join(f"- {x}\n" for x in lines))

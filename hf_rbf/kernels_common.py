@@ -170,6 +170,47 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim
     return None
 
 
+_TMA_CAPABLE: dict = {}  # cuda device index -> compute capability >= 9.0 (Hopper's TMA unit)
+
+
+def tma_unavailable_reason(device: torch.device, views) -> str | None:
+    """None when the streamed tiles of ``views`` can be read through TMA tensor descriptors; otherwise why not.
+
+    ``views``: ``(name, tensor, strides)`` with ``strides`` the element strides that address its tiles (batch, head,
+    row; the last dim is contiguous).  TMA (Hopper and later; the CPU interpreter emulates it, so CI runs this path)
+    needs every tile base 16-byte aligned: the data pointer and each of those strides in bytes a multiple of 16."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        capable = _TMA_CAPABLE.get(index)
+        if capable is None:
+            capable = _TMA_CAPABLE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+        if not capable:
+            return "the GPU has no TMA unit (compute capability below 9.0)"
+    for name, t, strides in views:
+        el = t.element_size()
+        if t.data_ptr() % 16:
+            return f"{name} starts at an address that is not 16-byte aligned"
+        for s in strides:
+            if (s * el) % 16:
+                return f"{name} has a stride of {s} elements ({s * el} bytes), not a multiple of 16 bytes"
+    return None
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global memory for the kernels' device-side tensor descriptors (128 bytes each, per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_tma_allocator() -> None:
+    """Install :func:`_tma_scratch` as triton's allocator in this thread's context unless one is set (the user's is
+    kept).  Triton keeps it in a ``ContextVar``: a forward recomputed in autograd's worker thread (activation
+    checkpointing) finds none there, so every launch that creates descriptors checks (one ``ContextVar.get``)."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_scratch)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot precision for float32 inputs: tf32 only where torch itself allows tf32 matmuls."""
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:

@@ -24,7 +24,9 @@ merges them: that is the exact single-query decode path, which keeps the GPU bus
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 
@@ -36,6 +38,7 @@ from .kernels_common import (
     bcast_strides,
     ceil_div,
     dot_precision,
+    ensure_tma_allocator,
     launch_tuned,
     make_configs,
     n_bucket,
@@ -43,8 +46,11 @@ from .kernels_common import (
     padded_dim,
     planes_bucket,
     shared_memory_fits,
+    tma_unavailable_reason,
 )
 from .kernels_launch import launch_jit
+
+logger = logging.getLogger(__name__)
 
 if HAS_TRITON:
     import triton
@@ -154,6 +160,8 @@ if HAS_TRITON:
         t_r,
         K_ptr,
         V_ptr,
+        desc_k,
+        desc_v,
         KB_ptr,
         KS_ptr,
         skn,
@@ -180,11 +188,14 @@ if HAS_TRITON:
         KV_SAME: tl.constexpr,
         KNORM_INLINE: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         """Key tiles ``lo .. hi`` (indices ``key_base + n``, valid below ``bound``).
 
         MODE 0: fully allowed tiles, no mask; 1: sequence edge tiles (position mask and ``n < bound``); 2: prefix
-        tiles (only ``n < bound``).
+        tiles (only ``n < bound``).  TMA: the key / value tiles come through the tensor descriptors ``desc_k`` /
+        ``desc_v`` (sequence key ``n`` at row ``n``; rows past the end and the padded head-dim columns read as zeros)
+        instead of pointer loads, and the key norms from the loaded tile (see the kernel's comment).
         """
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
@@ -192,11 +203,20 @@ if HAS_TRITON:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             j = key_base + offs_n
             col_ok = offs_n < bound
-            k = _load_tile(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
+            if TMA:
+                k = desc_k.load([start_n, 0])
+            else:
+                k = _load_tile(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
             s = _dot(q, tl.trans(k), None, DOT_PREC) * a
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
-            if KNORM_INLINE:
+            if KNORM_INLINE and TMA:
+                # the descriptor's tile sits in shared memory: reducing it is the right-hand operand's own data, no
+                # second read (the register-tile miscompile of _row_sq_norms' docstring does not occur on this path:
+                # benchmarks/results/h100-2026-11-27p, probe_hopper_forward.py, and the GPU tests)
+                kf = k.to(tl.float32)
+                s += (tl.sum(kf * kf, 1) * kn_coef)[None, :]
+            elif KNORM_INLINE:
                 # the key norms of this tile, read again from L1/L2 (see _row_sq_norms for why not from `k`): in decode
                 # (memory-bound) a separate key-norm pass would read the whole cache a second time; in training this
                 # saves the key-bias launch (see kernels_common's docstring)
@@ -224,6 +244,8 @@ if HAS_TRITON:
                 p = tl.math.exp2(s - m_i[:, None])
             if KV_SAME:
                 v = k
+            elif TMA:
+                v = desc_v.load([start_n, 0])
             else:
                 v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
             acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
@@ -300,6 +322,7 @@ if HAS_TRITON:
         SEP_PREFIX: tl.constexpr,
         TIED: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        TMA: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -353,6 +376,22 @@ if HAS_TRITON:
         )
         KB_ptr = KB + bh * NK
         KS_ptr = KS + b * sksb + h * sksh
+        if TMA:
+            # Hopper's TMA unit streams the sequence tiles into shared memory (the Triton fused-attention tutorial's
+            # Hopper path): no address arithmetic or masks per element, and the key norms come from the tile the
+            # dot reads.  Measured on an H100 (benchmarks/probe_hopper_forward.py, results h100-2026-11-27p): the
+            # tutorial-shaped forward with descriptors and norms from the tile ran at 0.76-0.88x SDPA flash where
+            # the pointer-load kernel ran at 0.92-1.09x.  One descriptor per (batch, head) slice: its rows are this
+            # head's sequence keys, so out-of-range rows and padded head-dim columns are zero-filled by the unit.
+            desc_k = tl.make_tensor_descriptor(
+                K_seq + P * skn, shape=[S, D], strides=[skn, 1], block_shape=[BLOCK_N, D_PAD]
+            )
+            desc_v = tl.make_tensor_descriptor(
+                V_seq + P * svn, shape=[S, DV], strides=[svn, 1], block_shape=[BLOCK_N, DV_PAD]
+            )
+        else:
+            desc_k = K_seq
+            desc_v = V_seq
 
         # the prefix (register tokens / sinks): visible to every query; split 0 owns it in decode
         prefix_hi = P
@@ -368,6 +407,8 @@ if HAS_TRITON:
             t_r,
             PK_ptr,
             PV_ptr,
+            desc_k,
+            desc_v,
             KB_ptr,
             KS_ptr,
             pkn,
@@ -394,6 +435,7 @@ if HAS_TRITON:
             KV_SAME,
             KNORM_INLINE,
             DOT_PREC,
+            False,
         )
 
         t_first = t0 + pid_m * BLOCK_M
@@ -417,6 +459,8 @@ if HAS_TRITON:
             t_r,
             K_seq,
             V_seq,
+            desc_k,
+            desc_v,
             KB_ptr,
             KS_ptr,
             skn,
@@ -443,6 +487,7 @@ if HAS_TRITON:
             KV_SAME,
             KNORM_INLINE,
             DOT_PREC,
+            TMA,
         )
         acc, l_i, m_i = _fwd_tiles(
             acc,
@@ -454,6 +499,8 @@ if HAS_TRITON:
             t_r,
             K_seq,
             V_seq,
+            desc_k,
+            desc_v,
             KB_ptr,
             KS_ptr,
             skn,
@@ -480,6 +527,7 @@ if HAS_TRITON:
             KV_SAME,
             KNORM_INLINE,
             DOT_PREC,
+            TMA,
         )
         acc, l_i, m_i = _fwd_tiles(
             acc,
@@ -491,6 +539,8 @@ if HAS_TRITON:
             t_r,
             K_seq,
             V_seq,
+            desc_k,
+            desc_v,
             KB_ptr,
             KS_ptr,
             skn,
@@ -517,6 +567,7 @@ if HAS_TRITON:
             KV_SAME,
             KNORM_INLINE,
             DOT_PREC,
+            TMA,
         )
 
         if HAS_EPS:
@@ -595,7 +646,7 @@ if HAS_TRITON:
     # (KNORM_INLINE) and of one that loads a bias per key (HAS_KB) differ
     _FWD_KEY = [
         *("D_PAD", "DV_PAD", "N_BUCKET", "PLANES"),
-        *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME", "HAS_KB", "KNORM_INLINE"),
+        *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME", "HAS_KB", "KNORM_INLINE", "TMA"),
     ]
     _distance_fwd = autotune(make_configs(FWD_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(_distance_fwd_kernel)
     _distance_decode = autotune(make_configs(DECODE_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(
@@ -667,7 +718,8 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
     return bsz, heads, nq, nk, d, dv, tensors, strides, sqs + sks + sbeta + sprefix, scalars
 
 
-def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in):
+def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in,
+           tma=False):
     return dict(
         D=d,
         DV=dv,
@@ -686,6 +738,7 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
         SEP_PREFIX=prefix is not None,
         TIED=tied,
         DOT_PREC=dot_precision(q.dtype),
+        TMA=tma,
     )
 
 
@@ -710,6 +763,7 @@ def distance_forward(
     knorm_inline=False,
     prefix=None,
     tau_in=False,
+    tma=None,
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
 
@@ -722,7 +776,8 @@ def distance_forward(
     computed from the key tiles (the key norms without a key-bias pass; ``kb`` then holds at most the key
     log-weights and padding); ``prefix``: None, or the ``num_prefix_keys`` prefix keys and values ``(pk [B|1, H, P,
     D], pv [B|1, G, P, Dv])`` as separate tensors (then ``k`` / ``v`` hold only the sequence keys; ``kb``, ``ks``
-    and the masks still cover all ``P + N`` keys).
+    and the masks still cover all ``P + N`` keys); ``tma``: read the sequence key / value tiles through TMA tensor
+    descriptors (True), pointer loads (False), or None: descriptors wherever :func:`tma_path` allows them.
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
         q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix
@@ -731,6 +786,7 @@ def distance_forward(
     lse = torch.empty(bsz, heads, nq, device=q.device, dtype=torch.float32)
     if nq == 0:
         return out, lse
+    tma = tma_path(k, v, tma)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
     launch_tuned(
         _distance_fwd,
@@ -748,10 +804,67 @@ def distance_forward(
         *scalars,
         SPLIT=False,
         **_flags(
-            q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in
+            q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in,
+            tma,
         ),
     )
     return out, lse
+
+
+def _tma_setting(value: str):
+    """``HF_RBF_TRITON_TMA``: ``auto`` (default; None), ``1`` / ``on`` (True: required), ``0`` / ``off`` (False)."""
+    v = value.strip().lower()
+    if v == "auto":
+        return None
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    return value  # refused by tma_path at the first launch, naming the variable
+
+
+# the forward's key / value tile reads when a call passes tma=None: None chooses TMA wherever it is possible
+TMA_MODE = _tma_setting(os.environ.get("HF_RBF_TRITON_TMA", "auto"))
+_TMA_LOGGED: set = set()
+
+
+def tma_path(k, v, tma: bool | None) -> bool:
+    """Whether the forward reads its key / value tiles through TMA descriptors.  ``tma`` None takes ``TMA_MODE``
+    (``HF_RBF_TRITON_TMA``); None there chooses them wherever ``kernels_common.tma_unavailable_reason`` finds nothing
+    against them (the pointer path's reason is logged once per reason: a visible choice, not a silent one); True
+    requires them (ValueError naming the reason otherwise); False keeps pointer loads."""
+    if tma is None:
+        tma = TMA_MODE
+    if tma is False:
+        return False
+    if tma not in (None, True):
+        raise ValueError(
+            f"tma (HF_RBF_TRITON_TMA, kernels_flash_fwd.TMA_MODE) must be auto/None, 1/True or 0/False; got {tma!r}"
+        )
+    views = [("k", k, k.stride()[:3]), ("v", v, v.stride()[:3])]
+    reason = tma_unavailable_reason(k.device, views)
+    if reason is None:
+        ensure_tma_allocator()
+        return True
+    if tma:
+        raise ValueError(f"tma=True: the key / value tiles cannot be read through TMA descriptors: {reason}")
+    if reason not in _TMA_LOGGED:
+        _TMA_LOGGED.add(reason)
+        logger.info("hf_rbf: the fused forward reads key / value tiles with pointer loads, not TMA: %s", reason)
+    return False
+    if tma not in (None, True):
+        raise ValueError(f"tma must be None (automatic), True or False; got {tma!r}")
+    views = [("k", k, k.stride()[:3]), ("v", v, v.stride()[:3])]
+    reason = tma_unavailable_reason(k.device, views)
+    if reason is None:
+        ensure_tma_allocator()
+        return True
+    if tma:
+        raise ValueError(f"tma=True: the key / value tiles cannot be read through TMA descriptors: {reason}")
+    if reason not in _TMA_LOGGED:
+        _TMA_LOGGED.add(reason)
+        logger.info("hf_rbf: the fused forward reads key / value tiles with pointer loads, not TMA: %s", reason)
+    return False
 
 
 def _num_sms(device) -> int:
