@@ -211,9 +211,10 @@ if HAS_TRITON:
             if HAS_KB:
                 s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
             if KNORM_INLINE and TMA:
-                # the descriptor's tile sits in shared memory: reducing it is the right-hand operand's own data, no
-                # second read (the register-tile miscompile of _row_sq_norms' docstring does not occur on this path:
-                # benchmarks/results/h100-2026-11-27p, probe_hopper_forward.py, and the GPU tests)
+                # the descriptor's tile sits in shared memory: its norms need no second read.  Checked on an H100
+                # against the float64 reference for separate keys and values (rbf: kernelcheck and
+                # probe_hopper_forward.py, benchmarks/results/h100-2026-11-27p); with x as key and value (GKA) the
+                # same reduction returned wrong outputs, so tma_path never sends that form here
                 kf = k.to(tl.float32)
                 s += (tl.sum(kf * kf, 1) * kn_coef)[None, :]
             elif KNORM_INLINE:
@@ -380,9 +381,10 @@ if HAS_TRITON:
             # Hopper's TMA unit streams the sequence tiles into shared memory (the Triton fused-attention tutorial's
             # Hopper path): no address arithmetic or masks per element, and the key norms come from the tile the
             # dot reads.  Measured on an H100 (benchmarks/probe_hopper_forward.py, results h100-2026-11-27p): the
-            # tutorial-shaped forward with descriptors and norms from the tile ran at 0.76-0.88x SDPA flash where
-            # the pointer-load kernel ran at 0.92-1.09x.  One descriptor per (batch, head) slice: its rows are this
-            # head's sequence keys, so out-of-range rows and padded head-dim columns are zero-filled by the unit.
+            # tutorial-shaped forward with descriptors and norms from the tile ran at 0.76-0.92x SDPA flash where
+            # the pointer-load kernel ran at 0.92-1.09x; this kernel with them, 0.91-0.97x at head dim 64 (pointer
+            # loads 0.96-1.01x).  One descriptor per (batch, head) slice: its rows are this head's sequence keys, so
+            # out-of-range rows and padded head-dim columns are zero-filled by the unit.
             desc_k = tl.make_tensor_descriptor(
                 K_seq + P * skn, shape=[S, D], strides=[skn, 1], block_shape=[BLOCK_N, D_PAD]
             )
@@ -786,7 +788,7 @@ def distance_forward(
     lse = torch.empty(bsz, heads, nq, device=q.device, dtype=torch.float32)
     if nq == 0:
         return out, lse
-    tma = tma_path(k, v, tma)
+    tma = tma_path(k, v, tma, kv_same)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
     launch_tuned(
         _distance_fwd,
@@ -828,15 +830,46 @@ TMA_MODE = _tma_setting(os.environ.get("HF_RBF_TRITON_TMA", "auto"))
 _TMA_LOGGED: set = set()
 
 
-def tma_path(k, v, tma: bool | None) -> bool:
+# Head dims up to this use TMA when the choice is automatic.  Measured on an H100 (benchmarks/probe_hopper_forward.py
+# --whole, benchmarks/results/h100-2026-11-27p): the rbf forward with TMA ran at 0.91-0.97x SDPA flash at head dim 64
+# (pointer loads 0.96-1.01x) but 1.06-1.14x at 128 (pointer loads 0.94-1.05x): at 128 the tile configs that
+# `_prune_fwd` keeps are not the one the probe found fastest with descriptors (128 x 64 tiles, 4 warps: 0.77-0.80x),
+# which its register estimate prunes; until that is measured in the shipped kernel, wider heads keep pointer loads.
+TMA_AUTO_MAX_HEAD_DIM = 64
+
+
+def tma_path(k, v, tma: bool | None, kv_same: bool = False) -> bool:
     """Whether the forward reads its key / value tiles through TMA descriptors.  ``tma`` None takes ``TMA_MODE``
     (``HF_RBF_TRITON_TMA``); None there chooses them wherever ``kernels_common.tma_unavailable_reason`` finds nothing
-    against them (the pointer path's reason is logged once per reason: a visible choice, not a silent one); True
-    requires them (ValueError naming the reason otherwise); False keeps pointer loads."""
+    against them and the padded head dims are at most ``TMA_AUTO_MAX_HEAD_DIM`` (the pointer path's reason is logged
+    once per reason: a visible choice, not a silent one); True requires them (ValueError naming the reason
+    otherwise); False keeps pointer loads.  ``kv_same`` (``x`` as key and value: GKA) never takes TMA: one descriptor
+    tile as both dot operands with its norms reduced from it gave GKA outputs 7x off the float64 reference on an H100
+    (triton 3.6; 1.4e-2 against 2.0e-3 relative, kernelcheck of benchmarks/results/h100-2026-11-27p), the same
+    pattern as the register-tile miscompile of ``kernels_common._row_sq_norms``."""
     if tma is None:
         tma = TMA_MODE
     if tma is False:
         return False
+    if tma not in (None, True):
+        raise ValueError(
+            f"tma (HF_RBF_TRITON_TMA, kernels_flash_fwd.TMA_MODE) must be auto/None, 1/True or 0/False; got {tma!r}"
+        )
+    if kv_same:
+        reason = "x is both key and value (GKA): that form is not read through descriptors (see tma_path)"
+    else:
+        reason = tma_unavailable_reason(k.device, [("k", k, k.stride()[:3]), ("v", v, v.stride()[:3])])
+    if reason is None and tma is None and max(padded_dim(k.shape[-1]), padded_dim(v.shape[-1])) > TMA_AUTO_MAX_HEAD_DIM:
+        reason = f"head dim above {TMA_AUTO_MAX_HEAD_DIM}: pointer loads measured faster (see TMA_AUTO_MAX_HEAD_DIM)"
+    if reason is None:
+        ensure_tma_allocator()
+        return True
+    if tma:
+        raise ValueError(f"tma=True: the key / value tiles cannot be read through TMA descriptors: {reason}")
+    if reason not in _TMA_LOGGED:
+        _TMA_LOGGED.add(reason)
+        logger.info("hf_rbf: the fused forward reads key / value tiles with pointer loads, not TMA: %s", reason)
+    return False
     if tma not in (None, True):
         raise ValueError(
             f"tma (HF_RBF_TRITON_TMA, kernels_flash_fwd.TMA_MODE) must be auto/None, 1/True or 0/False; got {tma!r}"

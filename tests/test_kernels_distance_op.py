@@ -730,8 +730,6 @@ TMA_CASES = {
     "rbf-window-prefix-padded-d": (dict(d=40, dv=24, nq=13, nk=21),
                                    dict(**MASKS["causal-window-prefix"], normalize=True, qnorm=False, knorm=True,
                                         kv_same=False, eps=0.0)),
-    "gka-kv-same-eps": (dict(d=16, kv_same=True), dict(**MASKS["causal"], normalize=True, qnorm=True, knorm=True,
-                                                        kv_same=True, eps=0.05)),
     "key-bias-padding": (dict(d=24, dv=16, klw=True, pad=3), dict(**MASKS["full-window"], normalize=True, qnorm=False,
                                                                   knorm=True, kv_same=False, eps=0.0)),
     "scalar-softmax-free": (dict(d=16, dv=16, scalar=True), dict(**MASKS["full-prefix"], normalize=False, qnorm=True,
@@ -744,13 +742,13 @@ TMA_CASES = {
 def test_tma_and_pointer_paths(name, mode, monkeypatch):
     """The forward's two ways of reading the key / value tiles (TMA descriptors, required here, and pointer loads,
     forced) against the float64 reference: key norms from the descriptor's tile or from a second load, padded head
-    dims, prefix keys, windows, x as key and value, the key-bias vector and the scalar term."""
+    dims, prefix keys, windows, the key-bias vector and the scalar term."""
     from hf_rbf import kernels_flash_fwd
 
     monkeypatch.setattr(kernels_flash_fwd, "TMA_MODE", mode)
     used = []
     real = kernels_flash_fwd.tma_path
-    monkeypatch.setattr(kernels_flash_fwd, "tma_path", lambda k, v, tma: used.append(real(k, v, tma)) or used[-1])
+    monkeypatch.setattr(kernels_flash_fwd, "tma_path", lambda *a: used.append(real(*a)) or used[-1])
     make_kw, flags = TMA_CASES[name]
     for dtype in (torch.float32, torch.bfloat16):
         t, am = _make(dtype=dtype, seed=7, **make_kw)
@@ -759,14 +757,21 @@ def test_tma_and_pointer_paths(name, mode, monkeypatch):
 
 
 def test_tma_path_choice_and_errors(monkeypatch):
-    """Automatic: TMA where every tile base is 16-byte aligned, pointer loads (logged, not an error) otherwise;
-    required: a ValueError naming the misaligned tensor; a bad setting names the variable."""
+    """Automatic: TMA where every tile base is 16-byte aligned and the head dims are at most 64, pointer loads
+    (logged, not an error) otherwise and always for x as key and value (GKA); required: a ValueError naming the
+    reason; a bad setting names the variable."""
     from hf_rbf import kernels_flash_fwd
 
     k = torch.randn(1, 2, 9, 12, device=DEVICE, dtype=torch.bfloat16)  # row stride 24 bytes: not TMA-addressable
     v = torch.randn(1, 2, 9, 16, device=DEVICE, dtype=torch.bfloat16)
     assert kernels_flash_fwd.tma_path(v, v, None) is (not ON_GPU or torch.cuda.get_device_capability() >= (9, 0))
     assert kernels_flash_fwd.tma_path(k, v, None) is False
+    assert kernels_flash_fwd.tma_path(v, v, None, kv_same=True) is False
+    with pytest.raises(ValueError, match="x is both key and value"):
+        kernels_flash_fwd.tma_path(v, v, True, kv_same=True)
+    wide = torch.randn(1, 2, 9, 128, device=DEVICE, dtype=torch.bfloat16)
+    assert kernels_flash_fwd.tma_path(wide, wide, None) is False  # head dim 128: pointer loads unless required
+    assert kernels_flash_fwd.tma_path(wide, wide, True) is (not ON_GPU or torch.cuda.get_device_capability() >= (9, 0))
     with pytest.raises(ValueError, match=r"k has a stride of \d+ elements \(\d+ bytes\), not a multiple of 16"):
         kernels_flash_fwd.tma_path(k, v, True)
     monkeypatch.setattr(kernels_flash_fwd, "TMA_MODE", "maybe")
