@@ -85,8 +85,12 @@ def _fits(cfg, nargs, rows_key="BLOCK_M", cols_key="BLOCK_N") -> bool:
     rows, cols = cfg.kwargs[rows_key], cfg.kwargs[cols_key]
     if not shared_memory_fits(rows, cols, d_pad, dv_pad, cfg.num_stages, el):
         return False
-    # fp32 accumulator + the stationary query tile per thread; past ~160 registers the compiler spills.
-    regs = (rows * dv_pad * 4 + rows * d_pad * el) / (4 * 32 * cfg.num_warps)
+    # fp32 accumulator + the stationary query tile per thread; past ~160 registers the compiler spills.  The TMA
+    # path counts the accumulator alone: its tiles stream through shared memory, and the 128 x 64, 4-warp config
+    # that this estimate removes at head dim 128 was the fastest descriptor loop there (0.77-0.80x SDPA flash,
+    # benchmarks/probe_hopper_forward.py, results h100-2026-11-27p); the autotuner times it against the others.
+    query = 0 if nargs.get("TMA") else rows * d_pad * el
+    regs = (rows * dv_pad * 4 + query) / (4 * 32 * cfg.num_warps)
     return regs <= 160
 
 

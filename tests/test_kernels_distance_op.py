@@ -777,3 +777,18 @@ def test_tma_path_choice_and_errors(monkeypatch):
     monkeypatch.setattr(kernels_flash_fwd, "TMA_MODE", "maybe")
     with pytest.raises(ValueError, match="HF_RBF_TRITON_TMA"):
         kernels_flash_fwd.tma_path(v, v, None)
+
+
+def test_tma_forward_keeps_the_128x64_four_warp_config_at_head_dim_128():
+    """The forward's config pruning: at head dim 128 the pointer path drops 128 x 64 tiles on 4 warps (the query tile
+    and the accumulator would spill), the TMA path keeps it for the autotuner (the probe's fastest descriptor loop)."""
+    import triton
+
+    from hf_rbf.kernels_flash_fwd import _fits
+
+    cfg = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3)
+    q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+    nargs = {"Q": q, "D_PAD": 128, "DV_PAD": 128}
+    assert not _fits(cfg, {**nargs, "TMA": False})
+    assert _fits(cfg, {**nargs, "TMA": True})
+    assert _fits(cfg, {**nargs, "D_PAD": 64, "DV_PAD": 64, "TMA": False})  # head dim 64: kept on both paths
