@@ -792,3 +792,34 @@ def test_tma_forward_keeps_the_128x64_four_warp_config_at_head_dim_128():
     assert not _fits(cfg, {**nargs, "TMA": False})
     assert _fits(cfg, {**nargs, "TMA": True})
     assert _fits(cfg, {**nargs, "D_PAD": 64, "DV_PAD": 64, "TMA": False})  # head dim 64: kept on both paths
+
+
+@pytest.mark.parametrize("mode", [True, False], ids=["tma", "pointer"])
+def test_forward_reads_no_key_past_the_sequence(mode, monkeypatch):
+    """Keys and values as views into longer buffers whose rows past the sequence hold inf and NaN: a tile that read
+    past its (batch, head) slice would multiply them by zero probabilities and turn the output into NaN.  The TMA
+    descriptor's shape (the slice's rows) zero-fills them; the pointer path masks them."""
+    from hf_rbf import kernels_flash_fwd
+
+    monkeypatch.setattr(kernels_flash_fwd, "TMA_MODE", mode)
+    gen = torch.Generator().manual_seed(11)
+    b, h, n, extra, d = 2, 3, 21, 11, 16
+    bufs = []
+    for fill in (float("inf"), float("nan")):
+        buf = torch.full((b, h, n + extra, d), fill)
+        buf[:, :, :n] = torch.randn(b, h, n, d, generator=gen)
+        bufs.append(buf.to(DEVICE))
+    k, v = bufs[0][:, :, :n], bufs[1][:, :, :n]
+    q = torch.randn(b, h, n, d, generator=gen).to(DEVICE)
+    c = torch.full((h,), 0.1, device=DEVICE)
+    for causal in (True, False):
+        out, lse = kernels_flash_fwd.distance_forward(
+            q, k, v, None, None, None, None, c, None, causal=causal, window=None, num_prefix_keys=0, normalize=True,
+            qnorm=False, kv_same=False, eps=0.0, knorm_inline=True,
+        )
+        s = 2 * c.view(1, -1, 1, 1) * (q @ k.transpose(-1, -2)) - c.view(1, -1, 1, 1) * k.square().sum(-1)[..., None, :]
+        if causal:
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+        ref = torch.softmax(s.double(), -1) @ v.double()
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert rel_err(out, ref) < 1e-5
