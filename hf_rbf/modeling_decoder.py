@@ -147,15 +147,17 @@ def _plain_linear(m: nn.Module, like: nn.Linear) -> bool:
     )
 
 
-# `project_together` calls the modules one by one (no weight `cat`) on inputs of at most this many rows when no
-# gradient is needed: decode steps (one row per sequence), where the GEMMs are weight-bandwidth bound.
+# `project_together` calls the modules one by one (no weight `cat`) on inputs of at most this many rows in eval mode:
+# decode steps (one row per sequence), where the GEMMs are weight-bandwidth bound.
 SEPARATE_PROJECTION_MAX_ROWS = 64
 
 
-def _few_rows_without_grad(x: torch.Tensor, linears) -> bool:
-    """Whether ``x`` has at most ``SEPARATE_PROJECTION_MAX_ROWS`` rows (a static count: a symbolic one keeps the
-    single GEMM, no guard on it) and nothing of the call needs a gradient."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for m in linears for p in m.parameters())):
+def _few_rows_in_eval(x: torch.Tensor, linears) -> bool:
+    """Whether the modules are in eval mode and ``x`` has at most ``SEPARATE_PROJECTION_MAX_ROWS`` rows (a static
+    count: a symbolic one keeps the single GEMM, no guard on it).  The mode, not the grad mode, decides: a forward
+    and its gradient-checkpointing recompute (train mode, one without and one with gradients) must take the same
+    path to get the same values, and so must an eval forward with and without ``torch.no_grad``."""
+    if linears[0].training:
         return False
     rows = 1
     for d in x.shape[:-1]:
@@ -177,10 +179,10 @@ def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     output gradients), and the parameters stay separate (checkpoints, PEFT target names, weight decay groups).
     ``torch.cat`` of the weights is a parameter-sized copy per call, small next to the activations it saves.
 
-    Except in inference on a few rows (no gradient to compute and at most ``SEPARATE_PROJECTION_MAX_ROWS`` rows: a
-    decode step): there each GEMM only streams its weight once, and the ``cat`` would read and write every weight
-    again first, three times the weight traffic of the step.  Those calls take the modules one by one (the same
-    values).  In the compiled decode step of a d768 L12 scalar_sort model on an H100, two ``triton_poi_fused_cat_*``
+    Except in eval mode on a few rows (at most ``SEPARATE_PROJECTION_MAX_ROWS`` rows: a decode step): there each
+    GEMM only streams its weight once, and the ``cat`` would read and write every weight again first, three times
+    the weight traffic of the step.  Those calls take the modules one by one (the same values up to the GEMMs'
+    rounding).  In the compiled decode step of a d768 L12 scalar_sort model on an H100, two ``triton_poi_fused_cat_*``
     kernels took 95 us per generated token, a tenth of its GPU time (benchmarks/results/h100-2026-11-27p/
     diagnose-512k-b); their time matches these copies (6.3 MB of SwiGLU weights and 1.2 MB of q-scalar / k-scalar /
     value weights per layer, read and written at ~2 TB/s), and the CPU-compiled step has no other ``cat`` (not yet
@@ -192,7 +194,7 @@ def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
         and all(_plain_linear(m, linears[0]) for m in linears)
     ):
         return tuple(m(x) for m in linears)
-    if _few_rows_without_grad(x, linears):
+    if _few_rows_in_eval(x, linears):
         return tuple(F.linear(x, m.weight, m.bias) for m in linears)
     weight = torch.cat([m.weight for m in linears])
     bias = None

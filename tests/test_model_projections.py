@@ -87,9 +87,11 @@ def test_lora_on_q_proj_changes_the_model_output():
 
 
 def test_inference_on_few_rows_reads_each_weight_once(monkeypatch):
-    """A decode step (no gradient, at most ``SEPARATE_PROJECTION_MAX_ROWS`` rows) takes the modules one by one: a
+    """A decode step (eval mode, at most ``SEPARATE_PROJECTION_MAX_ROWS`` rows) takes the modules one by one: a
     ``torch.cat`` of the weights would read and write every weight before the GEMM reads it again (on an H100, cat
-    kernels of that size took 95 us of the 955 us of GPU work per token of a d768 L12 model at 512k tokens).  Many rows, or a gradient, keep the one GEMM over the concatenation."""
+    kernels of that size took 95 us of the 955 us of GPU work per token of a d768 L12 model at 512k tokens).  Many
+    rows, or train mode (with or without gradients: a checkpointed forward and its recompute must agree), keep the
+    one GEMM over the concatenation."""
     from hf_rbf import modeling_decoder
 
     linears = _linears()
@@ -98,19 +100,25 @@ def test_inference_on_few_rows_reads_each_weight_once(monkeypatch):
         torch.nn.functional, "linear", lambda *a, **k: calls.append(a[1].shape) or torch._C._nn.linear(*a, **k)
     )
     x = torch.randn(1, 1, 16, dtype=torch.float64)
-    with torch.no_grad():
-        out = project_together(x, linears)
-    assert calls == [torch.Size([16, 16]), torch.Size([3, 16]), torch.Size([8, 16])]
-    for a, m in zip(out, linears):
-        torch.testing.assert_close(a, m(x), rtol=0, atol=0)
+    for m in linears:
+        m.eval()
+    for grad in (False, True):
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            out = project_together(x, linears)
+        assert calls == [torch.Size([16, 16]), torch.Size([3, 16]), torch.Size([8, 16])]
+        for a, m in zip(out, linears):
+            torch.testing.assert_close(a, m(x), rtol=0, atol=0)
     calls.clear()
-    with torch.no_grad():
-        project_together(torch.randn(modeling_decoder.SEPARATE_PROJECTION_MAX_ROWS + 1, 16, dtype=torch.float64),
-                         linears)  # fmt: skip
+    project_together(torch.randn(modeling_decoder.SEPARATE_PROJECTION_MAX_ROWS + 1, 16, dtype=torch.float64), linears)
     assert calls == [torch.Size([27, 16])]
-    calls.clear()
-    project_together(x, linears)  # the parameters need gradients: one GEMM (and one dx GEMM in the backward)
-    assert calls == [torch.Size([27, 16])]
+    for m in linears:
+        m.train()
+    for grad in (False, True):
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            project_together(x, linears)
+        assert calls == [torch.Size([27, 16])]
 
 
 @pytest.mark.parametrize("family", ["scalar_sort", "rbf"])
@@ -132,7 +140,7 @@ def test_decode_step_concatenates_no_weights(family):
                 self.sizes.append(out.numel())
             return out
 
-    model = build_model(family, {})
+    model = build_model(family, {}).eval()  # generate runs models in eval mode (from_pretrained sets it)
     ids = torch.randint(2, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
     cache = model.make_static_cache(16)
     mlp = model.model.layers[0].mlp
