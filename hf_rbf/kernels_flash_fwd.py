@@ -837,8 +837,9 @@ _TMA_LOGGED: set = set()
 # Head dims up to this use TMA when the choice is automatic.  Measured on an H100 (benchmarks/probe_hopper_forward.py
 # --whole, benchmarks/results/h100-2026-11-27p): the rbf forward with TMA ran at 0.91-0.97x SDPA flash at head dim 64
 # (pointer loads 0.96-1.01x) but 1.06-1.14x at 128 (pointer loads 0.94-1.05x): at 128 the tile configs that
-# `_prune_fwd` keeps are not the one the probe found fastest with descriptors (128 x 64 tiles, 4 warps: 0.77-0.80x),
-# which its register estimate prunes; until that is measured in the shipped kernel, wider heads keep pointer loads.
+# `_prune_fwd` kept then are not the one the probe found fastest with descriptors (128 x 64 tiles, 4 warps:
+# 0.77-0.80x), which its register estimate removed; `_fits` now keeps it on the TMA path, and until the shipped kernel
+# is measured with it, wider heads keep pointer loads.
 TMA_AUTO_MAX_HEAD_DIM = 64
 
 
@@ -865,34 +866,6 @@ def tma_path(k, v, tma: bool | None, kv_same: bool = False) -> bool:
         reason = tma_unavailable_reason(k.device, [("k", k, k.stride()[:3]), ("v", v, v.stride()[:3])])
     if reason is None and tma is None and max(padded_dim(k.shape[-1]), padded_dim(v.shape[-1])) > TMA_AUTO_MAX_HEAD_DIM:
         reason = f"head dim above {TMA_AUTO_MAX_HEAD_DIM}: pointer loads measured faster (see TMA_AUTO_MAX_HEAD_DIM)"
-    if reason is None:
-        ensure_tma_allocator()
-        return True
-    if tma:
-        raise ValueError(f"tma=True: the key / value tiles cannot be read through TMA descriptors: {reason}")
-    if reason not in _TMA_LOGGED:
-        _TMA_LOGGED.add(reason)
-        logger.info("hf_rbf: the fused forward reads key / value tiles with pointer loads, not TMA: %s", reason)
-    return False
-    if tma not in (None, True):
-        raise ValueError(
-            f"tma (HF_RBF_TRITON_TMA, kernels_flash_fwd.TMA_MODE) must be auto/None, 1/True or 0/False; got {tma!r}"
-        )
-    views = [("k", k, k.stride()[:3]), ("v", v, v.stride()[:3])]
-    reason = tma_unavailable_reason(k.device, views)
-    if reason is None:
-        ensure_tma_allocator()
-        return True
-    if tma:
-        raise ValueError(f"tma=True: the key / value tiles cannot be read through TMA descriptors: {reason}")
-    if reason not in _TMA_LOGGED:
-        _TMA_LOGGED.add(reason)
-        logger.info("hf_rbf: the fused forward reads key / value tiles with pointer loads, not TMA: %s", reason)
-    return False
-    if tma not in (None, True):
-        raise ValueError(f"tma must be None (automatic), True or False; got {tma!r}")
-    views = [("k", k, k.stride()[:3]), ("v", v, v.stride()[:3])]
-    reason = tma_unavailable_reason(k.device, views)
     if reason is None:
         ensure_tma_allocator()
         return True
