@@ -84,8 +84,10 @@ class Timer:
         return statistics.median(times)
 
 
-def graphed(fn, device: torch.device):
-    """``fn`` captured in a CUDA graph (after one eager warm-up call on a side stream); returns the replay."""
+def graphed(fn, device: torch.device, steps: int = 1):
+    """``steps`` calls of ``fn`` captured in one CUDA graph (after one eager warm-up call on a side stream); returns
+    the replay.  One replay of one step is timed with the graph's launch latency in it (a floor of ~20 us on an H100
+    host, session 20), so the timings capture ``--graph-steps`` steps per graph and divide."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -93,8 +95,27 @@ def graphed(fn, device: torch.device):
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(steps):
+            fn()
     return graph.replay
+
+
+def kernel_us(replay, steps: int, reps: int, name: str) -> float | None:
+    """Mean GPU time per step of the kernels whose name contains ``name`` (torch.profiler, ``reps`` replays of a
+    graph of ``steps`` steps): the kernel alone, without launch latency or the gaps between graph nodes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in prof.events():
+        if name in e.name:
+            total += getattr(e, "device_time", None) or e.cuda_time
+    return total / (reps * steps) if total else None
 
 
 def build_layer(kind, backend, *, b, h, d, n, capacity, window, block_size, device, dtype, fill_chunk, gen):
@@ -152,7 +173,9 @@ def dense_fn(*, b, h, d, n, device, dtype, gen):
 def run_case(args, kind, b, h, n, device, dtype, timer):
     d, window = args.head_dim, args.window
     # steps appended while timing (eager, graph capture, replays; once more per --num-warps alternative)
-    extra = (args.warmup + args.reps) * (3 + len(args.num_warps)) + 16 + 2 * len(args.num_warps)
+    k = args.graph_steps
+    extra = (args.warmup + args.reps) * (1 + 2 * k + k * len(args.num_warps)) + (k + 1) * (3 + 2 * len(args.num_warps))
+    extra += (args.reps + 1) * k * (1 + len(args.num_warps))  # the profiled replays
     capacity = n + extra
     block_size = auto_block_size(capacity, window) if args.block_size == "auto" else int(args.block_size)
     row = {"kind": kind, "batch": b, "heads": h, "head_dim": d, "tokens": n, "window": window, "block_size": block_size}
@@ -167,7 +190,7 @@ def run_case(args, kind, b, h, n, device, dtype, timer):
     dense = dense_fn(b=b, h=h, d=d, n=n, device=device, dtype=dtype, gen=gen)
     row["dense_sdpa_us"] = timer.median_us(dense, args.warmup, args.reps)
     if device.type == "cuda":
-        row["dense_sdpa_graph_us"] = timer.median_us(graphed(dense, device), args.warmup, args.reps)
+        row["dense_sdpa_graph_us"] = timer.median_us(graphed(dense, device, k), args.warmup, args.reps) / k
     del dense
     for backend in args.backends:
         try:
@@ -187,13 +210,18 @@ def run_case(args, kind, b, h, n, device, dtype, timer):
             for warps in args.num_warps:  # the warps-per-program alternatives, each replayed as a CUDA graph
                 static_decode.NUM_WARPS = warps
                 try:
-                    row[f"triton_graph_us_w{warps}"] = timer.median_us(graphed(step, device), args.warmup, args.reps)
+                    replay = graphed(step, device, k)
+                    row[f"triton_graph_us_w{warps}"] = timer.median_us(replay, args.warmup, args.reps) / k
+                    row[f"triton_kernel_us_w{warps}"] = kernel_us(replay, k, args.reps, "_static_sorted_decode")
                 finally:
                     static_decode.NUM_WARPS = None
         row[f"{backend}_us"] = timer.median_us(step, args.warmup, args.reps)
         if device.type == "cuda":
             try:
-                row[f"{backend}_graph_us"] = timer.median_us(graphed(step, device), args.warmup, args.reps)
+                replay = graphed(step, device, k)
+                row[f"{backend}_graph_us"] = timer.median_us(replay, args.warmup, args.reps) / k
+                if backend == "triton":
+                    row["triton_kernel_us"] = kernel_us(replay, k, args.reps, "_static_sorted_decode")
             except Exception as exc:  # noqa: BLE001 - a path that cannot be captured is a result, not a crash
                 row[f"{backend}_graph_us"] = None
                 row[f"{backend}_note"] = f"CUDA graph capture failed: {type(exc).__name__}: {exc}"[:300]
@@ -214,11 +242,12 @@ def markdown(rows, meta) -> str:
         f"`{meta['command']}`",
         "",
         f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['dtype']}; window k = "
-        f"{meta['window']}; eager = one step launched from Python, graph = the step replayed as a CUDA graph.",
+        f"{meta['window']}; eager = one step launched from Python, graph = {meta.get('graph_steps', 1)} steps replayed "
+        "as one CUDA graph, per step; kernel = the fused kernel's GPU time per step (torch.profiler).",
         "",
-        "| layer | B | H | tokens | T | triton eager | triton graph | torch eager | torch graph | SDPA eager | "
-        "SDPA graph | graph: SDPA / triton |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layer | B | H | tokens | T | triton eager | triton graph | triton kernel | torch eager | torch graph | "
+        "SDPA eager | SDPA graph | graph: SDPA / triton |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| {r['kind']} | {r['batch']} | {r['heads']} | {r['tokens']} | {r['block_size']} |"
@@ -228,16 +257,17 @@ def markdown(rows, meta) -> str:
         tg, sg = r.get("triton_graph_us"), r.get("dense_sdpa_graph_us")
         ratio = f"{sg / tg:.1f}x" if tg and sg else "-"
         lines.append(
-            head + f" {fmt(r.get('triton_us'))} | {fmt(tg)} | {fmt(r.get('torch_us'))} | "
+            head + f" {fmt(r.get('triton_us'))} | {fmt(tg)} | {fmt(r.get('triton_kernel_us'))} | "
+            f"{fmt(r.get('torch_us'))} | "
             f"{fmt(r.get('torch_graph_us'))} | {fmt(r.get('dense_sdpa_us'))} | {fmt(sg)} | {ratio} |"
         )
     warps = sorted({k for r in rows for k in r if k.startswith("triton_graph_us_w")}, key=lambda k: int(k[17:]))
     if warps:
-        lines += ["", "Fused step replayed as a CUDA graph, by warps per program (us):", ""]
+        lines += ["", "Fused step by warps per program, graph / kernel (us per step):", ""]
         lines.append("| layer | B | H | tokens | " + " | ".join(f"{k[17:]} warps" for k in warps) + " |")
         lines.append("|---|---|---|---|" + "---|" * len(warps))
         for r in rows:
-            cells = " | ".join(fmt(r.get(k)) for k in warps)
+            cells = " | ".join(f"{fmt(r.get(k))} / {fmt(r.get('triton_kernel_us_w' + k[17:]))}" for k in warps)
             lines.append(f"| {r['kind']} | {r['batch']} | {r['heads']} | {r['tokens']} | {cells} |")
     notes = [f"* {r['kind']} B{r['batch']} H{r['heads']} n={r['tokens']}: {r[k]}" for r in rows for k in r
              if k.endswith("_note")]  # fmt: skip
@@ -260,6 +290,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--fill-chunk", type=int, default=65536)
+    ap.add_argument("--graph-steps", type=int, default=16, help="steps captured per CUDA graph (timed per step)")
     ap.add_argument("--max-gib", type=float, default=60.0)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set TRITON_INTERPRET=1 for triton)")
@@ -297,6 +328,7 @@ def main(argv=None) -> int:
         "triton": triton_version,
         "dtype": args.dtype,
         "window": args.window,
+        "graph_steps": args.graph_steps,
     }
     timer = Timer(device)
     rows = []
