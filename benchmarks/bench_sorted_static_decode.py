@@ -170,15 +170,27 @@ def dense_fn(*, b, h, d, n, device, dtype, gen):
     return lambda: F.scaled_dot_product_attention(q, k, v)
 
 
-def run_case(args, kind, b, h, n, device, dtype, timer):
+def block_size_for(spec: str, capacity: int, window: int) -> int:
+    """``--block-size`` entries: "auto" (:func:`auto_block_size`), an int ``T``, or "blocksN": ``N`` blocks exactly
+    (``T = ceil(C / N)`` rounded up to a multiple of 64, so that the candidate tile has no padded block rows)."""
+    if spec == "auto":
+        return auto_block_size(capacity, window)
+    if spec.startswith("blocks"):
+        blocks = int(spec[len("blocks"):])
+        return -(-(-(-capacity // blocks)) // 64) * 64
+    return int(spec)
+
+
+def run_case(args, kind, b, h, n, device, dtype, timer, spec="auto"):
     d, window = args.head_dim, args.window
     # steps appended while timing (eager, graph capture, replays; once more per --num-warps alternative)
     k = args.graph_steps
     extra = (args.warmup + args.reps) * (1 + 2 * k + k * len(args.num_warps)) + (k + 1) * (3 + 2 * len(args.num_warps))
     extra += (args.reps + 1) * k * (1 + len(args.num_warps))  # the profiled replays
     capacity = n + extra
-    block_size = auto_block_size(capacity, window) if args.block_size == "auto" else int(args.block_size)
-    row = {"kind": kind, "batch": b, "heads": h, "head_dim": d, "tokens": n, "window": window, "block_size": block_size}
+    block_size = block_size_for(spec, capacity, window)
+    row = {"kind": kind, "batch": b, "heads": h, "head_dim": d, "tokens": n, "window": window, "block_size": block_size,
+           "block_spec": spec, "blocks": -(-capacity // block_size)}
     elem = torch.finfo(dtype).bits // 8
     # the dense K / V and each backend's layer are alive one at a time
     need = max(layer_bytes(kind, b, h, capacity, d, elem), 2 * b * h * n * d * elem)
@@ -245,12 +257,12 @@ def markdown(rows, meta) -> str:
         f"{meta['window']}; eager = one step launched from Python, graph = {meta.get('graph_steps', 1)} steps replayed "
         "as one CUDA graph, per step; kernel = the fused kernel's GPU time per step (torch.profiler).",
         "",
-        "| layer | B | H | tokens | T | triton eager | triton graph | triton kernel | torch eager | torch graph | "
-        "SDPA eager | SDPA graph | graph: SDPA / triton |",
+        "| layer | B | H | tokens | T (blocks) | triton eager | triton graph | triton kernel | torch eager | "
+        "torch graph | SDPA eager | SDPA graph | graph: SDPA / triton |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        head = f"| {r['kind']} | {r['batch']} | {r['heads']} | {r['tokens']} | {r['block_size']} |"
+        head = f"| {r['kind']} | {r['batch']} | {r['heads']} | {r['tokens']} | {r['block_size']} ({r['blocks']}) |"
         if "skipped" in r:
             lines.append(head + f" skipped: {r['skipped']} |||||||")
             continue
@@ -286,7 +298,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", nargs="+", default=["triton", "torch"], choices=["triton", "torch"])
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--block-size", default="auto")
+    ap.add_argument("--block-size", nargs="+", default=["auto"],
+                    help='one case per entry: "auto", a block length T, or "blocksN" (N blocks of ceil(C / N))')
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--fill-chunk", type=int, default=65536)
@@ -306,6 +319,10 @@ def main(argv=None) -> int:
     bad = [w for w in args.num_warps if w not in (1, 2, 4, 8, 16, 32)]
     if bad:
         ap.error(f"--num-warps takes 1, 2, 4, 8, 16 or 32; got {bad}")
+    for spec in args.block_size:
+        number = spec[6:] if spec.startswith("blocks") else spec
+        if spec != "auto" and not (number.isdigit() and int(number) > 0):
+            ap.error(f'--block-size takes "auto", a positive int or "blocksN" (N >= 1); got {spec!r}')
     if args.smoke:
         device = torch.device("cpu")
         args.lengths, args.heads, args.batches, args.head_dim, args.window = [60, 250], [4], [2], 16, 4
@@ -337,9 +354,10 @@ def main(argv=None) -> int:
             for h in args.heads:
                 for b in args.batches:
                     for n in args.lengths:
-                        row = run_case(args, kind, b, h, n, device, dtype, timer)
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                        for spec in args.block_size:
+                            row = run_case(args, kind, b, h, n, device, dtype, timer, spec)
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sorted_static_decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

@@ -173,6 +173,9 @@ CASES = {
     "float64-hybrid": dict(hybrid=True, dtype=torch.float64, window=3, block_size=4, steps=3),
     "ties-scalar-T4-k3": dict(discrete=True, prompt=9, steps=5),
     "ties-hybrid-sort_head-T2-k2": dict(discrete=True, hybrid=True, scheme="sort_head", window=2, block_size=2),
+    # a block length that is no power of two (what "blocksN" block sizes give: N blocks of ceil(C / N))
+    "scalar-T6-k3": dict(block_size=6, prompt=9, steps=5),
+    "hybrid-T12-k5": dict(hybrid=True, window=5, block_size=12, prompt=14, steps=4),
 }
 
 
