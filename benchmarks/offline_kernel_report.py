@@ -2,7 +2,8 @@
 made of them: registers, spills, shared memory, SASS instruction mix and layout conversions, per kernel variant.
 
     PYTHONPATH=. python benchmarks/offline_kernel_report.py [--arch 90] [--cases rbf,gka,hybrid,scalar] \\
-        [--n 1024] [--d 64] [--config BLOCK_M=128,BLOCK_N=64,num_warps=4,num_stages=3] [--out DIR]
+        [--n 1024] [--d 64] [--config BLOCK_M=128,BLOCK_N=64,num_warps=4,num_stages=3] [--forward-only] \\
+        [--out DIR] [--asm-dir DIR]
 
 No GPU is needed: a stand-in driver reports the target, our host code (``distance_forward`` / ``distance_backward`` /
 ``scalar_forward`` / ``scalar_backward``) builds every argument exactly as for a real call on CPU tensors, and every
@@ -10,6 +11,10 @@ triton launch is turned into a compile (``warmup``).  The cubin's resource usage
 with triton), the instruction mix from ``nvdisasm``.  Timing needs the GPU; these numbers are what to look at between
 GPU sessions: a spilling kernel (local memory traffic) or a score tile converted through shared memory
 (``convert_layout`` ops in TTGIR, ``STS`` / ``LDS`` in the loop) is slow whatever the tile sizes.
+
+The ``probe_*`` cases compile ``benchmarks/probe_hopper_forward.py``'s two-loop descriptor kernel the same way (its
+launch function on CPU tensors), to set the shipped forward's code next to it; the ``loops`` column gives each loop
+body of the SASS (instructions / MMAs / local loads and stores), where a spill costs every tile.
 
 ``--checks FAMILIES`` compiles instead every variant that the GPU tests' cases (``kernel_checks.full_cases``: dtypes,
 head dims, masks, prefix, padding, key weights, decode) launch, at shortened lengths, and reports each kernel's
@@ -102,17 +107,50 @@ def resource_usage(cubin: bytes) -> dict:
     return out
 
 
-def sass_mix(cubin: bytes) -> dict:
-    """Counts of the instruction classes that tell the story: tensor-core MMAs, shared-memory traffic, local-memory
-    (spill) traffic, special-function (exp2) ops and layout shuffles."""
+def sass_text(cubin: bytes) -> str:
+    """The cubin's SASS (``nvdisasm -c``)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=False).stdout
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=False).stdout
+
+
+_SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?(.*)")
+
+
+def sass_loops(text: str) -> str:
+    """The loop bodies of a SASS listing, in program order, as ``instructions/MMAs/local loads+stores`` each: a
+    loop is a backward branch before the kernel's last ``EXIT`` (the retry loops of barrier waits, placed after it,
+    are left out), its body the instructions from the branch target to the branch.  Spills outside the loops cost
+    little; in a tile loop they cost every tile."""
+    ops, labels = [], {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ops)
+            continue
+        m = _SASS_OP.search(line)
+        if m:
+            ops.append((m.group(1), m.group(2)))
+    exits = [i for i, (op, _) in enumerate(ops) if op == "EXIT"]
+    loops = []
+    for i, (op, rest) in enumerate(ops[: exits[-1] if exits else len(ops)]):
+        target = re.search(r"(\.L_x_\d+)", rest) if op == "BRA" else None
+        if target and labels.get(target.group(1), i + 1) <= i:
+            body = collections.Counter(o for o, _ in ops[labels[target.group(1)] : i + 1])
+            mma = sum(body[o] for o in ("HGMMA", "HMMA", "WGMMA"))
+            loops.append(f"{i + 1 - labels[target.group(1)]}/{mma}/{body['LDL'] + body['STL']}")
+    return " ".join(loops)
+
+
+def sass_mix(cubin: bytes) -> dict:
+    """Counts of the instruction classes that tell the story: tensor-core MMAs, shared-memory traffic, local-memory
+    (spill) traffic, special-function (exp2) ops and layout shuffles; ``loops``: see :func:`sass_loops`."""
+    text = sass_text(cubin)
     ops = collections.Counter()
     for line in text.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?", line)
+        m = _SASS_OP.search(line)
         if m:
             ops[m.group(1)] += 1
     groups = {
@@ -126,7 +164,18 @@ def sass_mix(cubin: bytes) -> dict:
     }
     out = {name: sum(ops[o] for o in names) for name, names in groups.items()}
     out["total"] = sum(ops.values())
+    out["loops"] = sass_loops(text)
     return out
+
+
+def write_asm(folder: str, stem: str, kernel) -> None:
+    """``stem.ttgir`` / ``.ptx`` / ``.sass`` of a compiled kernel (SASS by ``nvdisasm -c``)."""
+    os.makedirs(folder, exist_ok=True)
+    for ext in ("ttgir", "ptx"):
+        with open(os.path.join(folder, f"{stem}.{ext}"), "w") as f:
+            f.write(kernel.asm.get(ext, ""))
+    with open(os.path.join(folder, f"{stem}.sass"), "w") as f:
+        f.write(sass_text(kernel.asm["cubin"]))
 
 
 def report_kernel(name: str, constexprs: dict, kernel) -> dict:
@@ -144,7 +193,7 @@ def report_kernel(name: str, constexprs: dict, kernel) -> dict:
     return row
 
 
-def cases(names, n: int, d: int, dtype, prefix_keys: int = 0):
+def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool = False):
     """Inputs of each family's training call (B1 H4, causal), as CPU tensors: the host code builds the launch."""
     from hf_rbf.kernels_common import key_bias
     from hf_rbf.kernels_flash_bwd import distance_backward
@@ -187,10 +236,32 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0):
 
             def run(q=q, k=k, v=v, kb=kb, qs=qs, ks=ks, beta=beta, a=a, bb=bb, flags=flags, knorm=knorm, inline=inline):
                 o, lse = distance_forward(q, k, v, kb, qs, ks, beta, a, bb, knorm_inline=inline, **flags)
+                if forward_only:
+                    return
                 distance_backward(
                     o, q, k, v, kb, qs, ks, beta, a, bb, o, lse, knorm=knorm, knorm_inline=inline,
                     need_dbeta=qs is not None, **flags
                 )
+
+            out[name] = run
+        elif name in ("probe_tile", "probe_bias", "probe_nonorm"):
+            # benchmarks/probe_hopper_forward.py's compact two-loop causal forward (tensor descriptors, an unmasked
+            # off-band loop and a masked diagonal loop): norm from the key tile, from a bias vector, or none
+            import probe_hopper_forward as probe
+
+            q, k, v = rnd(b, h, n, d), rnd(b, h, n, d), rnd(b, h, n, d)
+            c = torch.full((h,), 0.5 / d**0.5)
+            kb = probe.key_bias_vector(k, c)
+            norm = {"probe_tile": 2, "probe_bias": 1, "probe_nonorm": 0}[name]
+            cfg = (
+                FORCED_CONFIG.get("BLOCK_M", 128),
+                FORCED_CONFIG.get("BLOCK_N", 64),
+                FORCED_CONFIG.get("num_warps", 4),
+                FORCED_CONFIG.get("num_stages", 3),
+            )
+
+            def run(q=q, k=k, v=v, c=c, kb=kb, norm=norm, cfg=cfg):
+                probe.probe_forward(q, k, v, c, kb, norm, False, cfg)
 
             out[name] = run
         elif name in ("rbf_decode", "gka_decode"):
@@ -301,14 +372,18 @@ def main(argv=None) -> int:
         "--cases",
         default="rbf,gka,hybrid,scalar",
         help="of rbf, gka, hybrid, scalar, rbf_nonorm (no key-norm term), rbf_pass (norms from the key-bias pass), "
-        "rbf_decode, gka_decode, sorted_static_scalar, sorted_static_hybrid",
+        "rbf_decode, gka_decode, sorted_static_scalar, sorted_static_hybrid, probe_tile / probe_bias / probe_nonorm "
+        "(benchmarks/probe_hopper_forward.py's two-loop kernel, NORM 2 / 1 / 0, no warp specialisation; its tiles "
+        "from --config, else (128, 64, 4, 3))",
     )
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--forward-only", action="store_true", help="rbf, gka, hybrid...: compile the forward kernel alone")
     ap.add_argument("--prefix-keys", type=int, default=0, help="prefix keys before the N text keys (rbf, gka, hybrid)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--config", default="", help="KEY=VALUE,... forced on every kernel that has the parameter")
     ap.add_argument("--out", default=None, help="folder for report.json / report.md")
+    ap.add_argument("--asm-dir", default=None, help="also write each kernel's TTGIR, PTX and SASS there")
     ap.add_argument("--checks", default=None, help="compile the GPU tests' variants of these families instead")
     args = ap.parse_args(argv)
     known = (
@@ -322,6 +397,9 @@ def main(argv=None) -> int:
         "gka_decode",
         "sorted_static_scalar",
         "sorted_static_hybrid",
+        "probe_tile",
+        "probe_bias",
+        "probe_nonorm",
     )
     unknown = [c for c in args.cases.split(",") if c not in known]
     if unknown:
@@ -345,7 +423,8 @@ def main(argv=None) -> int:
         return 1 if compile_checks(checks) else 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     rows = []
-    for name, run in cases(args.cases.split(","), args.n, args.d, getattr(torch, args.dtype), args.prefix_keys).items():
+    made = cases(args.cases.split(","), args.n, args.d, getattr(torch, args.dtype), args.prefix_keys, args.forward_only)
+    for name, run in made.items():
         COMPILED.clear()
         try:
             run()
@@ -355,11 +434,16 @@ def main(argv=None) -> int:
             if kname.startswith("_key_bias"):
                 continue
             rows.append({"case": name, **report_kernel(kname, constexprs, kernel)})
+            if args.asm_dir:
+                write_asm(args.asm_dir, f"{name}{kname}", kernel)
     cols = ["case", "kernel", "tiles", "num_warps", "num_stages", "reg", "stack", "local", "shared_bytes", "mma"]
-    cols += ["shared_st", "shared_ld", "ldl_stl", "mufu", "bar", "convert_layout", "total"]
+    cols += ["shared_st", "shared_ld", "ldl_stl", "mufu", "bar", "convert_layout", "total", "loops"]
     lines = [
-        f"# Offline compile for sm_{args.arch} (triton {triton.__version__}), N {args.n}, D {args.d}, {args.dtype}, "
-        f"{args.prefix_keys} prefix keys",
+        (
+            f"# Offline compile for sm_{args.arch} (triton {triton.__version__}), N {args.n}, D {args.d}, "
+            f"{args.dtype}, {args.prefix_keys} prefix keys; loops: each loop body of the SASS in program order as "
+            "instructions / MMAs / local loads + stores"
+        ),
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),

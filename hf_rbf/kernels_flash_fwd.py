@@ -173,6 +173,8 @@ if HAS_TRITON:
         sksn,
         lo,
         hi,
+        skip_at,
+        skip,
         key_base,
         bound,
         a,
@@ -193,8 +195,10 @@ if HAS_TRITON:
         KNORM_INLINE: tl.constexpr,
         DOT_PREC: tl.constexpr,
         TMA: tl.constexpr,
+        GAP: tl.constexpr,
     ):
-        """Key tiles ``lo .. hi`` (indices ``key_base + n``, valid below ``bound``).
+        """Key tiles ``lo .. hi`` (indices ``key_base + n``, valid below ``bound``); with GAP the tiles from
+        ``skip_at`` on are shifted by ``skip``: ``[lo, skip_at)`` and ``[skip_at + skip, hi + skip)`` in one loop.
 
         MODE 0: fully allowed tiles, no mask; 1: sequence edge tiles (position mask and ``n < bound``); 2: prefix
         tiles (only ``n < bound``).  TMA: the key / value tiles come through the tensor descriptors ``desc_k`` /
@@ -204,6 +208,8 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
         for start_n in range(lo, hi, BLOCK_N):
+            if GAP:
+                start_n = start_n + tl.where(start_n >= skip_at, skip, 0)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             j = key_base + offs_n
             col_ok = offs_n < bound
@@ -232,7 +238,11 @@ if HAS_TRITON:
                 dd = qs_r[:, None] - ks[None, :]
                 s -= dd * dd * beta_r[:, None]
             if MODE == 1:
-                ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW) & col_ok[None, :]
+                ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW)
+                if not CAUSAL:
+                    # causal: a stored row's position is at most S - 1, so `n <= t` implies `n < bound`; the tile's
+                    # rows past the end read as zeros, and rows past NQ are not stored
+                    ok = ok & col_ok[None, :]
                 s = tl.where(ok, s, float("-inf"))
             elif MODE == 2:
                 s = tl.where(col_ok[None, :], s, float("-inf"))
@@ -325,9 +335,11 @@ if HAS_TRITON:
         SPLIT: tl.constexpr,
         KNORM_INLINE: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
+        HAS_PREFIX: tl.constexpr,
         TIED: tl.constexpr,
         DOT_PREC: tl.constexpr,
         TMA: tl.constexpr,
+        TMA_OUT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -399,50 +411,62 @@ if HAS_TRITON:
             desc_k = K_seq
             desc_v = V_seq
 
+        # Each tile loop below is a software-pipelined loop of its own (with TMA: its own shared buffers and barriers),
+        # and the state each keeps live crowds the others: at head dim 128 (128 x 64 tiles, 4 warps, TMA) the four
+        # loops this kernel had (prefix, lower edge, middle, upper edge) spilled in every loop body, 47 local loads /
+        # stores per middle tile where the two-loop probe (benchmarks/probe_hopper_forward.py) has 4; with the two
+        # sequence loops below (and the output stored through a descriptor) the middle loop has 3, 943 instructions
+        # against the probe's 964 (benchmarks/results/offline-sm90-2026-11-28).  So the prefix loop exists only for
+        # calls with prefix keys (HAS_PREFIX), and the two edges of the key range share one masked loop.
+
         # the prefix (register tokens / sinks): visible to every query; split 0 owns it in decode
-        prefix_hi = P
-        if SPLIT:
-            prefix_hi = P - P * tl.minimum(tl.program_id(2), 1)
-        acc, l_i, m_i = _fwd_tiles(
-            acc,
-            l_i,
-            m_i,
-            q,
-            qs_r,
-            beta_r,
-            t_r,
-            PK_ptr,
-            PV_ptr,
-            desc_k,
-            desc_v,
-            KB_ptr,
-            KS_ptr,
-            pkn,
-            pvn,
-            sksn,
-            0,
-            prefix_hi,
-            0,
-            P,
-            a,
-            kn_coef,
-            WINDOW,
-            2,
-            D,
-            DV,
-            D_PAD,
-            DV_PAD,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            SCALAR,
-            NORMALIZE,
-            KV_SAME,
-            KNORM_INLINE,
-            DOT_PREC,
-            False,
-        )
+        if HAS_PREFIX:
+            prefix_hi = P
+            if SPLIT:
+                prefix_hi = P - P * tl.minimum(tl.program_id(2), 1)
+            acc, l_i, m_i = _fwd_tiles(
+                acc,
+                l_i,
+                m_i,
+                q,
+                qs_r,
+                beta_r,
+                t_r,
+                PK_ptr,
+                PV_ptr,
+                desc_k,
+                desc_v,
+                KB_ptr,
+                KS_ptr,
+                pkn,
+                pvn,
+                sksn,
+                0,
+                prefix_hi,
+                0,
+                0,
+                0,
+                P,
+                a,
+                kn_coef,
+                WINDOW,
+                2,
+                D,
+                DV,
+                D_PAD,
+                DV_PAD,
+                BLOCK_N,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_KB,
+                SCALAR,
+                NORMALIZE,
+                KV_SAME,
+                KNORM_INLINE,
+                DOT_PREC,
+                False,
+                False,
+            )
 
         t_first = t0 + pid_m * BLOCK_M
         t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
@@ -455,46 +479,7 @@ if HAS_TRITON:
             end = tl.minimum(c0 + chunk, end)
             full_lo = tl.minimum(tl.maximum(full_lo, start), end)
             full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
-        acc, l_i, m_i = _fwd_tiles(
-            acc,
-            l_i,
-            m_i,
-            q,
-            qs_r,
-            beta_r,
-            t_r,
-            K_seq,
-            V_seq,
-            desc_k,
-            desc_v,
-            KB_ptr,
-            KS_ptr,
-            skn,
-            svn,
-            sksn,
-            start,
-            full_lo,
-            P,
-            S,
-            a,
-            kn_coef,
-            WINDOW,
-            1,
-            D,
-            DV,
-            D_PAD,
-            DV_PAD,
-            BLOCK_N,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_KB,
-            SCALAR,
-            NORMALIZE,
-            KV_SAME,
-            KNORM_INLINE,
-            DOT_PREC,
-            TMA,
-        )
+        # the tiles every row of the block sees whole: no mask
         acc, l_i, m_i = _fwd_tiles(
             acc,
             l_i,
@@ -514,6 +499,8 @@ if HAS_TRITON:
             sksn,
             full_lo,
             full_hi,
+            0,
+            0,
             P,
             S,
             a,
@@ -534,7 +521,16 @@ if HAS_TRITON:
             KNORM_INLINE,
             DOT_PREC,
             TMA,
+            False,
         )
+        # the edge tiles, masked: the upper edge [full_hi, end) and, with a window, the lower edge [start, full_lo)
+        # in one loop (without a window start == full_lo)
+        if HAS_WINDOW:
+            edge_lo = start
+            edge_hi = full_lo + (end - full_hi)
+        else:
+            edge_lo = full_hi
+            edge_hi = end
         acc, l_i, m_i = _fwd_tiles(
             acc,
             l_i,
@@ -552,8 +548,10 @@ if HAS_TRITON:
             skn,
             svn,
             sksn,
-            full_hi,
-            end,
+            edge_lo,
+            edge_hi,
+            full_lo,
+            full_hi - full_lo,
             P,
             S,
             a,
@@ -574,6 +572,7 @@ if HAS_TRITON:
             KNORM_INLINE,
             DOT_PREC,
             TMA,
+            HAS_WINDOW,
         )
 
         if HAS_EPS:
@@ -597,8 +596,16 @@ if HAS_TRITON:
             else:
                 lse = m_i
                 out = acc
-            o_ptrs = OUT + b * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :]
-            tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+            if TMA_OUT:
+                # the output tile through a descriptor too (rows past NQ and the padded columns are not written):
+                # no per-element addresses and masks in the epilogue, fewer registers for the loops above it
+                desc_o = tl.make_tensor_descriptor(
+                    OUT + b * sob + h * soh, shape=[NQ, DV], strides=[son, 1], block_shape=[BLOCK_M, DV_PAD]
+                )
+                desc_o.store([pid_m * BLOCK_M, 0], out.to(OUT.dtype.element_ty))
+            else:
+                o_ptrs = OUT + b * sob + h * soh + offs_m[:, None] * son + offs_dv[None, :]
+                tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
             tl.store(LSE + bh * NQ + offs_m, lse, mask=row_ok)
 
     @triton.jit
@@ -725,7 +732,7 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
 
 
 def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in,
-           tma=False):
+           num_prefix_keys, tma=False, tma_out=False):
     return dict(
         D=d,
         DV=dv,
@@ -742,9 +749,11 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
         KV_SAME=kv_same,
         KNORM_INLINE=knorm_inline,
         SEP_PREFIX=prefix is not None,
+        HAS_PREFIX=num_prefix_keys > 0,
         TIED=tied,
         DOT_PREC=dot_precision(q.dtype),
         TMA=tma,
+        TMA_OUT=tma_out,
     )
 
 
@@ -793,6 +802,8 @@ def distance_forward(
     if nq == 0:
         return out, lse
     tma = tma_path(k, v, tma, kv_same)
+    # the output tile goes through a descriptor too where its rows are 16-byte aligned: `out` is fresh and contiguous
+    # (an allocator block's base), so every stride is a multiple of dv
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
     launch_tuned(
         _distance_fwd,
@@ -811,7 +822,7 @@ def distance_forward(
         SPLIT=False,
         **_flags(
             q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in,
-            tma,
+            num_prefix_keys, tma, tma and (dv * out.element_size()) % 16 == 0,
         ),
     )
     return out, lse
@@ -838,8 +849,10 @@ _TMA_LOGGED: set = set()
 # --whole, benchmarks/results/h100-2026-11-27p): the rbf forward with TMA ran at 0.91-0.97x SDPA flash at head dim 64
 # (pointer loads 0.96-1.01x) but 1.06-1.14x at 128 (pointer loads 0.94-1.05x): at 128 the tile configs that
 # `_prune_fwd` kept then are not the one the probe found fastest with descriptors (128 x 64 tiles, 4 warps:
-# 0.77-0.80x), which its register estimate removed; `_fits` now keeps it on the TMA path, and until the shipped kernel
-# is measured with it, wider heads keep pointer loads.
+# 0.77-0.80x), which its register estimate removed; `_fits` now keeps it on the TMA path.  With it the four-loop kernel
+# still ran 1.16-1.18x (benchmarks/results/h100-2026-11-28, call 3): it spilled in every tile loop; the kernel's two
+# sequence loops (see the comment above its tile loops) compile to the probe's loop at that config
+# (benchmarks/results/offline-sm90-2026-11-28), not yet measured on a GPU: until then wider heads keep pointer loads.
 TMA_AUTO_MAX_HEAD_DIM = 64
 
 
@@ -932,7 +945,10 @@ def distance_decode(
     lp = torch.empty_like(mp)
     erow = torch.empty(bsz * heads, nq, device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, n_split)  # noqa: E731
-    flags = _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm, prefix, b is None, tau_in)
+    flags = _flags(
+        q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm, prefix, b is None, tau_in,
+        num_prefix_keys,
+    )
     launch_tuned(
         _distance_decode,
         grid,
