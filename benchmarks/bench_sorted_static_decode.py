@@ -15,7 +15,8 @@ filled with ``n`` random tokens first, so the step runs at length ``n`` (plus th
 
 Layers: "scalar" (scalar keys, ``G = H / 4`` value groups of width ``D``: the 110M config's layout) and "hybrid"
 (scalar and ``D``-wide vector keys, ``G = H``), one order per head (``sort_scheme="per_head"``).  ``--block-size
-auto`` picks ``T = next_pow2(sqrt(2 k C))`` (what balances the candidate tile ``2k C / T`` and the ``O(T)`` insert).
+auto`` takes the layer's default (``cache_sorted_static.default_block_size``: a power-of-two number of blocks, the
+one its measured cost model of the step prefers for this batch and one order per head); ``blocksN`` forces ``N``.
 Configurations whose buffers (the sorted layer, or the dense K / V) would exceed ``--max-gib`` are skipped and listed.
 
 Writes ``sorted_static_decode.json`` and ``sorted_static_decode.md`` to ``--out``.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -39,18 +39,8 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_rbf.cache_sorted_static import StaticSortedLayer  # noqa: E402
-from hf_rbf.kernels_common import next_pow2  # noqa: E402
+from hf_rbf.cache_sorted_static import StaticSortedLayer, default_block_size  # noqa: E402
 import hf_rbf.kernels_sorted_static_decode as static_decode  # noqa: E402
-from hf_rbf.kernels_sorted_static_decode import MAX_CANDIDATES  # noqa: E402
-
-
-def auto_block_size(capacity: int, window: int) -> int:
-    """``next_pow2(sqrt(2 k C))``, raised until the candidate tile fits the kernel."""
-    t = next_pow2(max(1, math.isqrt(2 * window * capacity)))
-    while next_pow2(-(-capacity // t)) * next_pow2(min(2 * window, t)) > MAX_CANDIDATES:
-        t *= 2
-    return min(t, capacity)
 
 
 def layer_bytes(kind: str, b: int, h: int, c: int, d: int, elem: int) -> int:
@@ -170,11 +160,12 @@ def dense_fn(*, b, h, d, n, device, dtype, gen):
     return lambda: F.scaled_dot_product_attention(q, k, v)
 
 
-def block_size_for(spec: str, capacity: int, window: int) -> int:
-    """``--block-size`` entries: "auto" (:func:`auto_block_size`), an int ``T``, or "blocksN": ``N`` blocks exactly
-    (``T = ceil(C / N)`` rounded up to a multiple of 64, so that the candidate tile has no padded block rows)."""
+def block_size_for(spec: str, capacity: int, window: int, batch: int, heads: int) -> int:
+    """``--block-size`` entries: "auto" (the layer's default, :func:`default_block_size` for this batch and one order
+    per head), an int ``T``, or "blocksN": ``N`` blocks exactly (``T = ceil(C / N)`` rounded up to a multiple of 64,
+    so that the candidate tile has no padded block rows)."""
     if spec == "auto":
-        return auto_block_size(capacity, window)
+        return default_block_size(capacity, window, batch_size=batch, num_orders=heads)
     if spec.startswith("blocks"):
         blocks = int(spec[len("blocks"):])
         return -(-(-(-capacity // blocks)) // 64) * 64
@@ -188,7 +179,7 @@ def run_case(args, kind, b, h, n, device, dtype, timer, spec="auto"):
     extra = (args.warmup + args.reps) * (1 + 2 * k + k * len(args.num_warps)) + (k + 1) * (3 + 2 * len(args.num_warps))
     extra += (args.reps + 1) * k * (1 + len(args.num_warps))  # the profiled replays
     capacity = n + extra
-    block_size = block_size_for(spec, capacity, window)
+    block_size = block_size_for(spec, capacity, window, b, h)
     row = {"kind": kind, "batch": b, "heads": h, "head_dim": d, "tokens": n, "window": window, "block_size": block_size,
            "block_spec": spec, "blocks": -(-capacity // block_size)}
     elem = torch.finfo(dtype).bits // 8

@@ -11,6 +11,10 @@ Layout (per batch row; ``C`` = capacity, a multiple of the block size ``T``; ``O
 --------------------------------------------------------------------------------------------------------------------
 * by slot (token ``t`` at slot ``t``): scalar keys ``[B, H, C]``, group values ``[B, G, C, Dv]``, vector keys
   ``[B, H, C, D]`` (hybrid), validity ``[B, C]`` (False: padding or not yet written), token index ``[C]``.
+* every buffer is a slice ``[slot]`` of a tensor that holds that kind for all the layers of the cache built with the
+  same ``share_key`` and sizes (:class:`~hf_rbf.cache_static.StackedBuffers`: a compiled decode step then guards one
+  tensor per kind, not one per layer and kind); writes go to the stacked tensor
+  (:func:`~hf_rbf.cache_static.index_copy_into`), and the fused step receives the stacked tensors and the slot.
 * the search structure: ``C / T`` *sorted blocks*: block ``i`` holds slots ``[iT, (i+1)T)``, its order keys sorted
   ascending (``sorted_keys [B, O, C/T, T]``, ``+inf`` for invalid slots) and the slot of each entry
   (``sorted_slots``).  A single-token insert places the token in its block's sorted run by a binary search and a
@@ -49,6 +53,7 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .cache_static import StackedLayerMixin, _stacked
 from .kernels_common import next_pow2
 from .kernels_sorted_static_decode import MAX_CANDIDATES, static_decode_unavailable_reason, static_sorted_decode_step
 from .sorted_decode import SortedCacheState, sorted_window_attention
@@ -68,19 +73,51 @@ def _compiling() -> bool:
 EXACT_BLOCK_SIZE = 64
 
 
-def default_block_size(max_cache_len: int, decode_window: int | None) -> int:
-    """The block length ``T`` a :class:`StaticSortedLayer` takes when none is given: ``next_pow2(sqrt(2 k C))``, which
-    balances the candidate tile of a decode step (``C / T`` blocks of ``min(2k, T)`` entries) against the ``O(T)``
-    insert, raised until the tile fits the fused kernel (``MAX_CANDIDATES``), at most the capacity;
+# The fused step's cost model (benchmarks/results/h100-2026-11-28, call 4: one layer, H100, 16 steps per CUDA graph,
+# kernel time by torch.profiler).  Readers (one program per row and head) run a chain of dependent rounds whose length
+# grows with the candidate tile: about 10.5 us + 3.5 us per 1,024 candidates.  Writers insert the token into its block
+# at about 36 bytes of memory traffic per (row, order, block entry): ~12 ps per entry at the H100's bandwidth.  Both
+# kinds run in the same launch, so the step takes about the longer of the two plus part of the shorter.
+_READER_US = 10.5
+_READER_US_PER_CANDIDATE = 3.5 / 1024
+_WRITER_US_PER_ENTRY = 36 / 3.0e6
+# Block lengths are multiples of this (aligned rows; the writers' chunks of WRITE_CHUNK entries).
+BLOCK_ALIGN = 64
+
+
+def _modeled_step_us(tile: int, entries: int) -> float:
+    reader = _READER_US + _READER_US_PER_CANDIDATE * tile
+    writer = _WRITER_US_PER_ENTRY * entries
+    return max(reader, writer) + 0.4 * min(reader, writer)
+
+
+def default_block_size(
+    max_cache_len: int,
+    decode_window: int | None,
+    *,
+    batch_size: int = 1,
+    num_orders: int = 1,
+    round_down: bool = False,
+) -> int:
+    """The block length ``T`` a :class:`StaticSortedLayer` takes when none is given: for a power-of-two number of
+    blocks ``NB`` (the fused kernel pads the candidate tile's block rows to a power of two, so any other count wastes
+    up to half the tile), ``T = ceil(C / NB)`` rounded up to a multiple of ``BLOCK_ALIGN`` (``round_down``: ``floor``,
+    rounded down, so that ``NB`` blocks fit in ``C``, for a capacity sized in bytes), the ``NB`` whose modeled step is
+    the shortest (the candidate tile ``NB x next_pow2(min(2k, T))`` against the insert's ``batch_size x num_orders x
+    T`` entries, measured constants above) among those whose tile fits the kernel (``MAX_CANDIDATES``).
     ``EXACT_BLOCK_SIZE`` without a window.
 
-    Why not one fixed ``T``: with 64 at 131,072 tokens (the default before 2026-11-27) a step had 2,048 blocks, a
-    131,072-entry candidate tile that the fused kernel refuses, and the PyTorch path sorted those candidates at every
-    step: 0.18 ms per layer step of GPU time on an H100, against the fused step's 0.03 ms at ``T`` = 8,192
-    (benchmarks/results/h100-2026-11-27n, call 3; benchmarks/bench_sorted_static_decode.py)."""
+    Why: a step reads ``2k`` candidates per block in a chain of dependent rounds (more blocks, longer chain) and
+    shifts its token into one block (longer blocks, more traffic, which grows with the batch).  The former default
+    ``next_pow2(sqrt(2 k C))`` left 17 / 33 / 65 blocks at 128k / 512k / 1M tokens, i.e. a tile half padding:
+    39.2 us per layer step at 512k and batch 1 against 18.3 us with 8 blocks, 80.4 against 23.3 us at 1M with 16
+    (benchmarks/results/h100-2026-11-28, call 4).  A fixed small ``T`` (64, before 2026-11-27) made the tile too large
+    for the kernel, and the PyTorch path sorted the candidates at every step (h100-2026-11-27n, call 3)."""
     for arg, value, allowed in (
         ("max_cache_len", max_cache_len, "an int >= 1"),
         ("decode_window", decode_window, "None or an int >= 1"),
+        ("batch_size", batch_size, "an int >= 1"),
+        ("num_orders", num_orders, "an int >= 1"),
     ):
         if value is None and arg == "decode_window":
             continue
@@ -88,14 +125,24 @@ def default_block_size(max_cache_len: int, decode_window: int | None) -> int:
             raise ValueError(f"default_block_size: `{arg}` must be {allowed}; got {value!r}")
     if decode_window is None or decode_window >= max_cache_len:
         return min(EXACT_BLOCK_SIZE, max_cache_len)
-    t = next_pow2(max(1, math.isqrt(2 * decode_window * max_cache_len)))
-
-    def tile(t: int) -> int:
-        return next_pow2(-(-max_cache_len // t)) * next_pow2(min(2 * decode_window, t))
-
-    while t < max_cache_len and tile(t) > MAX_CANDIDATES:
-        t *= 2
-    return max(1, min(t, max_cache_len))
+    best = None
+    blocks = 1
+    while True:
+        if round_down:
+            t = max(1, (max_cache_len // blocks) // BLOCK_ALIGN * BLOCK_ALIGN or max_cache_len // blocks)
+        else:
+            t = min(-(-(-(-max_cache_len // blocks)) // BLOCK_ALIGN) * BLOCK_ALIGN, max_cache_len)
+        tile = next_pow2(-(-max_cache_len // t)) * next_pow2(min(2 * decode_window, t))
+        if tile <= MAX_CANDIDATES:
+            cost = _modeled_step_us(tile, batch_size * num_orders * t)
+            if best is None or cost < best[0]:
+                best = (cost, t)
+        if t <= 1 or blocks >= max_cache_len:
+            break
+        blocks *= 2
+    if best is None:  # no count fits (a window near the capacity): the fewest blocks
+        return max_cache_len
+    return best[1]
 
 
 def blocked_window_candidates(
@@ -139,7 +186,7 @@ def blocked_window_candidates(
     return slots.gather(-1, order.gather(-1, pos)), win_ok
 
 
-class StaticSortedLayer(CacheLayerMixin):
+class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
     """One full-attention scalar / hybrid layer of a :class:`~hf_rbf.cache_static.StaticDecoderCache` (see the module
     docstring for the layout and costs).
 
@@ -150,17 +197,35 @@ class StaticSortedLayer(CacheLayerMixin):
         order_heads: the head whose scalar keys define each order (``O`` entries: every head under "per_head", the
             sort head of each value group under "sort_head").
         decode_window: the window ``k`` of single-token steps (None: exact attention over every cached token).
-        block_size: ``T``, the length of the sorted blocks (None: :func:`default_block_size` of ``max_cache_len`` and
-            ``decode_window``).
+        block_size: ``T``, the length of the sorted blocks (None: :func:`default_block_size` of ``max_cache_len``,
+            ``decode_window``, the number of orders and ``batch_size``).
         static_decode_backend: the windowed single-token step: "auto" (default: "triton" on CUDA when the fused
             kernel can serve the layer, else "torch"), "triton" (the fused launch; an error where it cannot run) or
             "torch" (the PyTorch ops, the reference).  What was chosen is ``decode_backend_used`` (and logged once).
+        share_key: layers of one :class:`~hf_rbf.cache_static.StaticDecoderCache` with the same ``share_key`` (None:
+            none) and sizes receive keys and values of the same shapes and hold their buffers stacked
+            (:class:`~hf_rbf.cache_static.StackedBuffers`); the model passes its attention kind.
+        batch_size: the rows the cache will hold, when known (``generate`` passes it): only for choosing the default
+            ``block_size`` (the insert's traffic grows with the rows; None: 1).
     """
 
     is_compileable = True
     is_croppable = False
     is_sliding = False
     supports_early_init = False
+
+    keys = _stacked("keys", "``[B, H, C]`` scalar keys by slot (named `keys` for transformers)")
+    values = _stacked("values", "``[B, G, C, Dv]`` group values by slot")
+    vector_keys = _stacked("vector_keys", "``[B, H, C, D]`` vector keys by slot (hybrid layers; None otherwise)")
+    valid = _stacked("valid", "``[B, C]`` bool: the slot holds a real (not padding) token")
+    token_index = _stacked("token_index", "``[C]`` int64: the token at each slot (-1: empty)")
+    sorted_keys = _stacked("sorted_keys", "``[B, O, C / T, T]`` order keys, ascending in each block (+inf: empty)")
+    sorted_slots = _stacked("sorted_slots", "``[B, O, C / T, T]`` int64: the slot of each sorted entry")
+    fill_keys = _stacked("fill_keys", "``[B, O, 2, T]`` the run of the block being filled, twice (copy n % 2 current)")
+    fill_slots = _stacked("fill_slots", "``[B, O, 2, T]`` int64: the slots of the fill copies")
+    decode_counter = _stacked("decode_counter", "``[1]`` int32: the fused launch's finish counter")
+    order_head = _stacked("order_head", "``[O]`` int64: the head whose scalar keys define each order")
+    _length = _stacked("cumulative_length", "``[]`` int64: the tokens seen")
 
     def __init__(
         self,
@@ -172,6 +237,8 @@ class StaticSortedLayer(CacheLayerMixin):
         decode_window: int | None,
         block_size: int | None = None,
         static_decode_backend: str = "auto",
+        share_key=None,
+        batch_size: int | None = None,
     ):
         super().__init__()
         name = type(self).__name__
@@ -187,7 +254,9 @@ class StaticSortedLayer(CacheLayerMixin):
             raise ValueError(f"{name}: `decode_window` must be None or an int >= 1; got {decode_window!r}")
         self.max_cache_len = max_cache_len
         if block_size is None:
-            block_size = default_block_size(max_cache_len, decode_window)
+            block_size = default_block_size(
+                max_cache_len, decode_window, batch_size=batch_size or 1, num_orders=max(1, len(order_heads))
+            )
         self.block_size = min(block_size, max_cache_len)
         self.num_blocks = math.ceil(max_cache_len / self.block_size)
         self.capacity = self.num_blocks * self.block_size
@@ -195,7 +264,7 @@ class StaticSortedLayer(CacheLayerMixin):
         self.num_value_groups = num_value_groups
         self.order_heads = list(order_heads)
         self.decode_window = decode_window
-        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+        self.share_key = share_key
         self.decode_backend_used = None  # "triton" or "torch", decided when the buffers are allocated
         self.decode_backend_reason = None  # why "auto" did not take the fused kernel (None when it did)
         self._pending = None  # a single token recorded by `append` for the fused step of `attend`
@@ -216,6 +285,19 @@ class StaticSortedLayer(CacheLayerMixin):
         self._static_decode_backend = value
         if self.is_initialized:
             self._choose_decode_backend()
+
+    @property
+    def cumulative_length(self) -> torch.Tensor:
+        """The tokens written (device-side; a slice of the cache's stacked lengths)."""
+        length = self._length
+        return torch.zeros((), dtype=torch.long) if length is None else length
+
+    @property
+    def stack_key(self):
+        if self.share_key is None:
+            return None
+        sizes = (self.capacity, self.block_size, self.num_heads, self.num_value_groups, self.num_orders)
+        return (type(self), sizes, self.share_key)
 
     def _choose_decode_backend(self) -> None:
         """Resolve ``static_decode_backend`` for the allocated buffers (device, dtype, shape) into
@@ -278,29 +360,24 @@ class StaticSortedLayer(CacheLayerMixin):
             )
         dev, dt, c = key_states.device, key_states.dtype, self.capacity
         self.dtype, self.device = dt, dev
-        self.keys = torch.zeros(b, h, c, dtype=dt, device=dev)  # scalar keys (named `keys` for transformers)
-        self.values = torch.zeros(
-            b, self.num_value_groups, c, value_states.shape[-1], dtype=value_states.dtype, device=dev
-        )
-        self.vector_keys = torch.zeros(b, h, c, width - 1, dtype=dt, device=dev) if width > 1 else None
-        self.valid = torch.zeros(b, c, dtype=torch.bool, device=dev)
-        self.token_index = torch.full((c,), -1, dtype=torch.long, device=dev)
         shape = (b, self.num_orders, self.num_blocks, self.block_size)
-        self.sorted_keys = torch.full(shape, _INF, dtype=dt, device=dev)
-        self.sorted_slots = torch.zeros(shape, dtype=torch.long, device=dev)
         # the run of the block being filled, twice (copy n % 2 is current): see the module docstring
         fill_shape = (b, self.num_orders, 2, self.block_size)
-        self.fill_keys = torch.full(fill_shape, _INF, dtype=dt, device=dev)
-        self.fill_slots = torch.zeros(fill_shape, dtype=torch.long, device=dev)
-        self.decode_counter = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused launch's finish counter
-        self.order_head = torch.tensor(self.order_heads, dtype=torch.long, device=dev)
-        self.cumulative_length = self.cumulative_length.to(dev)
-        if not _compiling():
-            for t in (self.keys, self.values, self.vector_keys, self.valid, self.token_index, self.sorted_keys,
-                      self.sorted_slots, self.fill_keys, self.fill_slots, self.decode_counter,
-                      self.cumulative_length):  # fmt: skip
-                if t is not None:
-                    torch._dynamo.mark_static_address(t)
+        self._claim_buffers({
+            "keys": ((b, h, c), dt, dev, 0),
+            "values": ((b, self.num_value_groups, c, value_states.shape[-1]), value_states.dtype, dev, 0),
+            "vector_keys": ((b, h, c, width - 1), dt, dev, 0) if width > 1 else None,
+            "valid": ((b, c), torch.bool, dev, False),
+            "token_index": ((c,), torch.long, dev, -1),
+            "sorted_keys": (shape, dt, dev, _INF),
+            "sorted_slots": (shape, torch.long, dev, 0),
+            "fill_keys": (fill_shape, dt, dev, _INF),
+            "fill_slots": (fill_shape, torch.long, dev, 0),
+            "decode_counter": ((1,), torch.int32, dev, 0),
+            "order_head": ((self.num_orders,), torch.long, dev, 0),
+            "cumulative_length": ((), torch.long, dev, 0),
+        })  # fmt: skip
+        self.order_head.copy_(torch.tensor(self.order_heads, dtype=torch.long, device=dev))
         self.is_initialized = True
         self._choose_decode_backend()
 
@@ -314,15 +391,15 @@ class StaticSortedLayer(CacheLayerMixin):
         ok = self.valid.index_select(1, slots).unsqueeze(1)
         keys = keys.masked_fill(~ok, _INF).view(b, self.num_orders, -1, t)
         sorted_keys, idx = torch.sort(keys, dim=-1, stable=True)
-        self.sorted_keys.index_copy_(2, blocks, sorted_keys)
-        self.sorted_slots.index_copy_(2, blocks, idx + (blocks * t).view(1, 1, -1, 1))
+        self._put("sorted_keys", 2, blocks, sorted_keys)
+        self._put("sorted_slots", 2, blocks, idx + (blocks * t).view(1, 1, -1, 1))
         # eager only (multi-token steps): the block being filled, if partly filled, goes to fill copy n % 2
         n = int(self.cumulative_length)
         if n % t != 0:
             block = torch.tensor([n // t], device=self.device)
             parity = torch.tensor([n % 2], device=self.device)
-            self.fill_keys.index_copy_(2, parity, self.sorted_keys.index_select(2, block))
-            self.fill_slots.index_copy_(2, parity, self.sorted_slots.index_select(2, block))
+            self._put("fill_keys", 2, parity, self.sorted_keys.index_select(2, block))
+            self._put("fill_slots", 2, parity, self.sorted_slots.index_select(2, block))
 
     def _insert_one(self, position: torch.Tensor, scalar_keys: torch.Tensor, valid: torch.Tensor) -> None:
         """Insert one token (``position [1]``) into its block's sorted run: a binary search and a shift, ``O(T)``
@@ -342,12 +419,12 @@ class StaticSortedLayer(CacheLayerMixin):
         shifted_slots = torch.cat([slots[..., :1], slots[..., :-1]], dim=-1)
         keys = torch.where(j < at, keys, torch.where(j == at, new_key, shifted_keys))
         slots = torch.where(j < at, slots, torch.where(j == at, position.view(1, 1, 1, 1), shifted_slots))
-        self.sorted_keys.index_copy_(2, block, keys)
-        self.sorted_slots.index_copy_(2, block, slots)
+        self._put("sorted_keys", 2, block, keys)
+        self._put("sorted_slots", 2, block, slots)
         # the run is also fill copy (n + 1) % 2, for the fused step that may follow (the two backends interleave)
         parity = (position + 1) % 2
-        self.fill_keys.index_copy_(2, parity, keys)
-        self.fill_slots.index_copy_(2, parity, slots)
+        self._put("fill_keys", 2, parity, keys)
+        self._put("fill_slots", 2, parity, slots)
 
     def append(self, scalar_keys, values, vector_keys=None, valid=None) -> None:
         """Write ``N`` new tokens (``scalar_keys [B, H, N]``, ``values [B, G, N, Dv]``, ``vector_keys [B, H, N, D]``,
@@ -373,12 +450,12 @@ class StaticSortedLayer(CacheLayerMixin):
         if valid is None:
             valid = torch.ones(b, n, dtype=torch.bool, device=self.device)
         positions = torch.arange(n, device=self.device) + self.cumulative_length
-        self.keys.index_copy_(2, positions, scalar_keys)
-        self.values.index_copy_(2, positions, values)
+        self._put("keys", 2, positions, scalar_keys)
+        self._put("values", 2, positions, values)
         if self.vector_keys is not None:
-            self.vector_keys.index_copy_(2, positions, vector_keys)
-        self.valid.index_copy_(1, positions, valid.to(torch.bool).expand(b, n))
-        self.token_index.index_copy_(0, positions, positions)
+            self._put("vector_keys", 2, positions, vector_keys)
+        self._put("valid", 1, positions, valid.to(torch.bool).expand(b, n))
+        self._put("token_index", 0, positions, positions)
         self.cumulative_length.add_(n)
         if n == 1:
             self._insert_one(positions, scalar_keys, valid.to(torch.bool).expand(b, 1))
@@ -492,18 +569,12 @@ class StaticSortedLayer(CacheLayerMixin):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._flush_pending()
         if self.is_initialized:
-            for name in self._row_tensors():
-                t = getattr(self, name)
-                if t is not None:
-                    setattr(self, name, t.repeat_interleave(repeats, dim=0))
+            self._own_buffers(lambda t: t.repeat_interleave(repeats, dim=0), self._row_tensors())
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._flush_pending()
         if self.is_initialized:
-            for name in self._row_tensors():
-                t = getattr(self, name)
-                if t is not None:
-                    setattr(self, name, t[indices].contiguous())
+            self._own_buffers(lambda t: t[indices], self._row_tensors())
 
     def reset(self) -> None:
         self._pending = None

@@ -18,11 +18,27 @@ Two ways through a layer (chosen by the number of new tokens, a Python int known
   to the tokens that exist (full layers: the first ``past + N`` slots; sliding layers: the last ``window - 1``
   cached tokens, gathered in order, then the new ones), so the usual causal / window / padding masks apply as in a
   ``DynamicCache`` (the padding of cached tokens comes from the layer's slot validity, so the step's
-  ``attention_mask`` may cover the new tokens only).  This is also the path of chunked prefill (``generate(..., prefill_chunk_size=...)``).
+  ``attention_mask`` may cover the new tokens only).  This is also the path of chunked prefill
+  (``generate(..., prefill_chunk_size=...)``).
 
 Sliding-window layers keep a ring of ``min(window, max_cache_len)`` slots (token ``t`` at slot ``t % C``); full
 layers keep ``max_cache_len`` slots.  Memory per cached token and layer: ``2 * H * head_dim * bytes`` (rbf / dot:
 keys and values), ``H * head_dim * bytes`` (gka: one feature), plus one byte of slot mask per row.
+
+One tensor per buffer kind for all the layers (:class:`StackedBuffers`)
+----------------------------------------------------------------------
+The layers of one :class:`StaticDecoderCache` built with the same ``share_key`` (the model passes the attention kind)
+and the same sizes hold their buffers in one tensor per kind, the layers along dim 0 (``keys [L, B, H, C, D]``, ...);
+a layer's ``keys`` is the slice ``[slot]`` of it (contiguous, at a fixed address).  Why: a compiled decode step
+guards on every tensor it reads from its inputs, and the guards are checked on the host before every step
+(``TorchDynamo Cache Lookup``): with a tensor per layer and kind a 12-layer scalar_sort step guarded 270 tensors
+(Llama: 150), 474 us of host time per step on an H100 host (issue 13).  Through one stacked tensor per kind the
+cache's buffers are guarded once, whatever the number of layers (``benchmarks/count_decode_guards.py``,
+``tests/test_static_cache_guards.py``).  Slices of one base taken *outside* the step would each be an input of
+their own (guarded, plus aliasing guards): the step reaches the stack through the layer and slices it itself.
+Writes go to the stack itself (:func:`index_copy_into`: one ``index_put_`` on the stack), not to the layer's
+slice: inductor writes a mutated graph input in place, but a mutated slice of one it rebuilt whole
+(``select_scatter``), a copy of every layer's buffer at every step.
 """
 
 from __future__ import annotations
@@ -37,7 +53,131 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-class StaticKeyValueLayer(CacheLayerMixin):
+class StackedBuffers:
+    """The buffers of ``size`` cache layers that hold the same kinds of buffers with the same shapes: one tensor per
+    kind, ``[size, *shape]``, the layers along dim 0 (see the module docstring for why).
+
+    :meth:`claim` allocates every kind at the first layer's call (from that layer's shapes) and hands out slots;
+    a layer reads its buffer of kind ``name`` as ``getattr(stack, name)[slot]`` and writes through
+    :func:`index_copy_into`.  The tensors keep their addresses for the cache's lifetime (``reset`` of the layers fills
+    their slices in place), as CUDA graphs of a compiled step need."""
+
+    def __init__(self, size: int):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"StackedBuffers: `size` must be an int >= 1; got {size!r}")
+        self.size = size
+        self.layout = None  # {name: (shape, dtype, device)} of one layer, fixed by the first claim
+        self.next_slot = 0
+
+    def claim(self, specs: dict) -> int | None:
+        """The slot of a layer whose buffers are ``specs`` (``name -> (shape, dtype, device, fill value)``, ``None``
+        entries: kinds the layer does not hold); every kind is allocated (filled) at the first claim.  None when the
+        stack is full or ``specs`` differ from the first layer's (the layer then holds buffers of its own, and its
+        slot here stays unused: layers of one ``share_key`` are meant to have one layout)."""
+        specs = {name: spec for name, spec in specs.items() if spec is not None}
+        layout = {name: (tuple(spec[0]), spec[1], torch.device(spec[2])) for name, spec in specs.items()}
+        if self.layout is None:
+            self.layout = layout
+            for name, (shape, dtype, device, fill) in specs.items():
+                buffer = torch.full((self.size, *shape), fill, dtype=dtype, device=device)
+                if not _compiling():
+                    torch._dynamo.mark_static_address(buffer)
+                setattr(self, name, buffer)
+        elif layout != self.layout or self.next_slot >= self.size:
+            return None
+        slot = self.next_slot
+        self.next_slot += 1
+        return slot
+
+    def get(self, name: str):
+        return getattr(self, name, None)
+
+
+def index_copy_into(stack: torch.Tensor, slot: int, dim: int, index: torch.Tensor, source: torch.Tensor) -> None:
+    """``stack[slot].index_copy_(dim, index, source)`` as one ``index_put_`` on ``stack`` itself.
+
+    Same result; under ``torch.compile`` inductor writes the stack (a graph input) in place, where the slice's
+    ``index_copy_`` was functionalised into a ``select_scatter`` of the whole stack (a copy of every layer's buffer
+    at every step).  ``index`` ``[n]`` int64 on the stack's device, distinct entries; ``source`` the slice's shape with
+    ``n`` at ``dim``."""
+    indices = [torch.full_like(index, slot)] + [None] * dim + [index]
+    # the indexed dims of the result come first (non-adjacent advanced indices), or in place when dim == 0
+    torch.ops.aten.index_put_(stack, indices, source.movedim(dim, 0))
+
+
+def _stacked(name: str, doc: str) -> property:
+    """A layer's buffer of kind ``name``: the slice ``[slot]`` of its :class:`StackedBuffers` (None before the
+    layer's first write, or a kind the layer does not hold).  Eager code reads the slice taken once (``_views``, no
+    view op per read); a compiled step takes it from the stacked tensor, its one graph input of that kind."""
+
+    def get(self):
+        if self._slot is None:
+            return None
+        if not _compiling():
+            return self._views.get(name)
+        buffer = self._stack.get(name)
+        return None if buffer is None else buffer[self._slot]
+
+    def set_(self, value):
+        if value is not None:
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is a slice of the cache's stacked buffers: write into it in place"
+            )
+
+    return property(get, set_, doc=doc)
+
+
+class StackedLayerMixin:
+    """The buffer bookkeeping of the static layers: ``_stack`` (a :class:`StackedBuffers`, shared by the layers of a
+    cache with the same :attr:`stack_key`, or the layer's own) and ``_slot`` (the layer's index in it)."""
+
+    _stack = None
+    _slot = None
+    _views = None  # {name: the slice [slot] of each stacked buffer}, for eager code
+    share_key = None
+
+    @property
+    def stack_key(self):
+        """Layers of one :class:`StaticDecoderCache` with equal, not-None keys share one :class:`StackedBuffers`."""
+        return None
+
+    def _claim_buffers(self, specs: dict) -> None:
+        """Take a slot of the shared stack (or, when it cannot serve ``specs``, allocate buffers of the layer's own)."""
+        slot = None if self._stack is None else self._stack.claim(specs)
+        if slot is None:
+            self._stack = StackedBuffers(1)
+            slot = self._stack.claim(specs)
+        self._slot = slot
+        self._views = {name: getattr(self._stack, name)[slot] for name in self._stack.layout}
+
+    def buffers(self) -> dict:
+        """The layer's buffers by kind (its slices of the stacked tensors; empty before the first write)."""
+        return dict(self._views or {})
+
+    def _put(self, name: str, dim: int, index: torch.Tensor, source: torch.Tensor) -> None:
+        """``self.<name>.index_copy_(dim, index, source)``: compiled, into the stack (:func:`index_copy_into`);
+        eager, into the slice (the same memory, and a third of the host time of the ``index_put_``)."""
+        if _compiling():
+            index_copy_into(self._stack.get(name), self._slot, dim, index, source)
+        else:
+            self._views[name].index_copy_(dim, index, source)
+
+    def _own_buffers(self, transform, names) -> None:
+        """Move the layer to buffers of its own, ``transform(buffer)`` for the kinds in ``names`` (a batch change:
+        beam expansion, selection), a copy for the others."""
+        specs, data = {}, {}
+        for name in self._stack.layout:
+            buffer = getattr(self, name)
+            new = transform(buffer) if name in names else buffer.clone()
+            specs[name] = (tuple(new.shape), new.dtype, new.device, 0)
+            data[name] = new
+        self._stack, self._slot = StackedBuffers(1), None
+        self._claim_buffers(specs)
+        for name, new in data.items():
+            getattr(self, name).copy_(new)
+
+
+class StaticKeyValueLayer(StackedLayerMixin, CacheLayerMixin):
     """One layer's fixed-capacity keys ``[B, H, C, Dk]`` and values ``[B, H, C, Dv]`` (``Dv = 0`` for GKA, whose
     values are its keys), the slot validity ``[B, C]`` and the token index of every slot ``[C]`` (-1 when empty).
 
@@ -45,13 +185,22 @@ class StaticKeyValueLayer(CacheLayerMixin):
         max_cache_len: the most tokens one sequence may hold (prompt + generated), the capacity of full layers.
         sliding_window: the layer's window ``W`` (None: full attention); the layer then keeps a ring of
             ``min(W, max_cache_len)`` slots, enough for a query that sees its last ``W`` tokens (itself included).
+        share_key: layers of one :class:`StaticDecoderCache` with the same ``share_key`` (None: none) and capacity
+            receive keys and values of the same shapes and hold their buffers stacked (:class:`StackedBuffers`); the
+            model passes its attention kind.
     """
 
     is_compileable = True
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, max_cache_len: int, sliding_window: int | None = None):
+    keys = _stacked("keys", "``[B, H, C, Dk]``")
+    values = _stacked("values", "``[B, Hv, C, Dv]`` (``Dv = 0`` for GKA)")
+    valid = _stacked("valid", "``[B, C]`` bool: the slot holds a real (not padding) token")
+    token_index = _stacked("token_index", "``[C]`` int64: the token at each slot (-1: empty)")
+    _length = _stacked("cumulative_length", "``[]`` int64: the tokens seen")
+
+    def __init__(self, max_cache_len: int, sliding_window: int | None = None, *, share_key=None):
         super().__init__()
         if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 1:
             raise ValueError(f"StaticKeyValueLayer: `max_cache_len` must be an int >= 1; got {max_cache_len!r}")
@@ -60,34 +209,43 @@ class StaticKeyValueLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.capacity = max_cache_len if sliding_window is None else min(sliding_window, max_cache_len)
         self.is_ring = self.capacity < max_cache_len
-        # device-side length, as transformers' StaticLayer: a tensor so a compiled step does not specialise on it
-        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+        self.share_key = share_key
         self.decode_mode = False  # whether the last update returned the whole buffer
         # [B, keys returned] validity of the keys the last update returned (padding and unwritten slots False): the
         # text-key mask of the attention call, so a forward needs no mask over the cached tokens
         self.slot_mask = None
 
+    @property
+    def cumulative_length(self) -> torch.Tensor:
+        """The device-side length, as transformers' ``StaticLayer``: a tensor, so a compiled step does not specialise
+        on it (a slice of the cache's stacked lengths)."""
+        length = self._length
+        return torch.zeros((), dtype=torch.long) if length is None else length
+
+    @property
+    def stack_key(self):
+        return None if self.share_key is None else (type(self), self.capacity, self.share_key)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, dk = key_states.shape
         dv = value_states.shape[-1]
         self.dtype, self.device = key_states.dtype, key_states.device
-        c = self.capacity
-        self.keys = torch.zeros(b, h, c, dk, dtype=key_states.dtype, device=self.device)
-        self.values = torch.zeros(b, value_states.shape[1], c, dv, dtype=value_states.dtype, device=self.device)
-        self.valid = torch.zeros(b, c, dtype=torch.bool, device=self.device)
-        self.token_index = torch.full((c,), -1, dtype=torch.long, device=self.device)
-        self.cumulative_length = self.cumulative_length.to(self.device)
-        if not _compiling():
-            for t in (self.keys, self.values, self.valid, self.token_index, self.cumulative_length):
-                torch._dynamo.mark_static_address(t)
+        c, dev = self.capacity, self.device
+        self._claim_buffers({
+            "keys": ((b, h, c, dk), key_states.dtype, dev, 0),
+            "values": ((b, value_states.shape[1], c, dv), value_states.dtype, dev, 0),
+            "valid": ((b, c), torch.bool, dev, False),
+            "token_index": ((c,), torch.long, dev, -1),
+            "cumulative_length": ((), torch.long, dev, 0),
+        })  # fmt: skip
         self.is_initialized = True
 
     def _write(self, slots: torch.Tensor, positions: torch.Tensor, keys, values, valid) -> None:
-        self.keys.index_copy_(2, slots, keys)
+        self._put("keys", 2, slots, keys)
         if values.shape[-1] > 0:
-            self.values.index_copy_(2, slots, values)
-        self.valid.index_copy_(1, slots, valid)
-        self.token_index.index_copy_(0, slots, positions)
+            self._put("values", 2, slots, values)
+        self._put("valid", 1, slots, valid)
+        self._put("token_index", 0, slots, positions)
 
     def update(self, key_states, value_states, cache_kwargs: dict | None = None, *args, **kwargs):
         """Write ``N`` new tokens (``cache_kwargs["valid"] [B, N]``: False = padding) and return the keys / values the
@@ -163,13 +321,11 @@ class StaticKeyValueLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            for name in ("keys", "values", "valid"):
-                setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+            self._own_buffers(lambda t: t.repeat_interleave(repeats, dim=0), ("keys", "values", "valid"))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            for name in ("keys", "values", "valid"):
-                setattr(self, name, getattr(self, name)[indices].contiguous())
+            self._own_buffers(lambda t: t[indices], ("keys", "values", "valid"))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
@@ -198,6 +354,21 @@ class StaticDecoderCache(Cache):
         self.max_cache_len_value = max_cache_len
         self._step_valid = None
         self.row_tokens = None  # [B] int64: real (non-padding) tokens cached per row
+        self._share_buffers()
+
+    def _share_buffers(self) -> None:
+        """Give the layers with equal :attr:`~StackedLayerMixin.stack_key` one :class:`StackedBuffers` (layers not
+        yet written only): a compiled step then guards one tensor per buffer kind, not one per layer and kind."""
+        groups = {}
+        for layer in self.layers:
+            key = getattr(layer, "stack_key", None)
+            if key is not None and not getattr(layer, "is_initialized", False) and layer._stack is None:
+                groups.setdefault(key, []).append(layer)
+        for members in groups.values():
+            if len(members) > 1:
+                stack = StackedBuffers(len(members))
+                for layer in members:
+                    layer._stack = stack
 
     def positions(self, step_valid: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
         """Text positions ``[B, N]`` of the step's tokens (as ``cumsum(mask) - 1`` over the whole sequence, clamped at
@@ -507,9 +678,11 @@ def static_cache_len_for_bytes(
 
 __all__ = [
     "CacheMemory",
+    "StackedBuffers",
     "StaticDecoderCache",
     "StaticKeyValueLayer",
     "cache_bytes_per_token",
+    "index_copy_into",
     "sorted_layer_bytes_per_token",
     "static_cache_bytes_per_token",
     "static_cache_len_for_bytes",

@@ -542,6 +542,11 @@ def _launch(
     return out
 
 
+# the layer's stacked buffers the op takes, in its argument order (StaticSortedLayer's StackedBuffers kinds)
+_STACKED = (
+    "keys", "values", "vector_keys", "valid", "token_index", "sorted_keys", "sorted_slots", "fill_keys", "fill_slots",
+    "order_head", "cumulative_length", "decode_counter",
+)  # fmt: skip
 _MUTATED = (
     "keys", "values", "vector_keys", "valid", "token_index", "sorted_keys", "sorted_slots", "fill_keys", "fill_slots",
     "length", "counter",
@@ -574,12 +579,22 @@ def static_sorted_decode_op(
     length: Tensor,
     counter: Tensor,
     window: int,
+    layer: int,
 ) -> Tensor:
-    """The fused step as an opaque op (``torch.compile`` traces through its fake; the launch is graph-capturable)."""
+    """The fused step as an opaque op (``torch.compile`` traces through its fake; the launch is graph-capturable).
+
+    The layer's buffers (``keys`` ... ``counter``) come stacked over the layers of its cache (``[L, ...]``,
+    :class:`~hf_rbf.cache_static.StackedBuffers`) and ``layer`` picks its slice, which the launch receives (a
+    contiguous slice): the op mutates the stacked tensors themselves, graph inputs that inductor writes in place,
+    where a mutated slice of one would be rebuilt whole at every step."""
+    sliced = [
+        None if x is None else x[layer]
+        for x in (keys, values, vector_keys, valid, token_index, sorted_keys, sorted_slots, fill_keys, fill_slots,
+                  order_head, length, counter)
+    ]  # fmt: skip
     return _launch(
         new_scalar_keys, new_values, new_vector_keys, new_valid, qs, tau, q, scale, prefix_ks, prefix_v, prefix_k,
-        keys, values, vector_keys, valid, token_index, sorted_keys, sorted_slots, fill_keys, fill_slots, order_head,
-        length, counter, window,
+        *sliced, window,
     )  # fmt: skip
 
 
@@ -587,9 +602,9 @@ def static_sorted_decode_op(
 def _(
     new_scalar_keys, new_values, new_vector_keys, new_valid, qs, tau, q, scale, prefix_ks, prefix_v, prefix_k,
     keys, values, vector_keys, valid, token_index, sorted_keys, sorted_slots, fill_keys, fill_slots, order_head,
-    length, counter, window,
+    length, counter, window, layer,
 ):  # fmt: skip
-    return values.new_empty(keys.shape[0], keys.shape[1], 1, values.shape[3])
+    return values.new_empty(keys.shape[1], keys.shape[2], 1, values.shape[4])
 
 
 def _last_contiguous(x: Tensor | None) -> Tensor | None:
@@ -631,7 +646,7 @@ def static_sorted_decode_step(
     window = layer.decode_window
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"{name}: the layer's `decode_window` must be an int >= 1; got {window!r}")
-    keys, values = layer.keys, layer.values
+    keys, values = layer.keys, layer.values  # this layer's slices (the op receives the stacked buffers)
     device, dtype = keys.device, keys.dtype
     ct = compute_dtype(values.dtype)
     tau = per_query_param(name, "tau", tau, b, h, 1, device)
@@ -655,7 +670,7 @@ def static_sorted_decode_step(
     vk = None if new_vector_keys is None else _last_contiguous(new_vector_keys.to(dtype))
     if (vk is None) != (layer.vector_keys is None):
         raise ValueError(f"{name}: `new_vector_keys` must be given exactly when the layer holds vector keys")
-    return static_sorted_decode_op(
+    step_inputs = (
         new_scalar_keys.to(dtype),
         _last_contiguous(new_values.to(values.dtype)),
         vk,
@@ -667,20 +682,12 @@ def static_sorted_decode_step(
         prefix_ks,
         _last_contiguous(prefix_v),
         _last_contiguous(prefix_k),
-        keys,
-        values,
-        layer.vector_keys,
-        layer.valid,
-        layer.token_index,
-        layer.sorted_keys,
-        layer.sorted_slots,
-        layer.fill_keys,
-        layer.fill_slots,
-        layer.order_head,
-        layer.cumulative_length,
-        layer.decode_counter,
-        window,
     )
+    if not torch.compiler.is_compiling():
+        # eager: the launch on the layer's slices, taken once by the layer (the op would slice the stacks per call)
+        return _launch(*step_inputs, *(layer._views.get(name) for name in _STACKED), window)
+    # compiled: the op on the stacked buffers (graph inputs, one per kind, written in place) and the layer's slot
+    return static_sorted_decode_op(*step_inputs, *(layer._stack.get(name) for name in _STACKED), window, layer._slot)
 
 
 __all__ = [

@@ -376,7 +376,7 @@ class DecoderAttention(nn.Module):
 
     def make_static_cache_layer(self, max_cache_len: int):
         """A fixed-capacity cache layer (``cache_implementation="static"``; see :mod:`hf_rbf.cache_static`)."""
-        return StaticKeyValueLayer(max_cache_len, sliding_window=self.window)
+        return StaticKeyValueLayer(max_cache_len, sliding_window=self.window, share_key=self.kind)
 
     # -- the layer's entry point ----------------------------------------------------------------------------------
     # Kinds whose ``forward`` also takes ``rows=`` (the flat normalised buffer the two views come from) and then
@@ -1066,14 +1066,15 @@ class DecoderModel(DecoderPreTrainedModel):
         return cache
 
     def make_static_cache(
-        self, max_cache_len: int | None = None, *, max_cache_bytes: int | None = None
+        self, max_cache_len: int | None = None, *, max_cache_bytes: int | None = None, batch_size: int | None = None
     ) -> StaticDecoderCache:
         """An empty fixed-capacity cache for sequences of at most ``max_cache_len`` tokens (prompt + generated).
 
         ``max_cache_bytes`` sizes it in bytes instead: the capacity is the largest length whose layers keep their
         per-token buffers within ``max_cache_bytes`` bytes per batch row each, in the model's dtype
         (:func:`~hf_rbf.cache_static.static_cache_len_for_bytes`); ``max_cache_len``, when given too (as ``generate``
-        does: prompt + new tokens), must fit in it."""
+        does: prompt + new tokens), must fit in it.  ``batch_size``: the rows it will hold, when known (the sorted
+        families size their blocks by it; the layers here allocate at the first write, whatever the batch)."""
         if max_cache_bytes is not None:
             capacity = static_cache_len_for_bytes(self.config, max_cache_bytes, self.dtype)
             if max_cache_len is not None and max_cache_len > capacity:

@@ -682,7 +682,13 @@ class ScalarSortAttention(DecoderAttention):
             return isinstance(layer, DynamicSlidingWindowLayer)
         return isinstance(layer, SortedScalarCacheLayer)
 
-    def make_static_cache_layer(self, max_cache_len: int, settings: dict | None = None, block_size: int | None = None):
+    def make_static_cache_layer(
+        self,
+        max_cache_len: int,
+        settings: dict | None = None,
+        block_size: int | None = None,
+        batch_size: int | None = None,
+    ):
         """A fixed-capacity layer: sorted blocks for full layers (:class:`StaticSortedLayer`), a ring of packed keys
         for sliding layers.  Eviction (``max_cache_tokens`` / ``max_cache_bytes`` of the config) is a dynamic-cache
         feature: refused here.  ``settings["static_decode_backend"]``, when given, picks the single-token step of the
@@ -696,7 +702,7 @@ class ScalarSortAttention(DecoderAttention):
                     "the static cache in bytes pass `max_cache_bytes` to `make_static_cache` (or in `cache_config`)"
                 )
         if self.window is not None:
-            return StaticKeyValueLayer(max_cache_len, sliding_window=self.window)
+            return StaticKeyValueLayer(max_cache_len, sliding_window=self.window, share_key=self.kind)
         heads_per_group = self.num_heads // self.num_value_groups
         if settings["sort_scheme"] == "per_head":
             order_heads = list(range(self.num_heads))
@@ -713,6 +719,8 @@ class ScalarSortAttention(DecoderAttention):
             order_heads=order_heads,
             decode_window=settings["decode_window"] if any(self.scalar_head_list) else None,
             block_size=block_size,
+            batch_size=batch_size,
+            share_key=self.kind,  # layers of one kind hold their buffers stacked (one guarded tensor per kind)
             **backend,
         )
 
@@ -872,12 +880,22 @@ class SortedCacheModelMixin:
         self._prepare_cache_layers(cache)
         return cache
 
+    def _static_cache_orders(self, settings: dict) -> int:
+        """Sort orders per row of a full scalar layer's static cache (what its insert writes per token): one per head
+        under ``"per_head"``, one per value group under ``"sort_head"``."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            if isinstance(attn, ScalarSortAttention):
+                return attn.num_heads if settings["sort_scheme"] == "per_head" else attn.num_value_groups
+        return 1
+
     def make_static_cache(
         self,
         max_cache_len: int | None = None,
         block_size: int | None = None,
         *,
         max_cache_bytes: int | None = None,
+        batch_size: int | None = None,
         **settings,
     ) -> StaticDecoderCache:
         """An empty fixed-capacity cache (:mod:`hf_rbf.cache_sorted_static`); ``settings`` override the config's
@@ -895,8 +913,14 @@ class SortedCacheModelMixin:
                 # the block length follows the capacity, which the budget bounds: the length the budget allows
                 # unrounded, then that length's default block, to whose multiple the capacity is rounded down
                 unrounded = static_cache_len_for_bytes(self.config, max_cache_bytes, self.dtype, block_size=1)
-                window = override_cache_settings(self.config.sorted_cache_settings(), settings).get("decode_window")
-                block_size = default_block_size(unrounded, window)
+                chosen = override_cache_settings(self.config.sorted_cache_settings(), settings)
+                block_size = default_block_size(
+                    unrounded,
+                    chosen.get("decode_window"),
+                    batch_size=batch_size or 1,
+                    num_orders=self._static_cache_orders(chosen),
+                    round_down=True,  # whole blocks inside the budget
+                )
             capacity = static_cache_len_for_bytes(self.config, max_cache_bytes, self.dtype, block_size=block_size)
             if max_cache_len is not None and max_cache_len > capacity:
                 raise ValueError(
@@ -913,7 +937,7 @@ class SortedCacheModelMixin:
         for layer in self.layers:
             attn = layer.self_attn
             if isinstance(attn, ScalarSortAttention):
-                layers.append(attn.make_static_cache_layer(max_cache_len, resolved, block_size))
+                layers.append(attn.make_static_cache_layer(max_cache_len, resolved, block_size, batch_size))
             else:
                 layers.append(attn.make_static_cache_layer(max_cache_len))
         return StaticDecoderCache(layers, max_cache_len)

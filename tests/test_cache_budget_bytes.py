@@ -55,7 +55,11 @@ BLOCK = 4
 
 def held_bytes(layer) -> int:
     """The bytes of every tensor a cache layer holds (each storage once, whole: a view keeps its whole storage),
-    except the static layers' slot mask of the last decode step (rebuilt at every step, see docs/decoding.md)."""
+    except the static layers' slot mask of the last decode step (rebuilt at every step, see docs/decoding.md).  The
+    static layers' buffers are their slices of the cache's stacked tensors (``StackedBuffers``): their bytes."""
+    if isinstance(layer, (StaticKeyValueLayer, StaticSortedLayer)):
+        assert not any(isinstance(v, torch.Tensor) for k, v in vars(layer).items() if k != "slot_mask")
+        return sum(t.nbytes for t in layer.buffers().values())
     seen, total = set(), 0
     for name, value in vars(layer).items():
         if not isinstance(value, torch.Tensor) or name == "slot_mask":

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hf_rbf.cache_sorted_static import STATIC_DECODE_BACKENDS, StaticSortedLayer
+from hf_rbf.kernels_common import next_pow2
 from hf_rbf.kernels_sorted_static_decode import MAX_CANDIDATES, static_decode_unavailable_reason
 from hf_rbf.sorted_decode import sorted_window_attention_reference
 
@@ -429,21 +430,50 @@ def test_warps_per_program_setting(monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "capacity, window, batch, orders, blocks",
+    [
+        # the lengths of benchmarks/results/h100-2026-11-28 (call 4; the bench's capacity: tokens + its timed steps):
+        # at batch 1 the measured best counts, 4 / 8 / 16 blocks at 128k / 512k / 1M (12.6 / 18.3 / 23.3 us per
+        # layer step, against 24.9 / 39.2 / 80.4 with the former next_pow2(sqrt(2kC)), i.e. 17 / 33 / 65 blocks)
+        (131072 + 1232, 64, 1, 12, 4),
+        (524288 + 1232, 64, 1, 12, 8),
+        (1048576 + 1232, 64, 1, 12, 16),
+        # eight rows: the insert's traffic grows with them, so more and shorter blocks (16 blocks measured 43.3 us,
+        # 8 blocks 75.3 us: writer-bound)
+        (524288 + 1232, 64, 8, 12, 32),
+        (8192 + 256, 64, 1, 12, 1),
+        (100, 4, 1, 1, 1),
+    ],
+)
+def test_default_block_size_takes_a_power_of_two_block_count(capacity, window, batch, orders, blocks):
+    """Without a ``block_size`` a windowed layer takes ``NB`` blocks of ``T = ceil(C / NB)`` keys (a multiple of 64)
+    for a power-of-two ``NB`` (the kernel pads the candidate tile's block rows to one), the count whose modeled step
+    (readers: the candidate tile; writers: ``batch x orders x T`` insert entries) is the shortest."""
+    from hf_rbf.cache_sorted_static import default_block_size
+
+    t = default_block_size(capacity, window, batch_size=batch, num_orders=orders)
+    assert -(-capacity // t) == blocks, t
+    assert t % 64 == 0 or t == capacity
+    tile = next_pow2(blocks) * next_pow2(min(2 * window, t))
+    assert tile <= MAX_CANDIDATES
+    # sized in bytes, the capacity is rounded down to whole blocks: `round_down` keeps a power-of-two count inside it
+    down = default_block_size(capacity, window, batch_size=batch, num_orders=orders, round_down=True)
+    n_down = capacity // down
+    assert n_down & (n_down - 1) == 0 and n_down * down <= capacity
+
+
+@pytest.mark.parametrize(
     "capacity, window, expected",
-    [(131072, 64, 4096), (1 << 20, 64, 16384), (8192, 64, 1024), (100, 4, 32), (1000, None, 64), (40, None, 40),
-     (4096, 4096, 64), (1 << 20, 4096, None)],
+    [(1000, None, 64), (40, None, 40), (4096, 4096, 64), (1 << 20, 4096, None), (131072, 64, None), (8192, 64, None)],
 )
 def test_default_block_size_keeps_long_contexts_on_the_fused_step(capacity, window, expected):
-    """Without a ``block_size`` a layer takes ``next_pow2(sqrt(2 k C))`` (64 without a window): at 131,072 tokens and
-    k = 64 that is 4,096, a 32 x 128 candidate tile the fused kernel serves, where the former fixed 64 gave 2,048
-    blocks, a 131,072-entry tile it refused (the PyTorch path then sorted those candidates at every step: 0.18 ms per
-    layer step on an H100).  A window so wide that no balance fits raises ``T`` until the tile does."""
-    from math import isqrt
-
+    """Every default block length gives a candidate tile the fused kernel serves (a fixed 64, the default before
+    2026-11-27, gave 2,048 blocks at 131,072 tokens, a 131,072-entry tile it refused, and the PyTorch path then sorted
+    those candidates at every step: 0.18 ms per layer step on an H100), also for a window so wide that only a few
+    long blocks fit; 64 without a window.  The layer takes it, one order per head."""
     from hf_rbf.cache_sorted_static import default_block_size
-    from hf_rbf.kernels_common import next_pow2
 
-    t = default_block_size(capacity, window)
+    t = default_block_size(capacity, window, num_orders=4)
     if expected is not None:
         assert t == expected
     assert 1 <= t <= capacity
@@ -452,7 +482,6 @@ def test_default_block_size_keeps_long_contexts_on_the_fused_step(capacity, wind
     if layer.windowed:
         tile = next_pow2(layer.num_blocks) * next_pow2(min(2 * window, t))
         assert tile <= MAX_CANDIDATES
-        assert t >= min(next_pow2(isqrt(2 * window * capacity)), capacity)
         # what the fused kernel's own check says of the shape (its device / dtype part aside)
         reason = static_decode_unavailable_reason(
             torch.device("cuda"), torch.bfloat16, num_blocks=layer.num_blocks, block_size=t, window=window,
@@ -474,13 +503,21 @@ def test_model_static_cache_takes_the_default_block_size():
     model = AutoModelForCausalLM.from_config(cfg)
     cache = model.make_static_cache(20000)
     sorted_layers = [layer for layer in cache.layers if isinstance(layer, StaticSortedLayer)]
-    assert sorted_layers and all(layer.block_size == default_block_size(20000, 8) == 1024 for layer in sorted_layers)
+    # one order per head (sort_scheme "per_head"): 4 orders; batch 1 unless told
+    expected = default_block_size(20000, 8, num_orders=4)
+    assert sorted_layers and all(layer.block_size == expected for layer in sorted_layers)
+    blocks = -(-20000 // expected)
+    assert blocks & (blocks - 1) == 0  # a power of two: no padded block rows in the kernel's candidate tile
+    wide = default_block_size(20000, 8, num_orders=4, batch_size=64)
+    assert wide < expected  # more rows, more insert traffic per entry: shorter blocks
+    assert all(layer.block_size == wide for layer in model.make_static_cache(20000, batch_size=64).layers
+               if isinstance(layer, StaticSortedLayer))  # fmt: skip
     assert model.make_static_cache(20000, block_size=64).layers[0].block_size == 64  # an explicit one stays
     from hf_rbf.cache_static import static_cache_len_for_bytes
 
     unrounded = static_cache_len_for_bytes(model.config, 400_000, model.dtype, block_size=1)
     sized = model.make_static_cache(max_cache_bytes=400_000)
-    t = default_block_size(unrounded, 8)
+    t = default_block_size(unrounded, 8, num_orders=4, round_down=True)
     assert t > 64 and sized.max_cache_len == unrounded - unrounded % t
     for layer in sized.layers:
         if isinstance(layer, StaticSortedLayer):

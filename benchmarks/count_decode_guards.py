@@ -1,0 +1,275 @@
+"""What Dynamo guards on in the compiled decode step of ``generate(..., cache_implementation="static")``: guarded
+tensors, every leaf guard by kind, and the time one check of the guards takes, for tiny models of 2, 4 and 12 layers
+(Llama with transformers' ``StaticCache`` as the yardstick, rbf with ``StaticKeyValueLayer``, scalar_sort with
+``StaticSortedLayer`` on its torch and its fused Triton decode step, hybrid_sort).
+
+    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/count_decode_guards.py [--layers 2,4,12]
+        [--variants llama,rbf,scalar_sort,scalar_sort_triton,hybrid_sort] [--iters 20000] [--json PATH] [--verbose]
+    # on a GPU: the d768 models, transformers' own compile of the decode step, and ms per generated token
+    python benchmarks/count_decode_guards.py --device cuda --size d768 --layers 12 --no-interpret \
+        --variants llama,scalar_sort,rbf [--prompt 512] [--new-tokens 33]
+
+Why: on an H100, the host time of a batch-1 decode step of the scalar_sort family (d768, 12 layers, 512k-token cache)
+was about 1.2 ms, of which ``TorchDynamo Cache Lookup`` (the guards of the compiled step) took 474 us: 270 guarded
+tensors against Llama's 150 (issue 13).  ``generate`` waits for every step's token, so this host time is on the
+critical path.
+
+How: each model runs ``generate`` (a 5-token prompt, 4 new tokens, greedy) with the static cache and a forced
+``compile_config`` (``CompileConfig(backend="eager", fullgraph=True)``, ``_compile_all_devices`` so that the CPU
+compiles the decode step as CUDA does; the guards do not depend on the backend, which only compiles the captured
+graph).  ``torch._dynamo.guards.guard_manager_testing_hook_fn`` hands over the guard manager of the decode step and
+the frame's locals it was built for.  Reported per model:
+
+* ``tensors``: the ``TENSOR_MATCH`` guards (one per tensor the step reads from its inputs: parameters, buffers, the
+  cache's tensors, the inputs), and how many of them belong to the cache (their source goes through the cache);
+* ``guards``: every leaf guard of the tree by kind (``NO_TENSOR_ALIASING``, ``DIMENSION_DYNAMIC_MARKING_GUARD``,
+  ``ID_MATCH``, ...);
+* ``check_us``: microseconds per ``guard_manager.check(frame locals)`` (the C++ guard tree), the fastest of 20
+  rounds of ``--iters / 20`` calls on this CPU (``check_us_median``: their median): the part of ``TorchDynamo Cache
+  Lookup`` that grows with the guards;
+* ``per_layer``: the growth of each count per layer between the smallest and the largest model.
+
+Only the decode step's cache entry is read (the last compiled one); the prefill runs eagerly, as in ``generate``.
+
+``--device cuda``: the models in bfloat16 on the GPU (``--size d768``: the d768 / 12-head models of
+``bench_generate.py``, ``--layers`` deep, a ``--prompt``-token prompt; the sorted families with ``decode_window``
+64) and ``generate`` with transformers' own ``compile_config`` (inductor, CUDA graphs: what a user gets); the
+scalar_sort variants there take "auto", the fused step.  Also ``ms_per_token``: ``(t(n) - t(1)) / (n - 1)`` of
+static ``generate`` calls, ``n = --new-tokens``, the best of 3 after a warm-up (batch 1: the host time of a step,
+guards included, is on the critical path).
+
+Measured (issue 13; before = one tensor per layer and buffer kind, after = ``StackedBuffers``):
+
+* this 2-core CPU, torch 2.13, transformers 5.24, 12 tiny layers (``--layers 2,4,12``; check us: the fastest round,
+  two interleaved runs): guarded tensors / of the cache / check us: Llama 151 / 36 / 75-77 (unchanged); scalar_sort
+  (torch step) 258 / 121 / 97-99 -> 148 / 11 / 80; scalar_sort (fused step) 270 / 133 / 108-110 -> 149 / 12 / 78-81;
+  rbf 199 / 61 / 84-86 -> 144 / 6 / 76-77.  Per layer the step now guards its parameters only (11 tensors: scalar_sort,
+  rbf; 12 with Llama's 3 cache tensors).
+* an H100 host, torch 2.11, transformers 5.17, d768 scalar_sort, 12 layers, fused step (``--device cuda --size d768
+  --layers 12 --variants scalar_sort --prompt 64 --new-tokens 9``, one run each): 271 -> 150 guarded tensors (cache
+  133 -> 12), 2077 -> 1808 leaf guards, check 64.6 -> 41.9 us (median 78.1 -> 46.9); ms per token 1.34 -> 1.38
+  (8 decode steps, best of 3: the ~25-30 us saved is within that measurement's noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+if not os.environ.get("TRITON_INTERPRET") and "--no-interpret" not in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # the fused sorted step on the CPU (read when triton is first imported)
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64)
+D768 = dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_attention_heads=12)
+VARIANTS = ("llama", "rbf", "scalar_sort", "scalar_sort_triton", "hybrid_sort")
+
+
+def build(variant: str, layers: int, device: str = "cpu", size: str = "tiny", positions: int = 64):
+    """A model of ``variant`` with ``layers`` layers (random weights, greedy, no EOS): tiny float32 on the CPU, or
+    ``size`` on ``device`` (bfloat16 on CUDA)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import hf_rbf  # noqa: F401
+
+    torch.manual_seed(0)
+    dims = dict(TINY if size == "tiny" else D768, max_position_embeddings=positions)
+    window = 4 if size == "tiny" else 64
+    if variant == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**dims, num_hidden_layers=layers))
+    else:
+        family = variant.removesuffix("_triton")
+        extra = {"decode_window": window} if family in ("scalar_sort", "hybrid_sort") else {}
+        if device == "cpu":
+            extra["attention_backend"] = "naive"
+        cfg = AutoConfig.for_model(family, **dims, num_hidden_layers=layers, **extra)
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return model.to(device, dtype).eval()
+
+
+def walk(manager, counts: collections.Counter, tensors: list) -> None:
+    """Count the leaf guards of a guard-manager tree by kind; collect the sources of the tensor guards."""
+    for leaf in manager.get_leaf_guards():
+        kind = type(leaf).__name__
+        counts[kind] += 1
+        if kind == "TENSOR_MATCH":
+            tensors.append(manager.get_source())
+    children = list(manager.get_child_managers())
+    if hasattr(manager, "get_key_value_managers"):  # a DictGuardManager's entries (e.g. a module's `_parameters`)
+        for key_manager, value_manager in manager.get_key_value_managers().values():
+            children += [m for m in (key_manager, value_manager) if m is not None]
+    for child in children:
+        walk(child, counts, tensors)
+
+
+def generate_kwargs(model, variant: str, new_tokens: int) -> dict:
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
+    if variant.endswith("_triton"):
+        kwargs["cache_config"] = {"static_decode_backend": "triton"}
+    if model.device.type != "cuda":
+        # the CPU compiles only when told to (transformers compiles the decode step by itself on CUDA)
+        from transformers import CompileConfig
+
+        config = CompileConfig(backend="eager", fullgraph=True, mode=None)
+        config._compile_all_devices = True
+        kwargs["compile_config"] = config
+    return kwargs
+
+
+def decode_step_guards(model, variant: str, ids: torch.Tensor, new_tokens: int):
+    """Run a static ``generate`` with the decode step compiled; return (guard manager, frame locals) of the step."""
+    import torch._dynamo.guards as guards
+
+    captured = []
+    previous = guards.guard_manager_testing_hook_fn
+    guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: captured.append((manager, dict(scope)))
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, variant, new_tokens))
+    finally:
+        guards.guard_manager_testing_hook_fn = previous
+    if not captured:  # no compiled step, or a torch without the hook
+        return (None, None), 0
+    return captured[-1], len(captured)
+
+
+def ms_per_token(model, variant: str, ids: torch.Tensor, new_tokens: int) -> float:
+    """``(t(n) - t(1)) / (n - 1)`` ms of static ``generate`` calls (the compiled step warm), the best of 3."""
+
+    def timed(n: int) -> float:
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, variant, n))
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed(new_tokens)  # warm (the cache of the right capacity, CUDA graphs recorded)
+    best = []
+    for _ in range(3):
+        t1, tn = timed(1), timed(new_tokens)
+        best.append((tn - t1) / (new_tokens - 1) * 1e3)
+    return min(best)
+
+
+def time_check(manager, scope: dict, iters: int) -> tuple[float, float]:
+    """Microseconds per ``manager.check(scope)`` (under ``no_grad``, as the step was compiled): the fastest and the
+    median of 20 rounds of ``iters / 20`` calls (the fastest round is the one least disturbed by other processes on a
+    shared machine)."""
+    if not manager.check(scope):
+        raise RuntimeError(f"the guards fail on the locals they were built for: {manager.check_verbose(scope)}")
+    rounds = []
+    n = max(1, iters // 20)
+    for _ in range(20):
+        start = time.perf_counter()
+        for _ in range(n):
+            manager.check(scope)
+        rounds.append((time.perf_counter() - start) / n * 1e6)
+    return min(rounds), statistics.median(rounds)
+
+
+def measure(
+    variant: str,
+    layers: int,
+    iters: int,
+    verbose: bool = False,
+    device: str = "cpu",
+    size: str = "tiny",
+    prompt: int = 5,
+    new_tokens: int = 4,
+) -> dict:
+    model = build(variant, layers, device, size, positions=max(64, prompt + new_tokens + 8))
+    ids = torch.randint(2, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(model.device)
+    (manager, scope), compiles = decode_step_guards(model, variant, ids, new_tokens)
+    counts, tensors = collections.Counter(), []
+    if manager is None:
+        print(f"{variant}: no guard manager captured (no compiled decode step, or no guard_manager_testing_hook_fn)")
+    else:
+        walk(manager.root, counts, tensors)
+    cache_tensors = [s for s in tensors if "['cache']" in s or "['past_key_values']" in s]
+    row = {
+        "variant": variant,
+        "layers": layers,
+        "compiled_frames": compiles,
+        "tensors": len(tensors),
+        "cache_tensors": len(cache_tensors),
+        "guards": sum(counts.values()),
+        "by_kind": dict(sorted(counts.items())),
+        "check_us": None,
+    }
+    if manager is not None:
+        with torch.no_grad():
+            best, median = time_check(manager, scope, iters)
+        row["check_us"], row["check_us_median"] = round(best, 2), round(median, 2)
+    if device == "cuda":
+        row["ms_per_token"] = round(ms_per_token(model, variant, ids, new_tokens), 4)
+    if verbose:
+        row["cache_tensor_sources"] = cache_tensors
+    del manager, scope
+    torch._dynamo.reset()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="2,4,12")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--iters", type=int, default=20000)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--no-interpret", action="store_true", help="leave TRITON_INTERPRET as it is")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--size", default="tiny", choices=["tiny", "d768"])
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (5 on the CPU, 512 on CUDA)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (4 on the CPU, 33 on CUDA)")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    prompt = args.prompt or (512 if cuda else 5)
+    new_tokens = args.new_tokens or (33 if cuda else 4)
+    layer_counts = [int(x) for x in args.layers.split(",")]
+    rows = []
+    for variant in args.variants.split(","):
+        for layers in layer_counts:
+            row = measure(variant, layers, args.iters, args.verbose, args.device, args.size, prompt, new_tokens)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print("| variant | layers | tensors | of the cache | leaf guards | check us | ms per token |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['layers']} | {r['tensors']} | {r['cache_tensors']} | {r['guards']} | "
+              f"{r['check_us']} | {r.get('ms_per_token', '-')} |")
+    if len(layer_counts) > 1:
+        lo, hi = min(layer_counts), max(layer_counts)
+        print()
+        print(f"per layer ({lo} -> {hi} layers):")
+        for variant in args.variants.split(","):
+            a = next(r for r in rows if r["variant"] == variant and r["layers"] == lo)
+            b = next(r for r in rows if r["variant"] == variant and r["layers"] == hi)
+            per = {k: round((b[k] - a[k]) / (hi - lo), 2) for k in ("tensors", "cache_tensors", "guards", "check_us")}
+            print(f"  {variant}: {per}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
