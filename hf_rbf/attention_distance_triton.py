@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .attention_utils import MaskArgs
+from .attention_utils import MaskArgs, is_all_true_mask, zero_key_bias
 from .kernels_common import key_bias, triton_unavailable_reason
 from .kernels_flash_bwd import distance_backward
 from .kernels_flash_fwd import distance_decode, distance_forward
@@ -551,7 +551,13 @@ def _decode_impl(
     bsz, heads, _, _ = q.shape
     nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
     # key norms inside the decode kernel (knorm): only the weights / padding go through the key-bias pass
-    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
+    if key_log_weights is None and attention_mask is not None and is_all_true_mask(attention_mask):
+        # keys known to be valid (the sorted cache's mask while no slot is padding or evicted): the pass's result is
+        # zeros, taken from a kept buffer instead of a launch, its output allocation and the mask's int8 cast per layer
+        # and decode step; the decode kernel then reads the same bias as before (bit for bit, same specialisation)
+        kb = zero_key_bias(bsz, heads, nk, q.device)
+    else:
+        kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
     return distance_decode(
         q,
         k,
@@ -698,6 +704,7 @@ def distance_attention(
     eps: float,
     prefix: tuple[Tensor, Tensor] | None = None,
     tau_in: bool = False,
+    prefix_checked: bool = False,
 ) -> Tensor:
     """Run the fused op: the split-K decode kernel for a few query rows without gradients, else the flash op.
 
@@ -707,12 +714,18 @@ def distance_attention(
     ``v`` then hold only the sequence keys, while ``mask`` (key log-weights, padding) and the scalar keys ``ks``
     cover all ``P + N`` keys.  ``tau_in``: ``beta`` holds the temperature ``tau`` of the scalar term (the kernels take
     ``1 / tau`` per row and write ``tau``'s gradient: no reciprocal op and its backward per call).
+    ``prefix_checked``: the caller (a public attention function's triton backend) validated the prefix tensors' shapes,
+    dtype and device against its inputs already; they are then only made last-dim contiguous here, not checked a
+    second time in every layer and decode step.
     """
     q, k, a, b = _contig(q), _contig(k), _contig(a), _contig(b)
     v = k if kv_same else _contig(v)
     pk = pv = None
     if prefix is not None:
-        pk, pv = _check_prefix(prefix, q, k, v, mask, kv_same)
+        if prefix_checked:
+            pk, pv = _contig(prefix[0]), _contig(prefix[0] if kv_same else prefix[1])
+        else:
+            pk, pv = _check_prefix(prefix, q, k, v, mask, kv_same)
     args = (
         q,
         k,

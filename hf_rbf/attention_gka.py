@@ -8,6 +8,7 @@ Because of ``eps`` the weights are not shift-invariant, so the query norm stays 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -329,15 +330,36 @@ def gka_flex_reason(query, x, log_sigma, mask: MaskArgs) -> str | None:
 # ``a`` and ``b``.
 
 
+# id(log_sigma) -> (a weak reference to it, its data state, 1 / (2 sigma^2)): see `_inverse_two_variances`
+_INVERSE_TWO_VARIANCES: dict = {}
+
+
+def _inverse_two_variances(log_sigma: torch.Tensor) -> torch.Tensor:
+    """``1 / (2 sigma_h^2) = 0.5 exp(-2 log_sigma)`` in float32 (``[H]``).  Without gradients and outside
+    ``torch.compile`` it is kept per ``log_sigma`` tensor while that tensor keeps its data (the version counter counts
+    every in-place write: an optimiser step, ``load_state_dict``): a model passes its parameter, the same at every
+    decode step, where the three ops per layer and step computed the same values again.  Only ever read."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return 0.5 * torch.exp(-2.0 * log_sigma.float())
+    state = (log_sigma._version, log_sigma.data_ptr(), log_sigma.dtype, log_sigma.device, tuple(log_sigma.shape))
+    kept = _INVERSE_TWO_VARIANCES.get(id(log_sigma))
+    if kept is None or kept[0]() is not log_sigma or kept[1] != state:
+        if len(_INVERSE_TWO_VARIANCES) >= 256:
+            _INVERSE_TWO_VARIANCES.clear()
+        c = 0.5 * torch.exp(-2.0 * log_sigma.float())
+        # (a weak reference: the entry neither keeps a deleted model's parameter alive nor outlives it by its id)
+        kept = _INVERSE_TWO_VARIANCES[id(log_sigma)] = (weakref.ref(log_sigma), state, c)
+    return kept[2]
+
+
 def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs, prefix=None) -> torch.Tensor:
     """Fused GKA; same arguments and result as ``gka_attention_naive``; ``prefix``: None or the prefix features
     ``[B or 1, H, R, d]`` in front of ``x`` (read where they are: see ``distance_attention``)."""
     heads = x.shape[1]
     if isinstance(log_sigma, torch.Tensor):
-        ls = log_sigma.float()
+        c = _inverse_two_variances(log_sigma)
     else:
-        ls = constant_vector(float(log_sigma), (heads,), x.device)
-    c = 0.5 * torch.exp(-2.0 * ls)  # 1 / (2 sigma^2)
+        c = 0.5 * torch.exp(-2.0 * constant_vector(float(log_sigma), (heads,), x.device))
     return distance_attention(
         query,
         x,
@@ -354,6 +376,7 @@ def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs, prefix
         kv_same=True,
         eps=eps,
         prefix=None if prefix is None else (prefix, prefix),
+        prefix_checked=True,  # (validated by gka_attention: _check_prefix_features)
     )
 
 

@@ -260,6 +260,7 @@ def hybrid_attention_triton(q, k, v, qs, ks, tau, scale, mask: MaskArgs, prefix=
         eps=0.0,
         prefix=prefix,
         tau_in=True,
+        prefix_checked=True,  # (validated by hybrid_attention: check_prefix)
     )
 
 

@@ -313,6 +313,7 @@ def rbf_attention_triton(q, k, v, gamma, normalize: bool, mask: MaskArgs, prefix
         kv_same=False,
         eps=0.0,
         prefix=prefix,
+        prefix_checked=True,  # (validated by rbf_attention: check_prefix)
     )
 
 

@@ -212,6 +212,24 @@ class _ScalarFunction(torch.autograd.Function):
 _ZERO_VECTOR_DIM = 16
 
 
+# stride-0 views of the zero row by (shape, dtype, device): a decode step's query and prefix views have the same
+# shape at every step (the key view's length grows), so each is one view made once, not an op per layer and step
+_ZERO_ROWS: dict = {}
+
+
+def _zero_rows(zero: Tensor, shape: tuple) -> Tensor:
+    """``zero.expand(shape)`` (``zero``: a cached constant row of :func:`constant_vector`), kept per shape."""
+    if torch.compiler.is_compiling():
+        return zero.expand(shape)
+    key = (shape, zero.dtype, zero.device)
+    view = _ZERO_ROWS.get(key)
+    if view is None or view._base is not zero:  # (a cleared constant store made a new row)
+        if len(_ZERO_ROWS) >= 256:
+            _ZERO_ROWS.clear()
+        view = _ZERO_ROWS[key] = zero.expand(shape)
+    return view
+
+
 def _scalar_decode(qs, ks, v, tau, mask: MaskArgs, prefix_values=None) -> torch.Tensor:
     """A few query rows without gradients: the distance family's split-K decode kernel with the scalar term alone
     (``-(qs - ks)^2 / tau`` plus the key log-weights and padding, grouped values read in place), a zero
@@ -219,17 +237,18 @@ def _scalar_decode(qs, ks, v, tau, mask: MaskArgs, prefix_values=None) -> torch.
     b, h, nq = qs.shape
     groups, nk = v.shape[1], v.shape[2]
     zero = constant_vector(0.0, (_ZERO_VECTOR_DIM,), v.device, v.dtype)
-    q = zero.expand(b, h, nq, _ZERO_VECTOR_DIM)
+    q = _zero_rows(zero, (b, h, nq, _ZERO_VECTOR_DIM))
     k = zero.expand(b, groups, nk, _ZERO_VECTOR_DIM)
     prefix = None
     if prefix_values is not None:
-        prefix = (zero.expand(1, groups, prefix_values.shape[2], _ZERO_VECTOR_DIM), prefix_values)
+        prefix = (_zero_rows(zero, (1, groups, prefix_values.shape[2], _ZERO_VECTOR_DIM)), prefix_values)
     a = constant_vector(0.0, (h,), v.device)
     # tau as it is: the kernel takes 1 / tau per row (tau_in), as the hybrid family's call does
     tau_t = tau if isinstance(tau, torch.Tensor) else constant_vector(float(tau), (1, 1, 1), v.device)
+    # (the prefix: zero keys made here, values validated by scalar_attention's _check_prefix_values)
     return distance_attention(
         q, k, v, qs, ks, tau_t, a, a, mask, normalize=True, qnorm=False, knorm=False, kv_same=False, eps=0.0,
-        prefix=prefix, tau_in=True,
+        prefix=prefix, tau_in=True, prefix_checked=True,
     )  # fmt: skip
 
 

@@ -225,7 +225,9 @@ def normalize_mask_args(
         if attention_mask.device != device:
             raise ValueError(f"{op}: `attention_mask` is on {attention_mask.device}; the inputs are on {device}")
         am = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-        am = am.expand(batch, nk)
+        # (eagerly the same tensor where no expansion is needed: no view op per call; traced graphs keep the expand)
+        if am.shape[0] != batch or torch.compiler.is_compiling():
+            am = am.expand(batch, nk)
 
     return MaskArgs(
         causal=causal,
@@ -257,6 +259,50 @@ def constant_vector(value: float, shape: tuple, device, dtype: torch.dtype = tor
             _CONSTANTS.clear()
         t = _CONSTANTS[key] = torch.full(shape, value, device=device, dtype=dtype)
     return t
+
+
+# [rows, capacity] all-True key masks per (device, rows, inference mode), and by id: see `all_true_mask`
+_ALL_TRUE: dict = {}
+_ALL_TRUE_BY_ID: dict = {}
+# flat float32 zeros per (device, inference mode): see `zero_key_bias`
+_ZERO_BIAS: dict = {}
+
+
+def all_true_mask(rows: int, n: int, device: torch.device) -> torch.Tensor:
+    """A read-only all-True bool key mask ``[rows, n]``: a view of a buffer kept per device and row count (grown by
+    doubling), so that a decode step's mask over keys known to be valid costs one view, not an allocation and a fill
+    per layer; :func:`is_all_true_mask` recognises it.  Read only: every consumer of a mask only reads it."""
+    key = (torch.device(device), rows, torch.is_inference_mode_enabled())  # (inference tensors: no backward)
+    t = _ALL_TRUE.get(key)
+    if t is None or t.shape[1] < n:
+        if t is None and len(_ALL_TRUE) >= _CONSTANTS_MAX:
+            _ALL_TRUE.clear()
+            _ALL_TRUE_BY_ID.clear()
+        if t is not None:
+            _ALL_TRUE_BY_ID.pop(id(t), None)
+        width = max(n, 256 if t is None else 2 * t.shape[1])
+        t = _ALL_TRUE[key] = torch.ones(rows, width, dtype=torch.bool, device=device)
+        _ALL_TRUE_BY_ID[id(t)] = t
+    return t.narrow(1, 0, n)
+
+
+def is_all_true_mask(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` is a view that :func:`all_true_mask` made (every key valid), without reading it."""
+    base = mask._base
+    return base is not None and _ALL_TRUE_BY_ID.get(id(base)) is base
+
+
+def zero_key_bias(batch: int, heads: int, nk: int, device: torch.device) -> torch.Tensor:
+    """A read-only contiguous float32 ``[batch, heads, nk]`` of zeros: what the key-bias pass computes for keys that
+    are all valid and carry no log-weight (``kernels_common.key_bias`` with an all-True mask: ``0 * log2(e)``, kept
+    where the mask is True), as a view of a flat buffer kept per device, without the pass's launch and mask cast."""
+    key = (torch.device(device), torch.is_inference_mode_enabled())
+    n = batch * heads * nk
+    t = _ZERO_BIAS.get(key)
+    if t is None or t.numel() < n:
+        size = max(n, 4096 if t is None else 2 * t.numel())
+        t = _ZERO_BIAS[key] = torch.zeros(size, dtype=torch.float32, device=device)
+    return t.narrow(0, 0, n).view(batch, heads, nk)
 
 
 def per_head_param(op: str, name: str, value, heads: int, device, *, positive: bool = True, allow_none=False):

@@ -53,6 +53,7 @@ import math
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from .attention_utils import all_true_mask
 from .cache_static import sorted_layer_bytes_per_token
 from .configuration_scalar_sort import check_sorted_cache_settings, override_cache_settings
 from .kernels_sorted_decode import kernel_unavailable_reason, sorted_window_attention_triton
@@ -200,6 +201,9 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.log_weight = None  # [B, H, C] or None
         self.multiplicity = None  # [B, C] tokens represented by each slot (density merging) or None
         self.valid = None  # [B, C] bool
+        # (the `valid` tensor, its `_version`) while every slot below `num_slots` is known to be valid (None: not
+        # known): any write to `valid` other than `append`'s own bumps its version, so the record cannot outlive it
+        self._all_valid_at = None
         self.token_index = None  # [B, C] int64
         self.sorted_keys = None  # [B, O, M]
         self.sorted_slots = None  # [B, O, M] int64
@@ -252,6 +256,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.values = torch.zeros(b, g, cap, dv, dtype=value_states.dtype, device=dev)
         self.vector_keys = torch.zeros(b, h, cap, width - 1, dtype=self.dtype, device=dev) if width > 1 else None
         self.valid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+        self._all_valid_at = (self.valid, self.valid._version)  # no slot yet
         self.token_index = torch.zeros(b, cap, dtype=torch.long, device=dev)
         self.sorted_keys = torch.zeros(b, self.num_orders, 0, dtype=self.dtype, device=dev)
         self.sorted_slots = torch.zeros(b, self.num_orders, 0, dtype=torch.long, device=dev)
@@ -380,28 +385,34 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             )
         if (vector_keys is None) != (self.vector_keys is None):
             raise ValueError("SortedScalarCacheLayer: vector keys must be given at every update or never")
+        all_valid = self._all_valid()
         # Make room first, so the cache never holds more than max_cache_tokens (deferred while recording the past).
         limit = self.max_cache_tokens
         if limit is not None and not self.record_past and self.num_slots > 0 and self.num_slots + n > limit:
             self._evict_to(max(0, limit - n - self.eviction_batch))
-        # Merge the waiting buffer *before* writing: every sorted entry must be older than every query of this step
+            all_valid = False
+        # Merge the waiting buffer *before* writing: every sorted entry must be older than every query of the step
         # (the search has no causal mask); the new tokens wait in the buffer, where causality is checked per query.
         if self.num_slots - self.num_sorted + n > self.cache_buffer_size:
             self._merge_buffer()
         s = self.num_slots
-        self._ensure_capacity(s + n)
-        self.keys[:, :, s : s + n] = scalar_keys
-        self.values[:, :, s : s + n] = values
+        if s + n > self.keys.shape[-1]:
+            self._ensure_capacity(s + n)  # (a resize keeps the slots' validity)
+        # `narrow(...).copy_` / `fill_`: the slice assignments' ops without their Python indexing (per layer and decode
+        # step on the host); `fill_` with a Python scalar is one op, where an assignment of True wraps it in a tensor
+        # first (lift_fresh), and a decode step's single token index needs no arange
+        self.keys.narrow(2, s, n).copy_(scalar_keys)
+        self.values.narrow(2, s, n).copy_(values)
         if vector_keys is not None:
-            self.vector_keys[:, :, s : s + n] = vector_keys
-        # fill_ with a Python scalar: one op, where an assignment of True wraps it in a tensor first (lift_fresh), and
-        # a decode step's single token index needs no arange (per layer and decode step on the host)
+            self.vector_keys.narrow(2, s, n).copy_(vector_keys)
         if valid is None:
-            self.valid[:, s : s + n].fill_(True)
+            self.valid.narrow(1, s, n).fill_(True)
         else:
-            self.valid[:, s : s + n] = valid.to(torch.bool)
+            self.valid.narrow(1, s, n).copy_(valid.to(torch.bool))
+            all_valid = False  # (not read back from the device: unknown)
+        self._all_valid_at = (self.valid, self.valid._version) if all_valid else None
         if n == 1:
-            self.token_index[:, s : s + n].fill_(self.seen_tokens)
+            self.token_index.narrow(1, s, 1).fill_(self.seen_tokens)
         else:
             self.token_index[:, s : s + n] = torch.arange(self.seen_tokens, self.seen_tokens + n, device=self.device)
         if log_weight is not None:
@@ -413,6 +424,31 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.num_slots = s + n
         self.seen_tokens += n
         self.tail_tokens += n
+
+    def _all_valid(self) -> bool:
+        """Whether every slot below ``num_slots`` is known to be valid (no padding, eviction or crop since the layer
+        was filled), from the host-side record alone: nothing is read back from the device."""
+        known = self._all_valid_at
+        return known is not None and known[0] is self.valid and known[1] == self.valid._version
+
+    def exact_view(self, num_prefix: int = 0):
+        """What an exact step over every cached token reads: :meth:`slot_view`'s scalar keys, values, vector keys and
+        log-weights, and the key mask ``[B, num_prefix + S]`` bool: ``num_prefix`` always visible keys in front (the
+        sink, registers), then the slots' validity.  While every slot is known to be valid (:meth:`_all_valid`: no
+        padding given, nothing evicted) the mask is a view of a shared all-True buffer, not a new ``[B, P]`` block
+        concatenated to the validity at every layer and decode step; the values are the same."""
+        s = self.num_slots
+        # (`narrow`: the views of `[:, :, :s]` without Python's indexing machinery)
+        vk = None if self.vector_keys is None else self.vector_keys.narrow(2, 0, s)
+        lw = None if self.log_weight is None else self.log_weight.narrow(2, 0, s)
+        if num_prefix == 0:
+            mask = self.valid.narrow(1, 0, s)
+        elif self._all_valid():
+            mask = all_true_mask(self.keys.shape[0], num_prefix + s, self.device)
+        else:
+            valid = self.valid.narrow(1, 0, s)
+            mask = torch.cat([valid.new_ones(valid.shape[0], num_prefix), valid], dim=1)
+        return self.keys.narrow(2, 0, s), self.values.narrow(2, 0, s), vk, mask, lw
 
     def slot_view(self):
         """The cached tokens in slot order (views): ``(scalar_keys [B, H, S], values [B, G, S, Dv],

@@ -18,6 +18,7 @@ token embedding -> N x DecoderLayer [RMSNorm -> attention -> residual, RMSNorm -
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import sys
@@ -47,6 +48,16 @@ logger = logging.getLogger("hf_rbf")
 # ----------------------------------------------------------------------------------------------------------------
 # building blocks
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def signature_once(fn):
+    """Keep ``fn``'s signature on it (``__signature__``, which ``inspect.signature`` returns as it is).
+
+    For a model registered for the auto classes (``is_remote_code()``: every hf_rbf model) transformers' ``generate``
+    reads ``inspect.signature(self.forward)`` in ``prepare_inputs_for_generation`` at every decode step, about 40 us of
+    host time per token on this project's CPU (7 us with the signature kept); Llama does not pay it."""
+    fn.__signature__ = inspect.signature(fn)
+    return fn
 
 
 def _autocast_off(device_type: str):
@@ -147,6 +158,26 @@ def _plain_linear(m: nn.Module, like: nn.Linear) -> bool:
     )
 
 
+def _param(m: nn.Module, name: str):
+    """``getattr(m, name)`` for a parameter, read from ``_parameters`` without ``nn.Module.__getattr__``'s Python
+    fallback (eager mode only: what Dynamo traces keeps plain attribute reads)."""
+    params = m.__dict__["_parameters"]
+    return params[name] if name in params else getattr(m, name)
+
+
+def _plain_linear_eager(m: nn.Module, like: nn.Linear) -> bool:
+    """:func:`_plain_linear` outside ``torch.compile``, read from the instance dict: it runs for every projection of
+    every layer at every decode step, where ``nn.Module.__getattr__`` (a Python call per attribute read) cost more
+    than the check itself."""
+    if type(m) is not nn.Linear:
+        return False
+    attrs = m.__dict__
+    if "forward" in attrs or attrs["_forward_hooks"] or attrs["_forward_pre_hooks"]:
+        return False
+    weight, ref = _param(m, "weight"), _param(like, "weight")
+    return weight.dtype == ref.dtype and weight.device == ref.device
+
+
 # `project_together` calls the modules one by one (no weight `cat`) on inputs of at most this many rows in eval mode:
 # decode steps (one row per sequence), where the GEMMs are weight-bandwidth bound.
 SEPARATE_PROJECTION_MAX_ROWS = 64
@@ -188,13 +219,17 @@ def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     value weights per layer, read and written at ~2 TB/s), and the CPU-compiled step has no other ``cat`` (not yet
     re-measured on the GPU).
     """
+    eager = not torch.compiler.is_compiling()
+    plain = _plain_linear_eager if eager else _plain_linear
     if len(linears) == 1 or not (
         torch.nn.modules.module._global_forward_hooks == {}
         and torch.nn.modules.module._global_forward_pre_hooks == {}
-        and all(_plain_linear(m, linears[0]) for m in linears)
+        and all(plain(m, linears[0]) for m in linears)
     ):
         return tuple(m(x) for m in linears)
     if _few_rows_in_eval(x, linears):
+        if eager:  # what `nn.Linear.forward` computes, its parameters read without `nn.Module.__getattr__`
+            return tuple(F.linear(x, _param(m, "weight"), _param(m, "bias")) for m in linears)
         return tuple(F.linear(x, m.weight, m.bias) for m in linears)
     weight = torch.cat([m.weight for m in linears])
     bias = None
@@ -294,11 +329,31 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+# (cos, sin, dtype, sin as [B|1, 1, N, D/2] in dtype, cos alike) of the last forward without gradients: the same
+# for every layer of a forward (see `susie_embedding`)
+_SUSIE_ANGLES: tuple | None = None
+
+
+def _susie_angles(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sin`` and ``cos`` as ``[B|1, 1, N, D/2]`` in ``dtype``.  Every layer of a forward gets the same ``cos`` /
+    ``sin`` tensors (``DecoderModel`` computes them once), so without gradients and outside ``torch.compile`` the
+    first layer's views and casts serve the others (two to four ops per layer and decode step on the host, two of
+    them a cast kernel each in bfloat16).  Kept are the tensors themselves, compared by identity."""
+    global _SUSIE_ANGLES
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return sin.unsqueeze(1).to(dtype), cos.unsqueeze(1).to(dtype)
+    kept = _SUSIE_ANGLES
+    if kept is None or kept[0] is not cos or kept[1] is not sin or kept[2] != dtype:
+        kept = _SUSIE_ANGLES = (cos, sin, dtype, sin.unsqueeze(1).to(dtype), cos.unsqueeze(1).to(dtype))
+    return kept[3], kept[4]
+
+
 def susie_embedding(cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SuSiE's additive position term ``[sin, cos] * weight``: ``[B|1, H, N, D]`` from ``cos/sin [B|1, N, D/2]`` and
     the per-head, per-frequency ``weight [H, D/2]`` (shared by the sin and cos of a frequency)."""
-    w = weight.to(dtype)[None, :, None, :]
-    return torch.cat((sin.unsqueeze(1).to(dtype) * w, cos.unsqueeze(1).to(dtype) * w), dim=-1)
+    w = weight.to(dtype).reshape(1, weight.shape[0], 1, weight.shape[1])  # (one view op; [None, :, None, :] is two)
+    sin4, cos4 = _susie_angles(cos, sin, dtype)
+    return torch.cat((sin4 * w, cos4 * w), dim=-1)
 
 
 def dot_backend_for(config: DecoderConfig) -> str:
@@ -1089,6 +1144,22 @@ class DecoderModel(DecoderPreTrainedModel):
         layers = [layer.self_attn.make_static_cache_layer(max_cache_len) for layer in self.layers]
         return StaticDecoderCache(layers, max_cache_len)
 
+    def _prepare_cache(self, cache) -> None:
+        """:meth:`_prepare_cache_layers`, skipped for a cache whose type and layer types this model already accepted
+        (every decode step of a generation passes the same cache): whether a layer fits is a matter of its type
+        alone, and the check of every layer, at every step, cost more host time than a layer's cache update."""
+        layers = getattr(cache, "layers", None)
+        if torch.compiler.is_compiling() or not isinstance(layers, list):
+            self._prepare_cache_layers(cache)
+            return
+        known = self.__dict__.get("_hf_rbf_cache_layouts")
+        if known is not None and (type(cache), *map(type, layers)) in known:
+            return
+        self._prepare_cache_layers(cache)
+        if known is None or len(known) >= 16:
+            known = self._hf_rbf_cache_layouts = set()
+        known.add((type(cache), *map(type, cache.layers)))
+
     def _prepare_cache_layers(self, cache) -> None:
         """Make a user's cache (e.g. a plain ``DynamicCache()``) fit the model: add the missing layers, replace empty
         layers of the wrong type, reject filled ones."""
@@ -1194,7 +1265,7 @@ class DecoderModel(DecoderPreTrainedModel):
         if use_cache and cache is None:
             cache = self.make_cache()
         if cache is not None:
-            self._prepare_cache_layers(cache)
+            self._prepare_cache(cache)
         if output_attentions:
             # before any layer runs: a refused call must not leave some cache layers extended
             for layer in self.layers:
@@ -1244,6 +1315,14 @@ class DecoderModel(DecoderPreTrainedModel):
             )
             key_log_weights = key_log_weights.to(inputs_embeds.device)
 
+        # A mask with no padding is dropped so the kernels can take their unmasked fast paths.  Not with a static
+        # cache: its layers take the padding from the cache (slot masks), and the check (a device read) would
+        # synchronise every decode step.
+        drop_check = attention_mask is not None and not static and not torch.compiler.is_compiling()
+        mask_rows = None
+        if drop_check and bool(attention_mask.all()):
+            mask_rows, attention_mask = attention_mask.shape[0], None
+
         if position_ids is None and static:
             step_valid = attention_mask[:, -seq_len:].to(torch.bool) if attention_mask is not None else None
             position_ids = cache.positions(step_valid, batch, seq_len, inputs_embeds.device)
@@ -1251,7 +1330,10 @@ class DecoderModel(DecoderPreTrainedModel):
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -seq_len:]
             else:
-                position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past_len).unsqueeze(0)
+                # (a dropped mask had no padding: `cumsum - 1` of it is this range, in as many rows; one op, not five)
+                position_ids = torch.arange(past_len, past_len + seq_len, device=inputs_embeds.device).unsqueeze(0)
+                if mask_rows is not None and mask_rows != 1:
+                    position_ids = position_ids.expand(mask_rows, -1)
         position_ids = position_ids.to(inputs_embeds.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
@@ -1264,13 +1346,6 @@ class DecoderModel(DecoderPreTrainedModel):
             # every static layer records which of this step's tokens are padding (its slot mask)
             step_valid = attention_mask[:, -seq_len:].to(torch.bool) if attention_mask is not None else None
             cache.begin_step(step_valid, batch, seq_len, inputs_embeds.device)
-
-        # A mask with no padding is dropped so the kernels can take their unmasked fast paths.  Not with a static
-        # cache: its layers take the padding from the cache (slot masks), and the check (a device read) would
-        # synchronise every decode step.
-        drop_check = attention_mask is not None and not static and not torch.compiler.is_compiling()
-        if drop_check and bool(attention_mask.all()):
-            attention_mask = None
 
         # one flat buffer of text rows then register rows, or the text rows with the registers beside them (the
         # register stream; see DecoderLayer and `register_path`)
@@ -1450,10 +1525,12 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         if reusable is not None and reusable[0] == key and reusable[1].buffer_batch_size() in (None, batch):
             reusable[1].reset()
             return reusable[1]
-        cache = self.make_static_cache(max_len, **settings)
+        # the batch only sizes the sorted families' blocks (their insert's traffic grows with the rows)
+        cache = self.make_static_cache(max_len, **{"batch_size": batch, **settings})
         self._generation_static_cache = (key, cache)
         return cache
 
+    @signature_once
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -32,6 +32,25 @@ from .modeling_decoder import (
 )
 
 
+# zero-width value tensors by (shape, dtype, device): they hold no data, so one serves every layer and step (an
+# allocation op per layer and decode step otherwise); bounded like `attention_utils.constant_vector`'s constants
+_ZERO_WIDTH: dict = {}
+
+
+def _zero_width(feats: torch.Tensor) -> torch.Tensor:
+    """``feats.new_empty(*feats.shape[:-1], 0)``: what a cache stores as GKA's values (its keys are its values)."""
+    shape = (*feats.shape[:-1], 0)
+    if torch.compiler.is_compiling():
+        return feats.new_empty(shape)
+    key = (shape, feats.dtype, feats.device, torch.is_inference_mode_enabled())
+    t = _ZERO_WIDTH.get(key)
+    if t is None:
+        if len(_ZERO_WIDTH) >= 64:
+            _ZERO_WIDTH.clear()
+        t = _ZERO_WIDTH[key] = feats.new_empty(shape)
+    return t
+
+
 class GkaAttention(DecoderAttention):
     """Projection-free Gaussian kernel attention: the parameters are ``o_proj`` (W_O) and ``log_sigma`` ``[H]``.
 
@@ -131,7 +150,7 @@ class GkaAttention(DecoderAttention):
         keys = feats
         if cache is not None:
             # One copy per token: the features are the keys; the value slot holds a zero-width tensor.
-            keys, _ = cache.update(feats, feats.new_empty(*feats.shape[:-1], 0), self.layer_idx)
+            keys, _ = cache.update(feats, _zero_width(feats), self.layer_idx)
         am, klw = self._key_arguments(keys.shape[2], attention_mask, key_log_weights, cache)
 
         register_out = reg = None

@@ -72,7 +72,10 @@ class HybridSortAttention(ScalarSortAttention):
         return self._head_constant("scale", [base if dot else 0.0 for dot in self._dot_heads], torch.float32, device)
 
     def decode_scale(self):
-        scale = self._scale(self.q_proj.weight.device)
+        # (the device only where the heads' scales differ: `_scale` returns a float otherwise, and the parameter read
+        # costs two `nn.Module.__getattr__` calls, twice per layer and decode step)
+        uniform = all(self._dot_heads) or not any(self._dot_heads)
+        scale = self._scale(None if uniform else self.q_proj.weight.device)
         return None if isinstance(scale, float) and scale == 0.0 else scale
 
     def _scalar_heads(self, qs: torch.Tensor, ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,7 @@ from .modeling_decoder import (
     DecoderPreTrainedModel,
     DotAttention,
     project_together,
+    signature_once,
 )
 from .scalar_regularizers import align_moment_values, align_rows, masked_sum, spread_loss, tau_loss
 
@@ -188,11 +189,26 @@ class ScalarSortAttention(DecoderAttention):
 
     def temperature(self, x: torch.Tensor) -> torch.Tensor:
         """``tau``: ``[H]`` (global / per head) or ``[B, H, N]`` (per token, from ``x [B, N, D]``), float32 (float64
-        for float64 parameters), ``>= tau_min`` and ``<= tau_max`` when capped."""
+        for float64 parameters), ``>= tau_min`` and ``<= tau_max`` when capped.
+
+        Global / per head, without gradients (a decode step) and outside ``torch.compile``, ``tau`` is a function of
+        ``tau_bias`` alone: it is computed once and kept while the parameter is the same tensor with the same data
+        (its version counter counts every in-place write: an optimiser step, ``load_state_dict``), not four ops per
+        layer and step again.  The kept tensor is only ever read."""
         if self.tau_proj is not None:
-            raw = self.tau_proj(x).transpose(1, 2)
-        else:
-            raw = self.tau_bias.expand(self.num_heads)
+            return self._temperature_of(self.tau_proj(x).transpose(1, 2))
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self._temperature_of(self.tau_bias.expand(self.num_heads))
+        bias = self.tau_bias
+        state = (bias._version, bias.data_ptr(), bias.dtype, bias.device, self.num_heads, self.tau_min, self.tau_max)
+        kept = self.__dict__.get("_tau_kept")
+        if kept is not None and kept[0] is bias and kept[1] == state:
+            return kept[2]
+        tau = self._temperature_of(bias.expand(self.num_heads))
+        self._tau_kept = (bias, state, tau)
+        return tau
+
+    def _temperature_of(self, raw: torch.Tensor) -> torch.Tensor:
         raw = raw.to(torch.promote_types(raw.dtype, torch.float32))
         tau = self.tau_min + F.softplus(raw)
         if self.tau_max is not None:
@@ -276,9 +292,24 @@ class ScalarSortAttention(DecoderAttention):
         return text, registers, tau_text, tau_registers
 
     def sink_entries(self, dtype, device) -> _Projections | None:
-        """The sink as a key set of length 1: scalar key ``sink_key``, value ``sink_value`` (zero vector key)."""
+        """The sink as a key set of length 1: scalar key ``sink_key``, value ``sink_value`` (zero vector key).
+
+        Without gradients and outside ``torch.compile`` the tensors are kept while ``sink_value`` keeps its data (as
+        :meth:`temperature`'s): a decode step reads the same sink in every step."""
         if self.sink_value is None:
             return None
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self._sink_entries(dtype, device)
+        value = self.sink_value
+        state = (value._version, value.data_ptr(), value.dtype, value.device, dtype, torch.device(device),
+                 self.sink_key)  # fmt: skip
+        kept = self.__dict__.get("_sink_kept")
+        if kept is None or kept[0] is not value or kept[1] != state:
+            kept = self._sink_kept = (value, state, self._sink_entries(dtype, device))
+        sink = kept[2]
+        return _Projections(qs=sink.qs, ks=sink.ks, v=sink.v, q=sink.q, k=sink.k)
+
+    def _sink_entries(self, dtype, device) -> _Projections:
         h = self.num_heads
         # the key parts are constants of the layer (made once per device and dtype, see `_head_constant`)
         keys = [self.sink_key if scalar else 0.0 for scalar in self.scalar_head_list]
@@ -328,7 +359,11 @@ class ScalarSortAttention(DecoderAttention):
         tensors, which the decode kernel reads in place (no copy of the cached values per layer and step)."""
         if prefix is None:
             return self.attention_function(queries, keys, tau, **mask_args)
-        ks = torch.cat([prefix.ks.expand(keys.ks.shape[0], -1, -1), keys.ks], dim=2)
+        batch = keys.ks.shape[0]
+        prefix_ks = prefix.ks
+        if prefix_ks.shape[0] != batch or torch.compiler.is_compiling():  # (eagerly no view op at batch 1)
+            prefix_ks = prefix_ks.expand(batch, -1, -1)
+        ks = torch.cat([prefix_ks, keys.ks], dim=2)
         return self.attention_function(
             queries, _Projections(qs=None, ks=ks, v=keys.v, k=keys.k), tau, prefix=prefix, **mask_args
         )
@@ -412,6 +447,9 @@ class ScalarSortAttention(DecoderAttention):
 
     def _prefix_of(self, sink: _Projections | None, register_keys: _Projections | None):
         """The keys in front of the text keys (sink, then registers) and their count."""
+        if register_keys is None and sink is not None and sink.ks.shape[0] == 1:
+            # the sink alone (every layer and step without registers): its tensors, as `_cat_keys` returns them
+            return _Projections(qs=None, ks=sink.ks, v=sink.v, k=sink.k), sink.ks.shape[-1]
         parts = [p for p in (sink, register_keys) if p is not None]
         if not parts:
             return None, 0
@@ -638,10 +676,10 @@ class ScalarSortAttention(DecoderAttention):
         )
 
     def _exact_over_cache(self, layer, proj, tau, prefix, num_prefix, output_attentions=False):
-        b = proj.qs.shape[0]
-        ks, v, k, valid, log_weight = layer.slot_view()
+        # the key mask comes with the prefix's visible columns in front (a view of an all-True buffer while no slot
+        # is padding or evicted: no allocation and `cat` per layer and decode step)
+        ks, v, k, am, log_weight = layer.exact_view(num_prefix)
         cached = _Projections(qs=None, ks=ks, v=v, k=k)
-        am = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1) if num_prefix else valid
         klw = None
         if log_weight is not None:
             klw = torch.cat([log_weight.new_zeros(*log_weight.shape[:-1], num_prefix), log_weight], dim=-1)
@@ -1030,6 +1068,7 @@ class RegularizedCausalLMMixin:
             layer._hf_rbf_capture = None
             layer.register_forward_pre_hook(_capture_layer_inputs, with_kwargs=True)
 
+    @signature_once
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1064,7 +1103,7 @@ class RegularizedCausalLMMixin:
                 "hf_rbf.trainer.HfRbfTrainer, or call `model.set_regularizer_step(step)` before each step of your own "
                 "loop (in eval mode the full weights are used)"
             )
-        weights = self.regularizer_weights()
+        weights = self.regularizer_weights() if collect else None
         collect = collect and any(w > 0 for w in weights.values())
         layers = self.model.layers
         if collect:
@@ -1086,10 +1125,13 @@ class RegularizedCausalLMMixin:
                 return_dict=True,
                 **kwargs,
             )
-            captured = [layer._hf_rbf_capture[0] if collect else None for layer in layers]
+            captured = [layer._hf_rbf_capture[0] for layer in layers] if collect else None
         finally:
-            for layer in layers:
-                layer._hf_rbf_capture = None
+            # (only where this forward set them: without collecting every store stays None, as the last forward left
+            # it, and the per-layer writes, `nn.Module.__setattr__` calls, cost host time at every decode step)
+            if collect:
+                for layer in layers:
+                    layer._hf_rbf_capture = None
 
         result = ScalarSortCausalLMOutput(
             loss=out.loss,

@@ -1,0 +1,305 @@
+"""The host work of a dynamic-cache decode step (issue 13): what a step no longer does per layer, and that every value
+it keeps or skips is the one it computed before, to the bit.
+
+At batch 1 a decode step is bound by its host work (the H100 profiles of ``benchmarks/results/h100-2026-11-27m``:
+0.9-1.8 ms of kernels in 10-17 ms per token), so every aten op and every Python call per layer counts.  The op counts
+below are those of one decode step through the path CUDA takes (the fused kernels, here in Triton's interpreter, whose
+own tensor work is not counted; the register stream), before / after:
+
+* the sorted families' key mask: ``cat([valid.new_ones(B, P), valid])`` per layer became a view of a shared all-True
+  buffer while every slot is known valid (``SortedScalarCacheLayer.exact_view``);
+* the temperature (``tau_min + softplus(tau_bias)``), the sink's tensors, GKA's ``1 / (2 sigma^2)`` and SuSiE's
+  ``sin`` / ``cos`` views are computed once and kept while their parameter (or the forward's angles) is unchanged;
+* the positions of a mask without padding are one ``arange``, not ``cumsum`` of the mask;
+* ``project_together`` reads the projections' parameters without ``nn.Module.__getattr__``; the cache layers are
+  checked once per cache layout; ``inspect.signature(model.forward)`` (which ``generate`` reads at every step for
+  remote-code models) is kept on the function.
+
+``benchmarks/host_decode_step.py`` times the step (host ms per token against Llama's).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+import types
+
+import pytest
+import torch
+from conftest import build_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_rbf import modeling_decoder
+from hf_rbf.modeling_decoder import project_together, susie_embedding
+
+FAMILIES = ["rbf", "gka", "scalar_sort", "hybrid_sort"]
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops dispatched outside Triton launches (the interpreter's own tensor work is not host work of
+    the step on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+        self.launches = collections.Counter()  # by kernel name (see `_counting`)
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _counting(monkeypatch):
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    mode = _Ops()
+    original = interpreter.InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        if not kwargs.get("warmup"):
+            mode.launches[getattr(self, "__name__", type(self).__name__)] += 1
+        mode.paused += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            mode.paused -= 1
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+    with mode:
+        yield mode
+
+
+def _gpu_path(monkeypatch):
+    """The host path of a CUDA decode step: fused kernels (here interpreted), fused RoPE, the register stream."""
+    from hf_rbf.kernels_common import DEFINED_INTERPRETED
+
+    if not DEFINED_INTERPRETED:
+        pytest.skip("needs the kernels in Triton's interpreter (TRITON_INTERPRET=1, as conftest sets on a CPU)")
+    monkeypatch.setattr(modeling_decoder, "rotary_backend", "triton")
+    monkeypatch.setattr(modeling_decoder, "register_path", "stream")
+
+
+def _decode_ops(model, monkeypatch, prompt: int = 6):
+    """Aten ops of one decode step (batch 1, the all-ones mask ``generate`` passes) after a prefill and one step."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt + 2), generator=torch.Generator().manual_seed(0))
+    cache = model.make_cache()
+    with torch.no_grad():
+        model(input_ids=ids[:, :prompt], attention_mask=torch.ones(1, prompt, dtype=torch.long), cache=cache)
+        for t in (prompt, prompt + 1):
+            step = dict(input_ids=ids[:, t : t + 1], attention_mask=torch.ones(1, t + 1, dtype=torch.long), cache=cache)
+            if t == prompt:
+                model(**step)
+                continue
+            with _counting(monkeypatch) as mode:
+                model(**step)
+    return mode
+
+
+# Per family (conftest's tiny config, two layers, attention_backend="triton"): the bound on the aten ops of one decode
+# step (the count after these changes; before: rbf 144, gka 125, scalar_sort 187, hybrid_sort 225), the counts of the
+# ops that went (before -> after), and the Triton launches that went:
+_BUDGETS = {
+    # the mask's positions: cumsum (and sub, clamp_min, slice) -> arange; SuSiE: sin / cos unsqueezed once per forward,
+    # not per layer, and the weight's [None, :, None, :] one view (unsqueeze 10 -> 5: the 3 of the step, 2 kept views)
+    "rbf": (138, {"cumsum": 0, "unsqueeze": 5}, {}),
+    # 1 / (2 sigma^2) kept (mul, exp, mul per layer); the zero-width values kept (new_empty per layer)
+    "gka": (115, {"cumsum": 0, "exp": 0, "new_empty": 0}, {}),
+    # the key mask a view (new_ones + cat per layer), and with every key valid no key-bias pass (its launch, output
+    # allocation and the mask's int8 cast per layer: _to_copy 3 -> 1); tau kept (expand, promote_types, softplus,
+    # add per layer); the sink's scalar keys not expanded to the batch of 1; the zero query / prefix views kept
+    # (expand 12 -> 2: the keys')
+    "scalar_sort": (
+        159, {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 2, "_to_copy": 1}, {"_key_bias_kernel": 0}
+    ),
+    "hybrid_sort": (
+        199, {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 0, "_to_copy": 1}, {"_key_bias_kernel": 0}
+    ),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_step_host_ops_are_bounded(family, monkeypatch):
+    _gpu_path(monkeypatch)
+    model = build_model(family, {"attention_backend": "triton"})
+    mode = _decode_ops(model, monkeypatch)
+    names = mode.names
+    bound, exact, launches = _BUDGETS[family]
+    assert {op: names.get(op, 0) for op in exact} == exact, dict(names)
+    assert {k: mode.launches.get(k, 0) for k in launches} == launches, dict(mode.launches)
+    assert sum(names.values()) <= bound, (sum(names.values()), dict(names))
+
+
+# -- the sorted cache's key mask ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["scalar_sort", "hybrid_sort"])
+@pytest.mark.parametrize("backend", ["naive", "triton"])
+def test_sorted_key_mask_view_gives_the_logits_of_the_concatenated_mask(family, backend):
+    """While no slot is padding the exact decode step reads a view of an all-True mask; forcing the concatenation
+    (the record of known-valid slots dropped before every step) gives the same logits, to the bit."""
+    overrides = {"attention_backend": backend, "num_register_tokens": 1}
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for forced in (False, True):
+        model = build_model(family, overrides)
+        cache = model.make_cache()
+        steps = []
+        with torch.no_grad():
+            for t in range(4, 10):
+                if forced:
+                    for layer in cache.layers:
+                        layer._all_valid_at = None
+                span = slice(0, t) if t == 4 else slice(t - 1, t)
+                out = model(input_ids=ids[:, span], attention_mask=torch.ones(1, t, dtype=torch.long), cache=cache)
+                steps.append(out.logits)
+        logits.append(torch.cat(steps, dim=1))
+        assert all(layer._all_valid() == (not forced) for layer in cache.layers if hasattr(layer, "_all_valid"))
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_sorted_key_mask_is_concatenated_again_once_a_slot_is_padding_or_written():
+    from hf_rbf.cache_sorted_scalar import SortedScalarCacheLayer
+
+    layer = SortedScalarCacheLayer(num_heads=2, num_value_groups=1)
+    ks, v = torch.randn(1, 2, 3), torch.randn(1, 1, 3, 4)
+    layer.append(ks, v)
+    mask = layer.exact_view(2)[3]
+    assert mask.dtype == torch.bool and mask.shape == (1, 5) and bool(mask.all())
+    assert layer._all_valid()
+    layer.valid[0, 1] = False  # any write to the validity (eviction, crop, a user) drops the record
+    assert not layer._all_valid()
+    assert layer.exact_view(2)[3].tolist() == [[True, True, True, False, True]]
+    layer.append(ks[..., :1], v[:, :, :1], valid=torch.tensor([[True]]))
+    assert not layer._all_valid()  # (a given validity is not read back from the device)
+    assert layer.exact_view(1)[3].tolist() == [[True, True, False, True, True]]
+
+
+# -- values kept per parameter ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["scalar_sort", "hybrid_sort"])
+def test_kept_temperature_and_sink_follow_their_parameters(family):
+    model = build_model(family, {})
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 1, model.config.hidden_size)
+    with torch.no_grad():
+        first = attn.temperature(x)
+        assert attn.temperature(x) is first  # kept
+        sink = attn.sink_entries(torch.float32, x.device)
+        again = attn.sink_entries(torch.float32, x.device)
+        assert again.v is sink.v and again.ks is sink.ks
+        attn.tau_bias.add_(0.5)  # an in-place write (an optimiser step, load_state_dict) bumps the version
+        attn.sink_value.mul_(2.0)
+        moved = attn.temperature(x)
+        assert moved is not first and torch.equal(moved, attn._temperature_of(attn.tau_bias.expand(attn.num_heads)))
+        assert torch.equal(attn.sink_entries(torch.float32, x.device).v, attn._sink_entries(torch.float32, x.device).v)
+    tau = attn.temperature(x)  # with gradients: computed, differentiable
+    assert tau.requires_grad and tau is not moved
+    torch.testing.assert_close(tau.detach(), moved, rtol=0, atol=0)
+
+
+def test_kept_gka_scale_follows_log_sigma():
+    from hf_rbf.attention_gka import _inverse_two_variances
+
+    log_sigma = torch.nn.Parameter(torch.randn(4))
+    with torch.no_grad():
+        c = _inverse_two_variances(log_sigma)
+        assert _inverse_two_variances(log_sigma) is c
+        assert torch.equal(c, 0.5 * torch.exp(-2.0 * log_sigma.float()))
+        log_sigma.add_(1.0)
+        assert torch.equal(_inverse_two_variances(log_sigma), 0.5 * torch.exp(-2.0 * log_sigma.float()))
+    assert _inverse_two_variances(log_sigma).requires_grad
+
+
+def test_kept_susie_angles_give_the_formula_bits():
+    cos, sin = torch.randn(1, 3, 4), torch.randn(1, 3, 4)
+    weight = torch.randn(2, 4)
+    w = weight[None, :, None, :]
+    reference = torch.cat((sin.unsqueeze(1) * w, cos.unsqueeze(1) * w), -1)
+    with torch.no_grad():
+        first = susie_embedding(cos, sin, weight, torch.float32)
+        with _Ops() as ops:
+            second = susie_embedding(cos, sin, weight, torch.float32)  # the second layer of the same forward
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+    assert ops.names["unsqueeze"] == 0, dict(ops.names)
+    other = torch.randn(1, 3, 4)  # a new forward's angles: not the kept ones
+    with torch.no_grad():
+        expected = torch.cat((sin.unsqueeze(1) * w, other.unsqueeze(1) * w), -1)
+        assert torch.equal(susie_embedding(other, sin, weight, torch.float32), expected)
+
+
+# -- positions, cache checks, projections, signature ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_positions_of_a_mask_without_padding_are_the_cumsum_positions(family):
+    """A mask without padding is dropped; its positions are then a range, which is ``cumsum - 1`` of the mask."""
+    model = build_model(family, {})
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model.make_cache()
+        mask = torch.ones(2, 5, dtype=torch.long)
+        model(input_ids=ids[:, :5], attention_mask=mask, cache=cache)
+        with _Ops() as ops:
+            got = model(input_ids=ids[:, 5:], attention_mask=torch.ones(2, 7, dtype=torch.long), cache=cache).logits
+        assert ops.names["cumsum"] == 0
+        cache = model.make_cache()
+        model(input_ids=ids[:, :5], attention_mask=mask, cache=cache)
+        positions = (torch.ones(2, 7, dtype=torch.long).cumsum(-1) - 1)[:, 5:]
+        ref = model(input_ids=ids[:, 5:], position_ids=positions, cache=cache).logits
+    assert torch.equal(got, ref)
+
+
+def test_cache_layers_are_checked_once_per_layout(monkeypatch):
+    model = build_model("scalar_sort", {})
+    calls = []
+    original = type(model.model)._prepare_cache_layers
+    monkeypatch.setattr(
+        type(model.model), "_prepare_cache_layers", lambda self, cache: calls.append(1) or original(self, cache)
+    )
+    ids = torch.randint(0, 128, (1, 4))
+    cache = model.make_cache()
+    with torch.no_grad():
+        for t in range(1, 4):
+            model(input_ids=ids[:, t - 1 : t], cache=cache)
+    assert len(calls) == 2  # make_cache, then the first forward; the later steps know the layout
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+    bad = DynamicCache()
+    bad.layers = [DynamicSlidingWindowLayer(sliding_window=4) for _ in model.model.layers]
+    with pytest.raises(TypeError, match="cannot serve"):
+        model(input_ids=ids[:, :1], cache=bad)
+
+
+def test_decode_rows_projections_skip_module_getattr(monkeypatch):
+    """In eval mode on decode rows the projections' parameters are read from ``_parameters`` (``nn.Module.__getattr__``
+    is a Python call per read, several per projection and layer at every step); the results are the modules'."""
+    linears = [torch.nn.Linear(8, n) for n in (4, 6, 2)]
+    for m in linears:
+        m.eval()
+    x = torch.randn(1, 1, 8)
+    reads = []
+    getattr_ = torch.nn.Module.__getattr__
+    monkeypatch.setattr(torch.nn.Module, "__getattr__", lambda self, name: reads.append(name) or getattr_(self, name))
+    outs = project_together(x, linears)
+    assert reads == []
+    monkeypatch.undo()
+    for out, m in zip(outs, linears):
+        assert torch.equal(out, m(x))
+
+
+@pytest.mark.parametrize("family", ["rbf", "scalar_sort"])
+def test_forward_signature_is_kept(family):
+    """transformers' ``generate`` reads ``inspect.signature(self.forward)`` at every step for remote-code models."""
+    model = build_model(family, {})
+    forward = type(model).forward
+    assert "__signature__" in vars(forward)
+    # the signature of the same code without the kept one
+    bare = types.FunctionType(forward.__code__, forward.__globals__, forward.__name__, forward.__defaults__,
+                              forward.__closure__)  # fmt: skip
+    bare.__kwdefaults__, bare.__annotations__ = forward.__kwdefaults__, forward.__annotations__
+    assert inspect.signature(bare) == inspect.signature(forward)
+    assert list(inspect.signature(model.forward).parameters) == list(inspect.signature(bare).parameters)[1:]
