@@ -28,6 +28,7 @@ import torch
 from conftest import build_model
 from sorted_cache_helpers import left_padded
 
+from benchmarks.count_decode_guards import walk  # the repository root is on the path (conftest)
 from hf_rbf import kernels_common
 from hf_rbf.cache_names import CACHE_NAME
 from hf_rbf.cache_sorted_static import StaticSortedLayer
@@ -45,19 +46,6 @@ CASES = {
     "hybrid_sort": ("hybrid_sort", dict(decode_window=3, num_value_groups=2), {}),
     "rbf-dot": ("rbf", dict(attention_layers=["rbf", "dot"]), {}),
 }
-
-
-def _walk(manager, counts: collections.Counter, tensors: list) -> None:
-    for leaf in manager.get_leaf_guards():
-        counts[type(leaf).__name__] += 1
-        if type(leaf).__name__ == "TENSOR_MATCH":
-            tensors.append(manager.get_source())
-    children = list(manager.get_child_managers())
-    if hasattr(manager, "get_key_value_managers"):  # a dict's entries (a module's `_parameters`)
-        for key_manager, value_manager in manager.get_key_value_managers().values():
-            children += [m for m in (key_manager, value_manager) if m is not None]
-    for child in children:
-        _walk(child, counts, tensors)
 
 
 def compiled_decode_step(family: str, overrides: dict, cache_config: dict, layers: int) -> dict:
@@ -103,7 +91,7 @@ def compiled_decode_step(family: str, overrides: dict, cache_config: dict, layer
     out = {"graph_inputs": graphs[0], "layer_params": len(list(model.model.layers[0].parameters()))}
     if managers:
         counts, tensors = collections.Counter(), []
-        _walk(managers[-1].root, counts, tensors)
+        walk(managers[-1].root, counts, tensors)  # the benchmark's count of the guard tree
         out["tensors"] = len(tensors)
         out["cache_tensors"] = sorted(s for s in tensors if f"['{CACHE_NAME}']" in s)
     return out
