@@ -242,11 +242,11 @@ class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
     ):
         super().__init__()
         name = type(self).__name__
-        for arg, value in (("max_cache_len", max_cache_len), ("block_size", block_size)):
-            if value is None and arg == "block_size":
+        for arg, value in (("max_cache_len", max_cache_len), ("block_size", block_size), ("batch_size", batch_size)):
+            if value is None and arg != "max_cache_len":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: `{arg}` must be {'None or ' if arg == 'block_size' else ''}an int >= 1; "
+                raise ValueError(f"{name}: `{arg}` must be {'' if arg == 'max_cache_len' else 'None or '}an int >= 1; "
                                  f"got {value!r}")
         if decode_window is not None and (
             not isinstance(decode_window, int) or isinstance(decode_window, bool) or decode_window < 1
@@ -256,7 +256,7 @@ class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
         if block_size is None:
             block_size = default_block_size(
                 max_cache_len, decode_window, batch_size=batch_size or 1, num_orders=max(1, len(order_heads))
-            )
+            )  # (batch_size validated above: None or >= 1)
         self.block_size = min(block_size, max_cache_len)
         self.num_blocks = math.ceil(max_cache_len / self.block_size)
         self.capacity = self.num_blocks * self.block_size

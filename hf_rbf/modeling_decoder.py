@@ -1130,6 +1130,8 @@ class DecoderModel(DecoderPreTrainedModel):
         (:func:`~hf_rbf.cache_static.static_cache_len_for_bytes`); ``max_cache_len``, when given too (as ``generate``
         does: prompt + new tokens), must fit in it.  ``batch_size``: the rows it will hold, when known (the sorted
         families size their blocks by it; the layers here allocate at the first write, whatever the batch)."""
+        if batch_size is not None and (type(batch_size) is not int or batch_size < 1):
+            raise ValueError(f"make_static_cache: `batch_size` must be None or an int >= 1; got {batch_size!r}")
         if max_cache_bytes is not None:
             capacity = static_cache_len_for_bytes(self.config, max_cache_bytes, self.dtype)
             if max_cache_len is not None and max_cache_len > capacity:

@@ -955,7 +955,7 @@ class SortedCacheModelMixin:
                 block_size = default_block_size(
                     unrounded,
                     chosen.get("decode_window"),
-                    batch_size=batch_size or 1,
+                    batch_size=1 if batch_size is None else batch_size,
                     num_orders=self._static_cache_orders(chosen),
                     round_down=True,  # whole blocks inside the budget
                 )

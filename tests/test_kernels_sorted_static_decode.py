@@ -535,3 +535,27 @@ def test_default_block_size_names_a_bad_argument(capacity, window, named):
         default_block_size(capacity, window)
     with pytest.raises(ValueError, match="`block_size` must be None or an int >= 1"):
         _layer("auto", b_heads=(4, 2), scheme="per_head", window=4, block_size=0, capacity=16)
+
+
+@pytest.mark.parametrize("batch_size", [0, -2, 1.5, True])
+def test_block_size_batch_hint_names_a_bad_value(batch_size):
+    """The batch that sizes the default blocks (``generate`` passes it): a value that is no row count is refused
+    wherever it enters, naming ``batch_size``, rather than read as one row."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_rbf  # noqa: F401
+    from hf_rbf.cache_sorted_static import default_block_size
+
+    with pytest.raises(ValueError, match="`batch_size` must be an int >= 1"):
+        default_block_size(4096, 8, batch_size=batch_size)
+    with pytest.raises(ValueError, match="`num_orders` must be an int >= 1"):
+        default_block_size(4096, 8, num_orders=0)
+    with pytest.raises(ValueError, match="StaticSortedLayer: `batch_size` must be None or an int >= 1"):
+        StaticSortedLayer(max_cache_len=64, num_heads=2, num_value_groups=1, order_heads=[0, 1], decode_window=4,
+                          batch_size=batch_size)  # fmt: skip
+    for family in ("scalar_sort", "rbf"):
+        cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                   intermediate_size=64)  # fmt: skip
+        model = AutoModelForCausalLM.from_config(cfg)
+        with pytest.raises(ValueError, match="`batch_size` must be"):
+            model.make_static_cache(256, batch_size=batch_size)
