@@ -846,14 +846,12 @@ _TMA_LOGGED: set = set()
 
 
 # Head dims up to this use TMA when the choice is automatic.  Measured on an H100 (benchmarks/probe_hopper_forward.py
-# --whole, benchmarks/results/h100-2026-11-27p): the rbf forward with TMA ran at 0.91-0.97x SDPA flash at head dim 64
-# (pointer loads 0.96-1.01x) but 1.06-1.14x at 128 (pointer loads 0.94-1.05x): at 128 the tile configs that
-# `_prune_fwd` kept then are not the one the probe found fastest with descriptors (128 x 64 tiles, 4 warps:
-# 0.77-0.80x), which its register estimate removed; `_fits` now keeps it on the TMA path.  With it the four-loop kernel
-# still ran 1.16-1.18x (benchmarks/results/h100-2026-11-28, call 3): it spilled in every tile loop; the kernel's two
-# sequence loops (see the comment above its tile loops) compile to the probe's loop at that config
-# (benchmarks/results/offline-sm90-2026-11-28), not yet measured on a GPU: until then wider heads keep pointer loads.
-TMA_AUTO_MAX_HEAD_DIM = 64
+# --whole): the kernel with four tile loops ran at 0.91-0.97x SDPA flash with TMA at head dim 64 (pointer loads
+# 0.96-1.01x) but 1.16-1.18x at 128 (benchmarks/results/h100-2026-11-27p, h100-2026-11-28 call 3): it spilled in every
+# tile loop.  With the two sequence loops (see the comment above its tile loops) the TMA forward runs at 0.85 / 0.84x
+# flash at head dim 128, N 2048 / 8192, against 1.00 / 0.94x with pointer loads, and 0.89x at 64 (pointer loads
+# 0.94-0.97x): benchmarks/results/h100-2026-11-28b, call 1.  Wider heads (256) keep pointer loads (not measured).
+TMA_AUTO_MAX_HEAD_DIM = 128
 
 
 def tma_path(k, v, tma: bool | None, kv_same: bool = False) -> bool:

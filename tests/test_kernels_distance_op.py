@@ -757,7 +757,7 @@ def test_tma_and_pointer_paths(name, mode, monkeypatch):
 
 
 def test_tma_path_choice_and_errors(monkeypatch):
-    """Automatic: TMA where every tile base is 16-byte aligned and the head dims are at most 64, pointer loads
+    """Automatic: TMA where every tile base is 16-byte aligned and the head dims are at most 128, pointer loads
     (logged, not an error) otherwise and always for x as key and value (GKA); required: a ValueError naming the
     reason; a bad setting names the variable."""
     from hf_rbf import kernels_flash_fwd
@@ -769,9 +769,12 @@ def test_tma_path_choice_and_errors(monkeypatch):
     assert kernels_flash_fwd.tma_path(v, v, None, kv_same=True) is False
     with pytest.raises(ValueError, match="x is both key and value"):
         kernels_flash_fwd.tma_path(v, v, True, kv_same=True)
-    wide = torch.randn(1, 2, 9, 128, device=DEVICE, dtype=torch.bfloat16)
-    assert kernels_flash_fwd.tma_path(wide, wide, None) is False  # head dim 128: pointer loads unless required
-    assert kernels_flash_fwd.tma_path(wide, wide, True) is (not ON_GPU or torch.cuda.get_device_capability() >= (9, 0))
+    tma_gpu = not ON_GPU or torch.cuda.get_device_capability() >= (9, 0)
+    d128 = torch.randn(1, 2, 9, 128, device=DEVICE, dtype=torch.bfloat16)
+    assert kernels_flash_fwd.tma_path(d128, d128, None) is tma_gpu  # head dim 128: TMA measured faster
+    wide = torch.randn(1, 2, 9, 256, device=DEVICE, dtype=torch.bfloat16)
+    assert kernels_flash_fwd.tma_path(wide, wide, None) is False  # head dim 256: pointer loads unless required
+    assert kernels_flash_fwd.tma_path(wide, wide, True) is tma_gpu
     with pytest.raises(ValueError, match=r"k has a stride of \d+ elements \(\d+ bytes\), not a multiple of 16"):
         kernels_flash_fwd.tma_path(k, v, True)
     monkeypatch.setattr(kernels_flash_fwd, "TMA_MODE", "maybe")
