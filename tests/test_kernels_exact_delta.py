@@ -1,0 +1,88 @@
+"""The scalar term's gradients use an exact ``delta_i = sum_j W_ij dP_ij``, not FlashAttention's ``dO_i . O_i``.
+
+The gradients of the scalar query and key and of the temperature are row sums ``sum_j dS_ij (qs_i - ks_j)^k`` that
+cancel (every row of dS sums to 0 under the softmax), so the error of ``delta`` reaches them undamped.  The dQ
+kernels (``kernels_flash_bwd._dq_tiles`` with the scalar term, ``kernels_scalar_bwd._scalar_bwd_dq_kernel``) sum
+the exact delta alongside the row sums, at three extra row sums per key tile.  Measured on an H100 (bf16, N 2048,
+``benchmarks/compare_package_copies.py``, benchmarks/results/h100-2026-11-28b call 2): with the exact delta the
+temperature gradient is within 1e-6 of float64; a delta taken from the output and its bf16 rounding residual gave
+1.3e-3 (FlashAttention's delta from the rounded output: 3.5e-3) for 3-6% less fwd+bwd time, which was not taken.
+
+This test pins the exactness: in bf16 the temperature gradient of both families must be within ``DTAU_TOL`` of the
+float64 reference, a bound that a delta from the rounded output misses by far (checked here on the same inputs).
+"""
+
+import pytest
+import torch
+
+from kernel_env import DEVICE, IN_PROCESS  # noqa: E402 (first: sets TRITON_INTERPRET)
+
+import hf_rbf  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1 in this process (run this file alone)"
+)
+
+B, H, N, D = 1, 2, 80, 32
+# measured: 3e-7 (hybrid) / 3e-6 (scalar) under the interpreter, 8e-7 / 3e-6 on an H100 at N 2048
+DTAU_TOL = 1e-4
+BF16 = torch.bfloat16
+
+
+def _inputs(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, N, D, generator=gen).to(BF16) for _ in range(3))
+    qs, ks = ((2 * torch.randn(B, H, N, generator=gen)).to(BF16) for _ in range(2))
+    tau = torch.rand(B, H, N, generator=gen) + 0.5
+    dout = torch.randn(B, H, N, D, generator=gen).to(BF16)
+    return q, k, v, qs, ks, tau, dout
+
+
+def _rel(x, ref):
+    x, ref = x.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(x).all()
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def _reference(scores, v, dout, tau, dd):
+    """float64 temperature gradient of ``softmax(scores) @ v`` (causal) against ``dout``: with the exact delta, and
+    with delta from the output rounded to bf16 (what FlashAttention's preprocessing takes)."""
+    s = scores.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(s, -1)
+    out = p @ v.double()
+    dp = dout.double() @ v.double().transpose(-1, -2)
+
+    def dtau(delta):
+        return ((p * (dp - delta[..., None])) * dd * dd).sum(-1) / (tau.double() ** 2)
+
+    exact = dtau((p * dp).sum(-1))
+    rounded = dtau((dout.double() * out.to(BF16).double()).sum(-1))
+    return exact, rounded
+
+
+def _check(dtau_kernel, exact, rounded):
+    err = _rel(dtau_kernel, exact)
+    assert err < DTAU_TOL, err
+    assert _rel(rounded, exact) > 10 * DTAU_TOL  # the bound fails for a delta from the rounded output
+
+
+def test_hybrid_temperature_gradient_is_exact():
+    q, k, v, qs, ks, tau, dout = _inputs(0)
+    dd = qs.double()[..., :, None] - ks.double()[..., None, :]
+    scores = D**-0.5 * (q.double() @ k.double().transpose(-1, -2)) - dd * dd / tau.double()[..., :, None]
+    exact, rounded = _reference(scores, v, dout, tau, dd)
+    t = [x.to(DEVICE) for x in (q, k, v, qs, ks)]
+    tau_t = tau.to(DEVICE).requires_grad_()
+    out = hf_rbf.hybrid_attention(*t, tau_t, scale=D**-0.5, causal=True, backend="triton")
+    out.backward(dout.to(DEVICE))
+    _check(tau_t.grad, exact, rounded)
+
+
+def test_scalar_temperature_gradient_is_exact():
+    _, _, v, qs, ks, tau, dout = _inputs(1)
+    dd = qs.double()[..., :, None] - ks.double()[..., None, :]
+    exact, rounded = _reference(-dd * dd / tau.double()[..., :, None], v, dout, tau, dd)
+    tau_t = tau.to(DEVICE).requires_grad_()
+    out = hf_rbf.scalar_attention(qs.to(DEVICE), ks.to(DEVICE), v.to(DEVICE), tau_t, causal=True, backend="triton")
+    out.backward(dout.to(DEVICE))
+    _check(tau_t.grad, exact, rounded)
