@@ -406,7 +406,8 @@ def _(
         torch.empty_like(k),
         v.new_empty((0,)) if kv_same else torch.empty_like(v),
         q.new_empty((bsz, heads, nk) if kb.dim() == 3 and need_dkb else (0,), **f32),
-        q.new_empty((2, heads) if need_ab else (0,), **f32),
+        # the distance form (b None) has one coefficient: dab [1, H] (see distance_backward)
+        q.new_empty((1 if b is None else 2, heads) if need_ab else (0,), **f32),
         q.new_empty((bsz, heads, nq), dtype=qs.dtype) if scalar else q.new_empty((0,), **f32),
         q.new_empty((bsz, heads, nk), dtype=ks.dtype) if scalar else q.new_empty((0,), **f32),
         q.new_empty((bsz, heads, nq) if scalar and need_dbeta else (0,), **f32),

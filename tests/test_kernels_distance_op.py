@@ -826,3 +826,30 @@ def test_forward_reads_no_key_past_the_sequence(mode, monkeypatch):
         ref = torch.softmax(s.double(), -1) @ v.double()
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
         assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("form", ["tied", "untied", "scalar"])
+def test_backward_op_fake_matches_the_real_outputs(form):
+    """``distance_bwd``'s fake (meta) outputs have the real ones' shapes, strides and dtypes (``opcheck``'s fake-tensor
+    test) for the distance form (``b`` None: one coefficient gradient ``[1, H]``), independent coefficients
+    (``[2, H]``) and the scalar term.  Inductor asserts every custom op's output against its fake: a ``[2, H]`` fake
+    for the distance form's ``[1, H]`` failed a compiled GKA training step on an H100
+    (benchmarks/results/h100-2026-11-28b, call 3), where aot_eager on the CPU did not check it."""
+    from hf_rbf import attention_distance_triton as adt
+
+    gen = torch.Generator().manual_seed(13)
+    b_, h, n, d = 2, 2, 11, 16
+    q, k, v = (torch.randn(b_, h, n, d, generator=gen).to(DEVICE) for _ in range(3))
+    a = torch.tensor([0.3, 0.2], device=DEVICE)
+    bc = None if form == "tied" else torch.tensor([-0.1, -0.2], device=DEVICE)
+    qs = ks = beta = None
+    if form == "scalar":
+        qs, ks = (torch.randn(b_, h, n, generator=gen).to(DEVICE) for _ in range(2))
+        beta = torch.full((1, h, 1), 0.5, device=DEVICE)
+    flags = (True, None, 0, True, False, form != "scalar", False, 0.0)  # causal .. eps
+    out, lse, kb = adt.distance_fwd(q, k, v, qs, ks, beta, a, bc, None, None, None, None, *flags, False)
+    dout = torch.randn(b_, h, n, d, generator=gen).to(DEVICE)
+    args = (dout, q, k, v, qs, ks, beta, a, bc, kb, None, None, out, lse, *flags, form == "scalar", True, False, False)
+    torch.library.opcheck(adt.distance_bwd, args, test_utils=("test_faketensor",))
+    dab = adt.distance_bwd(*args)[4]
+    assert dab.shape == (1 if form == "tied" else 2, h)
