@@ -319,19 +319,26 @@ def train_steps(model, size, steps: int, warmup: int, profile_steps: int = 0):
     return result
 
 
-def interleaved_steps(variants, size: dict, steps: int, rounds: int, compile_model: bool = False) -> dict:
+def interleaved_steps(
+    variants, size: dict, steps: int, rounds: int, compile_model: bool = False, compile_mode=None, save=None
+) -> dict:
     """Every variant's model built side by side, then ``rounds`` rounds in which each model runs ``steps`` timed steps
     in turn: the best round of each is reported (the hosts are noisy: one Llama step took 13.6 and 29.7 ms in one
     process), with the step's activation peak (peak allocated during its own steps minus what was allocated before:
-    the other models' weights are resident too)."""
+    the other models' weights are resident too).
+
+    ``compile_model``: ``torch.compile(model, mode=compile_mode)`` for every model.  ``save(rows)`` is called after
+    each model's first steps and after each round, so that a job cut at its time limit keeps what it measured (a
+    call compiling five d768 models lost the first four's first steps: benchmarks/results/h100-2026-11-28b call 3)."""
     b, t = size["batch"], size["seq"]
     ids = torch.randint(0, 8192, (b, t), device="cuda")
     runs, rows = {}, {}
+    save = save or (lambda rows: None)
     for variant in variants:
         try:
             model = build(variant, size)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-            forward = torch.compile(model) if compile_model else model
+            forward = torch.compile(model, mode=compile_mode) if compile_model else model
 
             def step(model=forward, opt=opt, variant=variant):
                 with module_settings(variant), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -350,6 +357,10 @@ def interleaved_steps(variants, size: dict, steps: int, rounds: int, compile_mod
             runs[variant] = step
         except Exception as err:  # a failing family must not hide the others' numbers
             rows[variant] = dict(error=f"{type(err).__name__}: {err}")
+        r = rows[variant]
+        shown = f"{r['first_step_s']:.1f} s" if "error" not in r else "failed"
+        print(f"[first step] {variant:26s} {shown}", flush=True)
+        save(rows)
     for _ in range(rounds):
         for variant, step in runs.items():
             _sync()
@@ -366,6 +377,7 @@ def interleaved_steps(variants, size: dict, steps: int, rounds: int, compile_mod
             r["tokens_per_s"] = b * t / (r["ms_per_step"] / 1e3)
             r["activation_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
             r["peak_gib"] = r["activation_peak_gib"]  # the markdown's peak column: activations only, here
+        save(rows)
     for variant, r in rows.items():
         print(
             f"[interleaved] {variant:26s} "
@@ -573,6 +585,12 @@ def main() -> int:
     ap.add_argument(
         "--compile", action="store_true", help="with --interleave: torch.compile every model (default mode)"
     )
+    ap.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+        help="with --compile: torch.compile's mode (reduce-overhead: CUDA graphs, no per-kernel host launches)",
+    )
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel-time section")
     ap.add_argument(
         "--variants",
@@ -616,8 +634,18 @@ def main() -> int:
     for size_name in sizes:
         size = SIZES[size_name]
         if args.interleave:
+            def save(rows, size_name=size_name):
+                res["steps"][size_name] = rows
+                (out / "profile.json").write_text(json.dumps(res, indent=1))
+
             res["steps"][size_name] = interleaved_steps(
-                args.variants or VARIANTS, size, args.steps, args.interleave, compile_model=args.compile
+                args.variants or VARIANTS,
+                size,
+                args.steps,
+                args.interleave,
+                compile_model=args.compile,
+                compile_mode=args.compile_mode,
+                save=save,
             )
             (out / "profile.json").write_text(json.dumps(res, indent=1))
             gc.collect()
