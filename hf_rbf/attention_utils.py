@@ -78,14 +78,16 @@ def autocast_inputs(*tensors):
     being float32 -- ran the fused kernels' matmuls in float32: 65 ms per backward call at d768 instead of about 0.3
     (``benchmarks/results/h100-profile-2026-11-25/run4-register-rows``).
     """
-    first = next(t for t in tensors if t is not None)
+    first = tensors[0]  # (q: the first input of every caller; the generator only where it is None)
+    if first is None:
+        first = next(t for t in tensors if t is not None)
+    device_type = first.device.type
     try:
-        enabled = torch.is_autocast_enabled(first.device.type)
+        enabled = torch.is_autocast_enabled(device_type)
     except RuntimeError:  # a device type without autocast (e.g. "meta", as parameter counting uses)
         return tensors
     if not enabled:
         return tensors
-    device_type = first.device.type
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 
@@ -101,8 +103,15 @@ def check_tensor(op: str, name: str, t, ndim: int, layout: str) -> None:
 
 def check_same(op: str, tensors: dict[str, torch.Tensor]) -> None:
     """All tensors share one dtype and one device."""
+    values = iter(tensors.values())
+    first = next(values)
+    dtype, device = first.dtype, first.device
+    for t in values:
+        if t.dtype != dtype or t.device != device:
+            break
+    else:
+        return  # (every layer and decode step: the names below are only for the error)
     names = list(tensors)
-    first = tensors[names[0]]
     for name in names[1:]:
         t = tensors[name]
         if t.dtype != first.dtype:

@@ -16,7 +16,8 @@ returned in the layout asked for (for ``head_dim=1`` a transposed view, which th
 without a copy).
 
 ``rotary_pair`` is a ``torch.library`` custom op (with a fake and autograd), so ``torch.compile`` traces it; eager
-calls go through ``_RotaryFunction`` (the same kernels without the custom op's dispatch cost).
+calls go through ``_RotaryFunction`` (the same kernels without the custom op's dispatch cost), or, where nothing
+needs a gradient, straight to the launch.
 """
 
 from __future__ import annotations
@@ -231,4 +232,9 @@ def rotary_fused(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, head_
         if k is None:
             return rotary_pair_op(q, q, cos, sin, head_dim, 1.0)[0], None
         return rotary_pair_op(q, k, cos, sin, head_dim, 1.0)
+    if not torch.is_grad_enabled() or not (q.requires_grad or (k is not None and k.requires_grad)):
+        # nothing to differentiate (a decode step): the launch itself, without the autograd.Function's context and
+        # its saved tables (about 5 us of host time per layer and step on this project's CPU); the same kernel and
+        # outputs (the tables never get a gradient)
+        return _launch(q, k, cos, sin, head_dim, 1.0)
     return _RotaryFunction.apply(q, k, cos, sin, head_dim)

@@ -13,7 +13,11 @@ own tensor work is not counted; the register stream), before / after:
 * the positions of a mask without padding are one ``arange``, not ``cumsum`` of the mask;
 * ``project_together`` reads the projections' parameters without ``nn.Module.__getattr__``; the cache layers are
   checked once per cache layout; ``inspect.signature(model.forward)`` (which ``generate`` reads at every step for
-  remote-code models) is kept on the function.
+  remote-code models) is kept on the function;
+* the split-K decode launch (``kernels_flash_fwd.distance_decode``) allocates its output only: the partial results go
+  to scratch kept per (device, stream, thread, shape) (``empty`` 5 -> 1, ``empty_like`` 1 -> 0 per layer), and its
+  constexprs and fixed arguments are built once per configuration (``_decode_plan``); the fused RoPE runs without
+  its ``autograd.Function`` when nothing needs a gradient.
 
 ``benchmarks/host_decode_step.py`` times the step (host ms per token against Llama's).
 """
@@ -99,23 +103,29 @@ def _decode_ops(model, monkeypatch, prompt: int = 6):
 
 
 # Per family (conftest's tiny config, two layers, attention_backend="triton"): the bound on the aten ops of one decode
-# step (the count after these changes; before: rbf 144, gka 125, scalar_sort 187, hybrid_sort 225), the counts of the
-# ops that went (before -> after), and the Triton launches that went:
+# step (the count after these changes; before: rbf 144, gka 125, scalar_sort 187, hybrid_sort 225; before the decode
+# launch's kept scratch 138, 115, 159, 199), the counts of the ops that went (before -> after), and the Triton launches
+# that went.  ``empty``: per layer the decode output (and the fused RoPE's outputs: GKA 1, hybrid 2), no longer the
+# four split-K buffers (empty 4 -> 0, empty_like 1 -> 0 per layer: rbf empty 10 -> 2, hybrid 14 -> 6):
 _BUDGETS = {
     # the mask's positions: cumsum (and sub, clamp_min, slice) -> arange; SuSiE: sin / cos unsqueezed once per forward,
     # not per layer, and the weight's [None, :, None, :] one view (unsqueeze 10 -> 5: the 3 of the step, 2 kept views)
-    "rbf": (138, {"cumsum": 0, "unsqueeze": 5}, {}),
+    "rbf": (130, {"cumsum": 0, "unsqueeze": 5, "empty": 2, "empty_like": 0}, {}),
     # 1 / (2 sigma^2) kept (mul, exp, mul per layer); the zero-width values kept (new_empty per layer)
-    "gka": (115, {"cumsum": 0, "exp": 0, "new_empty": 0}, {}),
+    "gka": (107, {"cumsum": 0, "exp": 0, "new_empty": 0, "empty": 4, "empty_like": 0}, {}),
     # the key mask a view (new_ones + cat per layer), and with every key valid no key-bias pass (its launch, output
     # allocation and the mask's int8 cast per layer: _to_copy 3 -> 1); tau kept (expand, promote_types, softplus,
     # add per layer); the sink's scalar keys not expanded to the batch of 1; the zero query / prefix views kept
     # (expand 12 -> 2: the keys')
     "scalar_sort": (
-        159, {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 2, "_to_copy": 1}, {"_key_bias_kernel": 0}
+        151,
+        {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 2, "_to_copy": 1, "empty": 2, "empty_like": 0},
+        {"_key_bias_kernel": 0},
     ),
     "hybrid_sort": (
-        199, {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 0, "_to_copy": 1}, {"_key_bias_kernel": 0}
+        191,
+        {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 0, "_to_copy": 1, "empty": 6, "empty_like": 0},
+        {"_key_bias_kernel": 0},
     ),
 }
 
@@ -303,3 +313,151 @@ def test_forward_signature_is_kept(family):
     bare.__kwdefaults__, bare.__annotations__ = forward.__kwdefaults__, forward.__annotations__
     assert inspect.signature(bare) == inspect.signature(forward)
     assert list(inspect.signature(model.forward).parameters) == list(inspect.signature(bare).parameters)[1:]
+
+
+# -- the split-K decode launch: kept scratch and configuration ----------------------------------------------------
+
+
+def _decode_call(nk: int, seed: int = 0, prefix: int = 1):
+    """A decode-step call of the distance op (one query row, RBF's distance form, prefix keys as separate tensors)."""
+    from hf_rbf.attention_utils import MaskArgs
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = torch.randn(1, 4, nk, 16, generator=g), torch.randn(1, 4, nk, 16, generator=g)
+    pk, pv = torch.randn(1, 4, prefix, 16, generator=g), torch.randn(1, 4, prefix, 16, generator=g)
+    gamma = torch.rand(4, generator=g) + 0.1
+    mask = MaskArgs(True, None, prefix, None, None, 1, prefix + nk)
+    return (q, k, v, None, None, None, gamma, None, mask), dict(
+        normalize=True, qnorm=False, knorm=True, kv_same=False, eps=0.0, prefix=(pk, pv), prefix_checked=True
+    )
+
+
+def _fresh_decode(args, kwargs):
+    """The call with every kept plan and scratch buffer dropped first (what each call allocated before)."""
+    from hf_rbf import kernels_flash_fwd
+    from hf_rbf.attention_distance_triton import distance_attention
+
+    kernels_flash_fwd._DECODE_PLANS.clear()
+    kernels_flash_fwd._DECODE_SCRATCH.clear()
+    kernels_flash_fwd._DECODE_SCRATCH_BYTES[0] = 0
+    return distance_attention(*args, **kwargs)
+
+
+def test_decode_scratch_is_reused_and_gives_the_bits_of_fresh_buffers(monkeypatch):
+    """Decode calls over a growing key range (the split count grows: 2, 3, ... splits of 32 keys in the interpreter)
+    reuse one set of scratch buffers, grown when a call needs more splits; every output is the one a call with new
+    buffers gives, to the bit, and a fresh tensor that later calls do not overwrite."""
+    pytest.importorskip("triton")
+    from hf_rbf import kernels_flash_fwd
+    from hf_rbf.attention_distance_triton import distance_attention
+    from hf_rbf.kernels_common import DEFINED_INTERPRETED
+
+    if not DEFINED_INTERPRETED:
+        pytest.skip("needs the kernels in Triton's interpreter (TRITON_INTERPRET=1, as conftest sets on a CPU)")
+    lengths = (40, 70, 100, 45, 130)
+    expected = [_fresh_decode(*_decode_call(n, seed=n)) for n in lengths]
+    kernels_flash_fwd._DECODE_SCRATCH.clear()
+    kernels_flash_fwd._DECODE_SCRATCH_BYTES[0] = 0
+    outs = []
+    for n, ref in zip(lengths, expected):
+        args, kwargs = _decode_call(n, seed=n)
+        with torch.no_grad(), _counting(monkeypatch) as ops:
+            outs.append(distance_attention(*args, **kwargs))
+        assert torch.equal(outs[-1], ref)
+        if n in (45, 130):  # 45: fewer splits than the kept buffers hold, only the output is new; 130: more
+            assert ops.names["empty"] + ops.names["empty_like"] == (1 if n == 45 else 5), dict(ops.names)
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == len(outs)
+    for out, ref in zip(outs, expected):
+        assert torch.equal(out, ref)  # (not overwritten by the later calls)
+    assert len(kernels_flash_fwd._DECODE_SCRATCH) == 1
+    (n_split, buffers, size), = kernels_flash_fwd._DECODE_SCRATCH.values()
+    assert n_split == kernels_flash_fwd.decode_splits(1, 4, 1, 130, torch.device("cpu"))
+    assert size == 4 * sum(t.numel() for t in buffers) == kernels_flash_fwd._DECODE_SCRATCH_BYTES[0]
+
+
+def test_decode_scratch_is_kept_per_thread_and_bounded(monkeypatch):
+    pytest.importorskip("triton")
+    import threading
+
+    from hf_rbf import kernels_flash_fwd
+
+    device = torch.device("cpu")
+    kernels_flash_fwd._DECODE_SCRATCH.clear()
+    kernels_flash_fwd._DECODE_SCRATCH_BYTES[0] = 0
+    mine = kernels_flash_fwd._decode_scratch(device, 4, 3, 1, 16)
+    assert kernels_flash_fwd._decode_scratch(device, 4, 2, 1, 16) is mine  # (fewer splits: the same buffers)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(kernels_flash_fwd._decode_scratch(device, 4, 3, 1, 16)))
+    thread.start()
+    thread.join()
+    assert other[0][0].data_ptr() != mine[0].data_ptr()  # another thread: buffers of its own
+    # bounded in bytes: a set that would pass the limit empties the store; one larger than the limit is not kept
+    size = 4 * (4 * 3 * 16 + 2 * 4 * 3 + 4)
+    monkeypatch.setattr(kernels_flash_fwd, "DECODE_SCRATCH_MAX_BYTES", 3 * size)
+    for dv_heads in range(5, 12):
+        kernels_flash_fwd._decode_scratch(device, dv_heads, 3, 1, 16)
+        assert kernels_flash_fwd._DECODE_SCRATCH_BYTES[0] <= 3 * size
+        kept = kernels_flash_fwd._DECODE_SCRATCH.values()
+        assert kernels_flash_fwd._DECODE_SCRATCH_BYTES[0] == sum(size for _, _, size in kept)
+    kernels_flash_fwd._decode_scratch(device, 64, 3, 1, 16)
+    assert kernels_flash_fwd._DECODE_SCRATCH_BYTES[0] <= 3 * size
+
+
+def test_decode_plan_is_built_once_per_configuration(monkeypatch):
+    """The launch's constexprs (``_flags``) are built at the first decode call of a configuration only; a change of
+    what they depend on -- here torch's tf32 switch, which sets the float32 dot precision -- gives a new plan."""
+    pytest.importorskip("triton")
+    from hf_rbf import kernels_flash_fwd
+
+    calls = []
+    flags = kernels_flash_fwd._flags
+    monkeypatch.setattr(kernels_flash_fwd, "_flags", lambda *a, **k: calls.append(1) or flags(*a, **k))
+    kernels_flash_fwd._DECODE_PLANS.clear()
+    q = torch.randn(1, 4, 1, 16)
+    v = torch.randn(1, 2, 9, 8)
+    options = dict(causal=True, window=None, num_prefix_keys=1, normalize=True, qnorm=False, knorm=True,
+                   kv_same=False, eps=0.0, prefix=(q, v), tau_in=False)  # fmt: skip
+
+    def plan():
+        o = options
+        return kernels_flash_fwd._decode_plan(q, v, None, None, None, o["causal"], o["window"], o["num_prefix_keys"],
+                                              o["normalize"], o["qnorm"], o["knorm"], o["kv_same"], o["eps"],
+                                              o["prefix"], o["tau_in"])  # fmt: skip
+
+    first = plan()
+    assert plan() is first and len(calls) == 1
+    assert first[1] == (4, 2, 1) and first[0]["DV"] == 8 and first[0]["SPLIT"] is True
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = not tf32
+        other = plan()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert other[0]["DOT_PREC"] != first[0]["DOT_PREC"] and len(calls) == 2
+    options["window"] = 4
+    assert plan()[2] == (1, 4, 0.0) and len(calls) == 3
+
+
+def test_rotary_without_gradients_skips_the_autograd_function(monkeypatch):
+    pytest.importorskip("triton")
+    from hf_rbf import kernels_rotary
+    from hf_rbf.kernels_common import DEFINED_INTERPRETED
+
+    if not DEFINED_INTERPRETED:
+        pytest.skip("needs the kernels in Triton's interpreter (TRITON_INTERPRET=1, as conftest sets on a CPU)")
+    applied = []
+    apply = kernels_rotary._RotaryFunction.apply
+    monkeypatch.setattr(kernels_rotary._RotaryFunction, "apply", lambda *a: applied.append(1) or apply(*a))
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    with torch.no_grad():
+        got = kernels_rotary.rotary_fused(q, k, cos, sin, 1)
+    assert applied == []
+    plain = kernels_rotary.rotary_fused(q, k, cos, sin, 1)  # grad mode on, no input requiring grad: no Function
+    assert applied == []
+    leaf = q.clone().requires_grad_()
+    ref = kernels_rotary.rotary_fused(leaf, k, cos, sin, 1)
+    assert applied == [1] and ref[0].requires_grad
+    for a, b, c in zip(got, plain, ref):
+        assert torch.equal(a, b) and torch.equal(a, c.detach())
