@@ -256,6 +256,19 @@ _CONSTANTS: dict = {}
 _CONSTANTS_MAX = 256
 
 
+def parameter_values_keepable() -> bool:
+    """Whether a value computed from a parameter (a decode step's temperature, sink, GKA's ``1 / (2 sigma^2)``) may
+    be kept while the parameter is the same tensor with the same version counter and data pointer.
+
+    Not in a process where ``torch.distributed`` is initialised: FSDP2 writes each forward's gathered weights into the
+    same unsharded parameter tensors with their version counters preserved, at addresses the allocator may repeat, so
+    an evaluation forward between two training steps read a kept temperature from the step before (a flaky
+    ``test_replays_under_fsdp2_copy_the_gathered_weights_in[hybrid_sort]``, 1e-4 off in 1 run of about 6);
+    ZeRO-3-style sharding swaps ``.data`` alike.  There every call computes the value (a few microseconds per layer).
+    """
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
 def constant_vector(value: float, shape: tuple, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` (float32 unless given) filled with ``value`` on ``device``, cached
     (read-only: the kernels only read it; under ``torch.compile`` a fresh graph constant)."""

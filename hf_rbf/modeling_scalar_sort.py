@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention_scalar import scalar_attention
+from .attention_utils import parameter_values_keepable
 from .cache_names import cache_field, output_cache, resolve_cache_argument
 from .cache_sorted_scalar import ByteBudgetSlidingWindowLayer, SortedScalarCache, SortedScalarCacheLayer
 from .cache_sorted_static import StaticSortedLayer, default_block_size
@@ -197,7 +198,7 @@ class ScalarSortAttention(DecoderAttention):
         layer and step again.  The kept tensor is only ever read."""
         if self.tau_proj is not None:
             return self._temperature_of(self.tau_proj(x).transpose(1, 2))
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not parameter_values_keepable():
             return self._temperature_of(self.tau_bias.expand(self.num_heads))
         bias = self.tau_bias
         state = (bias._version, bias.data_ptr(), bias.dtype, bias.device, self.num_heads, self.tau_min, self.tau_max)
@@ -298,7 +299,7 @@ class ScalarSortAttention(DecoderAttention):
         :meth:`temperature`'s): a decode step reads the same sink in every step."""
         if self.sink_value is None:
             return None
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not parameter_values_keepable():
             return self._sink_entries(dtype, device)
         value = self.sink_value
         state = (value._version, value.data_ptr(), value.dtype, value.device, dtype, torch.device(device),

@@ -224,6 +224,54 @@ def test_kept_gka_scale_follows_log_sigma():
     assert _inverse_two_variances(log_sigma).requires_grad
 
 
+@pytest.fixture
+def one_rank_gloo_group():
+    """A one-process gloo group (what FSDP2 and DDP runs have initialised), destroyed afterwards."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _write_keeping_the_version(p: torch.Tensor, value: torch.Tensor) -> None:
+    """What FSDP2's all-gather does to an unsharded parameter: new data in the same tensor, at the same address,
+    with the version counter preserved."""
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+        p.copy_(value)
+
+
+@pytest.mark.parametrize("family", ["scalar_sort", "hybrid_sort"])
+def test_kept_values_are_not_kept_in_a_distributed_process(family, one_rank_gloo_group):
+    """With ``torch.distributed`` initialised (FSDP2, ZeRO-3) the temperature, the sink and GKA's scale are computed
+    at every call: FSDP2 rewrites a parameter's data in place with its version counter preserved, where a kept value
+    went stale (an evaluation forward between training steps under FSDP2).  Fails with the values kept."""
+    from hf_rbf.attention_gka import _inverse_two_variances
+
+    model = build_model(family, {})
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 1, model.config.hidden_size)
+    log_sigma = torch.nn.Parameter(torch.randn(4))
+    with torch.no_grad():
+        attn.temperature(x), attn.sink_entries(torch.float32, x.device), _inverse_two_variances(log_sigma)
+        version = attn.tau_bias._version
+        _write_keeping_the_version(attn.tau_bias, attn.tau_bias + 0.5)
+        _write_keeping_the_version(attn.sink_value, attn.sink_value * 2.0)
+        _write_keeping_the_version(log_sigma, log_sigma + 1.0)
+        assert attn.tau_bias._version == version  # invisible to the version counter
+        tau = attn.temperature(x)
+        assert torch.equal(tau, attn._temperature_of(attn.tau_bias.expand(attn.num_heads)))
+        assert torch.equal(attn.sink_entries(torch.float32, x.device).v, attn._sink_entries(torch.float32, x.device).v)
+        assert torch.equal(_inverse_two_variances(log_sigma), 0.5 * torch.exp(-2.0 * log_sigma.float()))
+
+
 def test_kept_susie_angles_give_the_formula_bits():
     cos, sin = torch.randn(1, 3, 4), torch.randn(1, 3, 4)
     weight = torch.randn(2, 4)
