@@ -215,6 +215,19 @@ def test_fsdp2_configs(config_name, monkeypatch):
 
 
 @pytest.mark.parametrize("size", ["d768", "1b"])
+def test_scale_recipes_train_without_a_sync_per_step(size):
+    """Trainer's NaN/Inf loss filter reads the loss back after every step (a host-device sync that drains the GPU's
+    queue); the scale recipes turn it off, and prefetch one FSDP2 layer ahead."""
+    from recipes.pretrain import make_training_args
+    from recipes.pretrain_config import load_config
+
+    for family in FAMILIES:
+        cfg = load_config(os.path.join(REPO, "recipes", "configs", f"scale_{size}_{family}.yaml"), output_dir="/tmp/x")
+        assert make_training_args(cfg).logging_nan_inf_filter is False, family
+        assert cfg["fsdp_prefetch_layers"] == 1, family
+
+
+@pytest.mark.parametrize("size", ["d768", "1b"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp2_wraps_every_decoder_layer_of_the_scale_recipes(family, size, monkeypatch):
     """One FSDP unit per decoder layer for every family; Llama needs the documented command-line override, and without

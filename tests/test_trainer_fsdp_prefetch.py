@@ -135,7 +135,10 @@ def test_bad_prefetch_values_are_refused(bad):
 
 def test_recipe_key_fsdp_prefetch_layers(tmp_path):
     recipe = "recipes/configs/scale_d768_rbf.yaml"
-    assert load_config(recipe, output_dir=str(tmp_path))["fsdp_prefetch_layers"] is None
+    # the scale recipes prefetch one layer ahead by default (_scale_d768.yaml); null gives FSDP2's own order back
+    assert load_config(recipe, output_dir=str(tmp_path))["fsdp_prefetch_layers"] == 1
+    assert load_config(recipe, ["fsdp_prefetch_layers=null"], output_dir=str(tmp_path))["fsdp_prefetch_layers"] is None
+    assert load_config("recipes/configs/tinystories_rbf.yaml", output_dir=str(tmp_path))["fsdp_prefetch_layers"] is None
     assert load_config(recipe, ["fsdp_prefetch_layers=2"], output_dir=str(tmp_path))["fsdp_prefetch_layers"] == 2
     with pytest.raises(ValueError, match=r"`fsdp_prefetch_layers` must be null .* or an int >= 1; got 0"):
         load_config(recipe, ["fsdp_prefetch_layers=0"], output_dir=str(tmp_path))
