@@ -27,11 +27,19 @@ keeps what finished), to ``scaling.json`` and ``scaling.md``:
 * peak memory per GPU: the largest ``torch.cuda.max_memory_allocated`` over the N processes during training (weights,
   optimizer state and activations; evaluation and saving are not run); on the CPU dry run the largest resident set
   size (``ru_maxrss``, the whole process so far, interpreter included: only a sanity figure);
-* scaling efficiency: tokens/s per GPU at N over the single-GPU run's tokens/s, same recipe.
+* scaling efficiency: tokens/s per GPU at N over the single-GPU run's tokens/s, same recipe;
+* with ``--strategy-baselines``, also against the same strategy launched on one process (accelerate with one process:
+  FSDP2's bf16 parameters and its host work without communication; DDP without an all-reduce partner).  A single-GPU
+  Trainer run keeps float32 parameters under bf16 autocast (the embedding's output and the residual stream stay
+  float32), FSDP2 casts them to bf16 once per step and everything downstream runs in bf16: a model with much unfused
+  elementwise work (Llama's norms, RoPE and residual adds: about 50 ms of a 144 ms single-GPU d768 step) gains speed
+  under FSDP2 that is not scaling, and its efficiency over the plain run exceeds 1 (Llama 1.14 at d768 on 4 x H100,
+  our families, whose norms are fused, 0.99-1.04; h100x4-2026-11-28c).  The second column isolates what N processes
+  cost.
 
 Weak scaling: every process gets the same blocks per step at every N (``global_batch_size = blocks x N``), so the
 work per GPU is the same at every N and an efficiency of 1.0 means linear scaling: ``--blocks-per-gpu`` for every
-recipe, by default 32 for the d768 recipes and 8 for the others (``BLOCKS_PER_GPU``; the table has a column for it).
+recipe, by default 64 for the d768 recipes, 16 for the 1B ones and 8 for the others (``BLOCKS_PER_GPU``; the table has a column for it).
 ``--cpu`` runs the same commands with gloo processes on the CPU (DDP only: accelerate's FSDP needs GPUs), as a dry run
 of the whole chain.
 
@@ -68,10 +76,12 @@ ACCELERATE_CONFIGS = {
 }
 DEFAULT_STRATEGIES = ["ddp", "fsdp2"]
 # Blocks of block_size tokens per GPU and step where --blocks-per-gpu is not given, by recipe file name: the settings
-# of the committed tables (benchmarks/results/h100x4-2026-11-26c, h100-2026-11-26f, h100x4-2026-11-26g).  The d768
-# recipes at 32: at 8 every model, Llama too, is bound by the host (Llama's FSDP2 x2 0.46, DDP x4 0.77), so the table
-# measures the host, not the recipe.  The 1B recipes (their memory) and any other recipe at 8.
-BLOCKS_PER_GPU = {"scale_d768_": 32}
+# of the committed table (benchmarks/results/h100x4-2026-11-28c).  The d768 recipes at 64, the micro-batch of GPT-2
+# small training on one 80 GB GPU (llm.c's B=64, T=1024; 35-39 GiB here); the 1B recipes at 16 (48-52 GiB on one GPU).
+# Shorter steps measure the host: FSDP2's own host work (hooks, DTensor optimizer and clipping) takes 130-150 ms a
+# d768 step whatever the model, so at 32 blocks (our families' GPU step 76-91 ms) FSDP2 x2 ran at 0.63-0.76 of one GPU
+# and Llama (107 ms) at 0.95 (h100x2-2026-11-28); at 8 blocks every model, Llama too, was host-bound (DDP x4 0.77).
+BLOCKS_PER_GPU = {"scale_d768_": 64, "scale_1b_": 16}
 FALLBACK_BLOCKS_PER_GPU = 8
 SINGLE = "single"  # one plain process on one GPU: the baseline of every strategy
 SIZES = ("d768", "1b")
@@ -107,6 +117,11 @@ def parse_args(argv=None):
     parser.add_argument("--cpu", action="store_true", help="gloo processes on the CPU (a dry run; DDP only)")
     parser.add_argument(
         "--concurrent", action="store_true", help="run launches on disjoint GPUs at the same time (GPUs only)"
+    )
+    parser.add_argument(
+        "--strategy-baselines",
+        action="store_true",
+        help="also launch every strategy on 1 process and report the efficiency against it (see the module text)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch before it counts as failed")
     parser.add_argument(
@@ -155,14 +170,16 @@ def default_process_counts(cpu: bool) -> list[int]:
     return [n for n in (1, 2, 4, 8) if n <= available]
 
 
-def plan_waves(configs, processes, strategies, gpus: int, concurrent: bool) -> list[list[dict]]:
+def plan_waves(
+    configs, processes, strategies, gpus: int, concurrent: bool, strategy_baselines: bool = False
+) -> list[list[dict]]:
     """The launches, grouped in waves that run at the same time.  A launch is ``{"strategy", "processes", "gpus"
     (device indices, None on the CPU), "configs"}``.  Without ``concurrent`` every wave holds one launch (on the first
-    GPUs); with it, the single-GPU runs are dealt round-robin over all ``gpus`` and launches of N processes fill the
-    GPUs N at a time."""
+    GPUs); with it, the one-GPU launches are dealt round-robin over all ``gpus`` and launches of N processes fill the
+    GPUs N at a time.  ``strategy_baselines``: at 1 process every strategy runs too, after the plain run."""
     launches = []
     for n in processes:
-        for strategy in [SINGLE] if n == 1 else strategies:
+        for strategy in ([SINGLE, *(strategies if strategy_baselines else [])] if n == 1 else strategies):
             launches.append({"strategy": strategy, "processes": n, "configs": list(configs)})
     if not concurrent:
         for launch in launches:
@@ -625,12 +642,17 @@ def run_wave(wave: list[dict], args, prepared: dict) -> list[dict]:
 
 
 def add_efficiency(rows: list[dict]) -> None:
-    """``scaling_efficiency``: tokens/s per GPU over the same recipe's single-GPU run."""
-    base = {r["config"]: r.get("tokens_per_second_per_gpu") for r in rows if r["processes"] == 1}
+    """``scaling_efficiency``: tokens/s per GPU over the same recipe's single-GPU run; ``strategy_efficiency``: over
+    the same recipe and strategy on one process (``--strategy-baselines``; None without that run)."""
+    single = {r["config"]: r.get("tokens_per_second_per_gpu") for r in rows if r["strategy"] == SINGLE}
+    one_process = {
+        (r["config"], r["strategy"]): r.get("tokens_per_second_per_gpu") for r in rows if r["processes"] == 1
+    }
     for r in rows:
-        one = base.get(r["config"])  # None when the single-GPU run failed
         per_gpu = r.get("tokens_per_second_per_gpu")
-        r["scaling_efficiency"] = per_gpu / one if one and per_gpu else None
+        for key, base in (("scaling_efficiency", single.get(r["config"])),
+                          ("strategy_efficiency", one_process.get((r["config"], r["strategy"])))):
+            r[key] = per_gpu / base if base and per_gpu else None  # None when the baseline run failed
 
 
 def _order(rows: list[dict]) -> list[dict]:
@@ -641,19 +663,23 @@ def _order(rows: list[dict]) -> list[dict]:
 
 def markdown_table(rows: list[dict], title: str, concurrent: bool = False) -> str:
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
+    # the column of --strategy-baselines: only where a strategy ran on one process
+    baselines = any(r["strategy"] != SINGLE and r["processes"] == 1 for r in rows)
     lines = [
         f"# {title}",
         "",
         (
             "| recipe | family | parameters | strategy | processes (GPUs) | tokens per GPU and step | tokens/s per GPU "
             "| peak memory per GPU (GiB) | FSDP units | efficiency |"
+            + (" vs the strategy on 1 process |" if baselines else "")
         ),
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if baselines else ""),
     ]
     for r in _order(rows):
         recipe = os.path.splitext(os.path.basename(r["config"]))[0]
         if "error" in r:
-            lines.append(f"| {recipe} | | | {r['strategy']} | {r['processes']} | | {r['error']} | | | |")
+            empty = " | | |" + (" |" if baselines else "")
+            lines.append(f"| {recipe} | | | {r['strategy']} | {r['processes']} | | {r['error']} |{empty}")
             continue
         lines.append(
             f"| {recipe} | {r['family']} | {r['num_parameters']:,} | {r['strategy']} | {r['processes']} | "
@@ -661,6 +687,7 @@ def markdown_table(rows: list[dict], title: str, concurrent: bool = False) -> st
             f"{fmt(r['peak_memory_gib'], '.2f')} | "
             f"{fmt(r['fsdp_units'], 'd') if r['strategy'].startswith('fsdp') else ''} | "
             f"{fmt(r['scaling_efficiency'], '.3f')} |"
+            + (f" {'' if r['strategy'] == SINGLE else fmt(r['strategy_efficiency'], '.3f')} |" if baselines else "")
         )
     ok = [r for r in rows if "error" not in r]
     if ok:
@@ -669,8 +696,9 @@ def markdown_table(rows: list[dict], title: str, concurrent: bool = False) -> st
             "",
             f"Device: {r['device']} ({r['versions'].get('cuda') or 'CPU'}); torch {r['versions']['torch']}, "
             f"transformers {r['versions']['transformers']}.  Weak scaling: a recipe's tokens per GPU and step are the "
-            "same at every process count; efficiency = tokens/s per GPU over the same recipe's single-GPU run.  Peak "
-            "memory: "
+            "same at every process count; efficiency = tokens/s per GPU over the same recipe's single-GPU run"
+            + ("; the last column over the same recipe and strategy launched on 1 process" if baselines else "")
+            + ".  Peak memory: "
             + ("torch.cuda.max_memory_allocated" if r["peak_memory_kind"] == "cuda" else "max resident set size")
             + ", largest over the processes.  FSDP units: modules sharded by fully_shard (the decoder layers and the "
             "root).",
@@ -768,7 +796,9 @@ def main(argv=None) -> int:
         prepared[config] = prepare(config, args, prepared_roots)
     gpus = 0 if args.cpu else gpu_count()
     rows = []
-    for wave in plan_waves(args.configs, args.processes, args.strategies, gpus, args.concurrent):
+    for wave in plan_waves(
+        args.configs, args.processes, args.strategies, gpus, args.concurrent, args.strategy_baselines
+    ):
         for row in run_wave(wave, args, prepared):
             rows.append(row)
             print(

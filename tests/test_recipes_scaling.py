@@ -443,10 +443,13 @@ def test_scaling_benchmark_arguments(tmp_path):
     args.strategies = ["ddp", "fsdp2"]
     launch = {"strategy": "fsdp2", "processes": 4, "configs": ["recipes/configs/scale_d768_llama.yaml"]}
     joined = " ".join(bench_scaling.launch_command(launch, args, {}))
-    # d768 recipes default to 32 blocks per GPU (at 8 every model is host-bound), the others to 8
+    # d768 recipes default to 64 blocks per GPU (GPT-2 small's micro-batch; shorter steps measure FSDP2's host work),
+    # the 1B ones to 16, any other recipe to 8
     assert (
-        "--config_file recipes/accelerate/fsdp2.yaml --num_processes 4" in joined and "global_batch_size=128" in joined
+        "--config_file recipes/accelerate/fsdp2.yaml --num_processes 4" in joined and "global_batch_size=256" in joined
     )
+    one_b = dict(launch, configs=["recipes/configs/scale_1b_rbf.yaml"])
+    assert "global_batch_size=64" in " ".join(bench_scaling.launch_command(one_b, args, {}))
     args.blocks_per_gpu = 4
     assert "global_batch_size=16" in " ".join(bench_scaling.launch_command(launch, args, {}))
     args.blocks_per_gpu = None
@@ -470,6 +473,24 @@ def test_scaling_benchmark_arguments(tmp_path):
     ]
     bench_scaling.add_efficiency(rows)
     assert [r["scaling_efficiency"] for r in rows] == [1.0, 0.9, 0.8, None]
+    assert [r["strategy_efficiency"] for r in rows] == [1.0, None, None, None]  # no strategy ran on 1 process
+    # --strategy-baselines: FSDP2 on one process is faster than the plain run (bf16 parameters); the second
+    # efficiency is over it, the first still over the plain run
+    rows += [
+        {"config": "a", "strategy": "fsdp2", "processes": 1, "tokens_per_second_per_gpu": 125.0},
+        {"config": "a", "strategy": "fsdp2", "processes": 4, "tokens_per_second_per_gpu": 120.0},
+    ]
+    bench_scaling.add_efficiency(rows)
+    assert [r["scaling_efficiency"] for r in rows] == [1.0, 0.9, 0.8, None, 1.25, 1.2]
+    assert [r["strategy_efficiency"] for r in rows] == [1.0, None, 0.64, None, 1.0, 0.96]
+    common = {"family": "x", "num_parameters": 10, "tokens_per_step": 8, "world_size": 1, "peak_memory_gib": 1.0,
+              "fsdp_units": 3, "device": "cpu", "versions": {"torch": "t", "transformers": "x"},
+              "peak_memory_kind": "rss"}
+    table = bench_scaling.markdown_table([dict(common, **r) for r in rows if r["config"] == "a"], "T")
+    assert "| efficiency | vs the strategy on 1 process |" in table
+    assert "| a | x | 10 | fsdp2 | 4 | 8 | 120 | 1.00 | 3 | 1.200 | 0.960 |" in table
+    assert "| a | x | 10 | single | 1 | 8 | 100 | 1.00 |  | 1.000 |  |" in table
+    assert "vs the strategy" not in bench_scaling.markdown_table([dict(common, **rows[0])], "T")
 
 
 def test_scaling_benchmark_waves():
@@ -486,6 +507,15 @@ def test_scaling_benchmark_waves():
         [("fsdp2", 4, [0, 1, 2, 3])],
     ]
     assert all(x["configs"] == configs for w in waves for x in w)
+    # --strategy-baselines: every strategy on one process too, after the plain run
+    waves = plan(configs, [1, 2], ["ddp", "fsdp2"], 4, False, True)
+    assert [[(x["strategy"], x["processes"], x["gpus"]) for x in w] for w in waves] == [
+        [("single", 1, [0])],
+        [("ddp", 1, [0])],
+        [("fsdp2", 1, [0])],
+        [("ddp", 2, [0, 1])],
+        [("fsdp2", 2, [0, 1])],
+    ]
     waves = plan(configs, [1, 2, 4], ["ddp", "fsdp2"], 4, True)
     assert [[(x["strategy"], x["processes"], x["gpus"]) for x in w] for w in waves] == [
         [("single", 1, [0]), ("single", 1, [1]), ("single", 1, [2]), ("single", 1, [3])],
