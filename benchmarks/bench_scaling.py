@@ -628,17 +628,39 @@ def run_wave(wave: list[dict], args, prepared: dict) -> list[dict]:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(args, launch["gpus"]), stdout=log, stderr=subprocess.STDOUT)
         started.append((launch, proc, log, time.time()))
     rows = []
-    for launch, proc, log, t0 in started:
+    for i, (launch, proc, log, t0) in enumerate(started):
         try:
             returncode = proc.wait(timeout=max(1.0, args.timeout - (time.time() - t0)))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             returncode = None
+        except KeyboardInterrupt:
+            # Cut from outside (a device call's `timeout --signal=INT`): a launch runs its recipes one after the
+            # other, so the recipes that finished before the cut have their summaries; keep their rows and raise.
+            for launch_, proc_, log_, t0_ in started[i:]:
+                proc_.kill()
+                proc_.wait()
+                log_.close()
+                rows += [
+                    read_row(config, launch_, root, None, time.time() - t0_)
+                    for config in launch_["configs"]
+                    if os.path.exists(os.path.join(root, run_name(config, launch_["strategy"], launch_["processes"]),
+                                                   "summary.json"))
+                ]
+            raise WaveInterrupted(rows) from None
         log.close()
         wall = time.time() - t0
         rows += [read_row(config, launch, root, returncode, wall) for config in launch["configs"]]
     return rows
+
+
+class WaveInterrupted(KeyboardInterrupt):
+    """An interrupted wave, with the rows of the recipes that finished before the interrupt."""
+
+    def __init__(self, rows: list[dict]):
+        super().__init__("interrupted")
+        self.rows = rows
 
 
 def add_efficiency(rows: list[dict]) -> None:
@@ -799,7 +821,14 @@ def main(argv=None) -> int:
     for wave in plan_waves(
         args.configs, args.processes, args.strategies, gpus, args.concurrent, args.strategy_baselines
     ):
-        for row in run_wave(wave, args, prepared):
+        try:
+            wave_rows = run_wave(wave, args, prepared)
+        except WaveInterrupted as cut:
+            rows += cut.rows
+            print(write_results(rows, args))
+            print(f"interrupted: kept the {len(cut.rows)} finished run(s) of the cut wave", flush=True)
+            return 130
+        for row in wave_rows:
             rows.append(row)
             print(
                 f"{os.path.basename(row['config'])} {row['strategy']} x{row['processes']}: "

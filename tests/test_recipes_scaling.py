@@ -662,3 +662,37 @@ def test_a_failed_idle_gap_summary_is_reported_in_the_table():
     row = {"config": "recipes/configs/a.yaml", "strategy": "single", "processes": 1, "profile": profile}
     text = "\n".join(bench_scaling.profile_section([row]))
     assert "idle-gap summary failed: AttributeError('linked_correlation_id')" in text
+
+
+def test_an_interrupted_wave_keeps_the_recipes_that_finished(tmp_path, monkeypatch):
+    """A device call cut by `timeout --signal=INT` in the middle of a launch: the recipes of that launch that wrote
+    their summaries before the cut are still in the tables (a cut 2-GPU wave lost three finished 1B runs once)."""
+    bench_scaling = _bench_module()
+    configs = ["recipes/configs/a.yaml", "recipes/configs/b.yaml", "recipes/configs/c.yaml"]
+    launch = {"strategy": "ddp", "processes": 2, "gpus": [0, 1], "configs": configs}
+    root = tmp_path / "runs"
+
+    class CutLaunch:  # the launch finished a.yaml and b.yaml, then the call was cut during c.yaml
+        killed = False
+
+        def __init__(self, *args, **kwargs):
+            for config in configs[:2]:
+                run = root / bench_scaling.run_name(config, "ddp", 2)
+                run.mkdir(parents=True)
+                (run / "summary.json").write_text("{}")
+
+        def wait(self, timeout=None):
+            if not self.killed:
+                raise KeyboardInterrupt
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(bench_scaling.subprocess, "Popen", CutLaunch)
+    monkeypatch.setattr(bench_scaling, "launch_command", lambda launch, args, prepared: ["true"])
+    monkeypatch.setattr(bench_scaling, "_env", lambda args, gpus: {})
+    monkeypatch.setattr(bench_scaling, "read_row", lambda config, launch, root, rc, wall: {"config": config, "rc": rc})
+    args = bench_scaling.parse_args(["--output", str(tmp_path), "--cpu", "--strategies", "ddp", "--configs", *configs])
+    with pytest.raises(bench_scaling.WaveInterrupted) as cut:
+        bench_scaling.run_wave([launch], args, {})
+    assert cut.value.rows == [{"config": configs[0], "rc": None}, {"config": configs[1], "rc": None}]
