@@ -23,18 +23,27 @@ be imported next to the installed package):
   :func:`distance_attention` when at most ``DECODE_MAX_QUERIES`` rows are asked for and no gradient is needed.
 
 Each has a fake (meta) implementation, so ``torch.compile`` traces through them.
+
+``distance_fwd_t`` / ``distance_bwd_t``: the same forward and backward as ``torch.library.triton_op``s, used instead
+of ``distance_fwd`` only while ``torch.compile`` traces, for the RBF form (no scalar term, separate values), and only
+with ``TRITON_OP`` on (``HF_RBF_TRITON_OP=1``; off by default).  AOTAutograd then decomposes them into their kernel
+launches (``triton_kernel_wrapper_functional``) and Inductor launches the kernels from its generated code, instead
+of calling this module's Python at every step (docs/triton_op_plan.md, step 0).  Eager calls never go through them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .attention_utils import MaskArgs, is_all_true_mask, zero_key_bias
-from .kernels_common import key_bias, triton_unavailable_reason
+from .kernels_common import DEFINED_INTERPRETED, HAS_TRITON, key_bias, triton_unavailable_reason, wrap_triton
+from .kernels_launch import parse_switch
 from .kernels_flash_bwd import distance_backward
 from .kernels_flash_fwd import distance_decode, distance_forward
 
@@ -44,8 +53,18 @@ _NS = (
     else "hf_rbf_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
 )
 
+logger = logging.getLogger(__name__)
+
 # Up to this many query rows without gradients go through the split-K decode kernel.
 DECODE_MAX_QUERIES = 16
+
+# While torch.compile traces: the RBF form through the triton_ops ``distance_fwd_t`` / ``distance_bwd_t`` (True)
+# instead of the custom op ``distance_fwd`` (False, the default).  Read by :func:`distance_attention` when it is traced
+# (dynamo guards on the value: a model compiled with one value recompiles if it later runs with the other), so a
+# benchmark can set it per model (benchmarks/profile_training.py's "..., triton_op)" variants).  Ignored where the
+# kernels run in Triton's CPU interpreter, which cannot trace a triton_op (logged once).
+TRITON_OP = parse_switch(os.environ.get("HF_RBF_TRITON_OP", "0"))
+_TRITON_OP_IGNORED_LOGGED: list = []
 
 
 # Where the key norms come from a key-bias pass instead of the key tiles (``_knorm_inline``): from this head dim, or
@@ -115,9 +134,11 @@ def _forward_impl(
     kv_same,
     eps,
     tau_in,
+    traced=False,
 ):
     """Launch the key-bias pass (key weights, padding, or the key norms: ``_knorm_pass``) and the flash forward:
-    ``(out, lse, kb | None)``."""
+    ``(out, lse, kb | None)``.  ``traced``: called from the triton_op ``distance_fwd_t`` while it is traced (the
+    launches go through ``wrap_triton``)."""
     kb = None
     d, nk_seq = k.shape[3], k.shape[2]
     inline = _knorm_inline(knorm, key_log_weights, attention_mask, prefix_k, d, nk_seq)
@@ -134,6 +155,7 @@ def _forward_impl(
             bsz,
             knorm and not inline,
             prefix_k,
+            traced=traced,
         )
     out, lse = distance_forward(
         q,
@@ -155,6 +177,7 @@ def _forward_impl(
         knorm_inline=inline,
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
         tau_in=tau_in,
+        traced=traced,
     )
     return out, lse, kb
 
@@ -235,6 +258,14 @@ def _(
     eps,
     tau_in,
 ):
+    if TRITON_OP is True and DEFINED_INTERPRETED and qs is None and not kv_same and not _TRITON_OP_IGNORED_LOGGED:
+        # here, not in distance_attention: dynamo runs a fake implementation natively (a log call in traced code
+        # would break the graph)
+        _TRITON_OP_IGNORED_LOGGED.append(True)
+        logger.warning(
+            "hf_rbf: HF_RBF_TRITON_OP (attention_distance_triton.TRITON_OP) is ignored: the kernels run in Triton's "
+            "CPU interpreter, which cannot trace a triton_op; the custom op distance_fwd is traced instead"
+        )
     bsz, heads, nq, _ = q.shape
     nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
     out = q.new_empty(bsz, heads, nq, v.shape[3])
@@ -272,6 +303,7 @@ def _backward_impl(
     need_ab,
     need_dkb,
     tau_in,
+    traced=False,
 ):
     """The backward kernels: ``(dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv)`` (see ``distance_backward``)."""
     return distance_backward(
@@ -301,6 +333,7 @@ def _backward_impl(
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
         knorm_inline=_knorm_inline_backward(knorm, kb, prefix_k),
         tau_in=tau_in,
+        traced=traced,
     )
 
 
@@ -498,6 +531,151 @@ def _backward(ctx, dout, _dlse, _dkb):
 
 
 distance_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _wrapping_triton() -> bool:
+    """Whether a triton_op's body runs traced (``wrap_triton`` wraps kernels: dynamo's fake run, AOTAutograd's
+    decomposition) rather than as the op's eager backend (``wrap_triton`` returns the kernel itself)."""
+    return wrap_triton(_wrap_probe) is not _wrap_probe
+
+
+if HAS_TRITON:
+    import triton
+
+    @triton.jit
+    def _wrap_probe():
+        pass
+
+    @torch.library.triton_op(f"{_NS}::distance_fwd_t", mutates_args=())
+    def distance_fwd_t(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        qs: Optional[Tensor],
+        ks: Optional[Tensor],
+        beta: Optional[Tensor],
+        a: Tensor,
+        b: Optional[Tensor],
+        key_log_weights: Optional[Tensor],
+        attention_mask: Optional[Tensor],
+        prefix_k: Optional[Tensor],
+        prefix_v: Optional[Tensor],
+        causal: bool,
+        window: Optional[int],
+        num_prefix_keys: int,
+        normalize: bool,
+        qnorm: bool,
+        knorm: bool,
+        kv_same: bool,
+        eps: float,
+        tau_in: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``distance_fwd`` as a triton_op (see the module docstring and ``TRITON_OP``)."""
+        out, lse, kb = _forward_impl(
+            q,
+            k,
+            v,
+            qs,
+            ks,
+            beta,
+            a,
+            b,
+            key_log_weights,
+            attention_mask,
+            prefix_k,
+            prefix_v,
+            causal,
+            window,
+            num_prefix_keys,
+            normalize,
+            qnorm,
+            knorm,
+            kv_same,
+            eps,
+            tau_in,
+            _wrapping_triton(),
+        )
+        kb = torch.empty(0, device=q.device, dtype=torch.float32) if kb is None else kb
+        return out, lse, kb
+
+    @torch.library.triton_op(f"{_NS}::distance_bwd_t", mutates_args=())
+    def distance_bwd_t(
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        qs: Optional[Tensor],
+        ks: Optional[Tensor],
+        beta: Optional[Tensor],
+        a: Tensor,
+        b: Optional[Tensor],
+        kb: Tensor,
+        prefix_k: Optional[Tensor],
+        prefix_v: Optional[Tensor],
+        out: Tensor,
+        lse: Tensor,
+        causal: bool,
+        window: Optional[int],
+        num_prefix_keys: int,
+        normalize: bool,
+        qnorm: bool,
+        knorm: bool,
+        kv_same: bool,
+        eps: float,
+        need_dbeta: bool,
+        need_ab: bool,
+        need_dkb: bool,
+        tau_in: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``distance_bwd`` as a triton_op."""
+        grads = _backward_impl(
+            dout,
+            q,
+            k,
+            v,
+            qs,
+            ks,
+            beta,
+            a,
+            b,
+            kb if kb.dim() == 3 else None,
+            prefix_k,
+            prefix_v,
+            out,
+            lse,
+            causal,
+            window,
+            num_prefix_keys,
+            normalize,
+            qnorm,
+            knorm,
+            kv_same,
+            eps,
+            need_dbeta,
+            need_ab,
+            need_dkb,
+            tau_in,
+            _wrapping_triton(),
+        )
+        return tuple(
+            torch.empty(0, device=q.device, dtype=v.dtype if i == 2 else torch.float32) if t is None else t
+            for i, t in enumerate(grads)
+        )
+
+    def _backward_t(ctx, dout, _dlse, _dkb):
+        return _gradients(ctx, dout, distance_bwd_t)
+
+    distance_fwd_t.register_autograd(_backward_t, setup_context=_setup_context)
+
+
+def use_triton_op(qs, kv_same: bool) -> bool:
+    """Whether :func:`distance_attention`, traced by torch.compile, calls the triton_op ``distance_fwd_t`` (see
+    ``TRITON_OP``): the flag on, the RBF form (no scalar term, separate values), kernels that are not interpreted."""
+    if not isinstance(TRITON_OP, bool):
+        raise ValueError(
+            f"HF_RBF_TRITON_OP (attention_distance_triton.TRITON_OP) must be 0/1, true/false, on/off; got {TRITON_OP!r}"
+        )
+    return TRITON_OP and qs is None and not kv_same and HAS_TRITON and not DEFINED_INTERPRETED
 
 
 class _DistanceFunction(torch.autograd.Function):
@@ -756,6 +934,8 @@ def distance_attention(
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
         return distance_decode_op(*args) if compiling else _decode_impl(*args)
     if compiling:
+        if use_triton_op(qs, kv_same):
+            return distance_fwd_t(*args)[0]
         return distance_fwd(*args)[0]
     if needs_grad:
         return _DistanceFunction.apply(*args)

@@ -44,6 +44,14 @@ except ImportError:  # the package works without triton; the "triton" backend th
 
 from .kernels_launch import launch_cached, launch_jit  # noqa: E402  (after the triton guard, as its own)
 
+try:
+    # Imported under its bare name on purpose: the kernel launches of the ``torch.library.triton_op`` path are literal
+    # ``wrap_triton(KERNEL)[grid](...)`` calls, the only form that AOTAutograd's cache key (an AST scan of the op's
+    # body, ``torch._library.triton.get_inner_triton_kernels``) recognises (see docs/triton_op_plan.md).
+    from torch.library import wrap_triton
+except ImportError:  # torch without triton_op support: the traced path is never taken
+    wrap_triton = None
+
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -175,12 +183,15 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim
 _TMA_CAPABLE: dict = {}  # cuda device index -> compute capability >= 9.0 (Hopper's TMA unit)
 
 
-def tma_unavailable_reason(device: torch.device, views) -> str | None:
+def tma_unavailable_reason(device: torch.device, views, traced: bool = False) -> str | None:
     """None when the streamed tiles of ``views`` can be read through TMA tensor descriptors; otherwise why not.
 
     ``views``: ``(name, tensor, strides)`` with ``strides`` the element strides that address its tiles (batch, head,
     row; the last dim is contiguous).  TMA (Hopper and later; the CPU interpreter emulates it, so CI runs this path)
-    needs every tile base 16-byte aligned: the data pointer and each of those strides in bytes a multiple of 16."""
+    needs every tile base 16-byte aligned: the data pointer and each of those strides in bytes a multiple of 16.
+    ``traced``: the tensors are fake (a ``triton_op`` traced by ``torch.compile``; no data pointer): the storage
+    offset in bytes stands for the address (Inductor's buffers and the caching allocator's blocks start 16-byte
+    aligned, and Inductor copies graph inputs that are not: ``assume_aligned_inputs`` is off)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         capable = _TMA_CAPABLE.get(index)
@@ -190,7 +201,7 @@ def tma_unavailable_reason(device: torch.device, views) -> str | None:
             return "the GPU has no TMA unit (compute capability below 9.0)"
     for name, t, strides in views:
         el = t.element_size()
-        if t.data_ptr() % 16:
+        if (t.storage_offset() * el if traced else t.data_ptr()) % 16:
             return f"{name} starts at an address that is not 16-byte aligned"
         for s in strides:
             if (s * el) % 16:
@@ -536,7 +547,7 @@ if HAS_TRITON:
 
 def key_bias(
     k, coef, key_log_weights, attention_mask, heads: int, nk: int, batch: int, knorm: bool, prefix_k=None,
-    block: int | None = None, num_warps: int | None = None,
+    block: int | None = None, num_warps: int | None = None, traced: bool = False,
 ):
     """The per-key bias (log2 units, fp32 ``[B, H, Nk]``) and the key norms (``[B, H, Nk]`` or an empty tensor).
 
@@ -546,7 +557,8 @@ def key_bias(
     ``key_log_weights``: ``[B|1, H|1, Nk]`` or None; ``attention_mask``: bool ``[B, Nk]`` or None.
     Returns ``(None, None)`` when there is nothing to add (no norm, no weights, no padding); ``kn`` is an empty
     tensor unless ``knorm``.  ``block`` / ``num_warps``: keys per program and warps (``None``: the shipped choice,
-    :func:`key_bias_config`); benchmarks/probe_key_bias.py sweeps them.
+    :func:`key_bias_config`); benchmarks/probe_key_bias.py sweeps them.  ``traced``: launched from a ``triton_op``
+    that ``torch.compile`` traces (``wrap_triton``: Inductor launches the kernel from its generated code).
     """
     if not knorm and key_log_weights is None and attention_mask is None:
         return None, None
@@ -572,42 +584,42 @@ def key_bias(
     sep_prefix = knorm and prefix_k is not None
     pk = prefix_k if sep_prefix else dummy
     grid = (triton.cdiv(nk, block), batch * heads)
-    launch_jit(
-        _key_bias_kernel,
-        grid,
-        (
-            k if knorm else dummy,
-            pk,
-            klw if klw is not None else dummy,
-            am if am is not None else dummy,
-            coef if knorm else dummy,
-            kb,
-            kn if knorm else dummy,
-            k.stride(0) if knorm else 0,
-            k.stride(1) if knorm else 0,
-            k.stride(2) if knorm else 0,
-            (0 if pk.shape[0] == 1 else pk.stride(0)) if sep_prefix else 0,
-            pk.stride(1) if sep_prefix else 0,
-            pk.stride(2) if sep_prefix else 0,
-            slb,
-            slh,
-            sln,
-            am.stride(0) if am is not None else 0,
-            heads,
-            nk,
-            prefix_k.shape[2] if sep_prefix else 0,
-        ),
-        dict(
-            D=d,
-            D_PAD=padded_dim(d),
-            KNORM=knorm,
-            SEP_PREFIX=sep_prefix,
-            HAS_KLW=klw is not None,
-            HAS_AM=am is not None,
-            BLOCK=block,
-            num_warps=num_warps,
-        ),
+    args = (
+        k if knorm else dummy,
+        pk,
+        klw if klw is not None else dummy,
+        am if am is not None else dummy,
+        coef if knorm else dummy,
+        kb,
+        kn if knorm else dummy,
+        k.stride(0) if knorm else 0,
+        k.stride(1) if knorm else 0,
+        k.stride(2) if knorm else 0,
+        (0 if pk.shape[0] == 1 else pk.stride(0)) if sep_prefix else 0,
+        pk.stride(1) if sep_prefix else 0,
+        pk.stride(2) if sep_prefix else 0,
+        slb,
+        slh,
+        sln,
+        am.stride(0) if am is not None else 0,
+        heads,
+        nk,
+        prefix_k.shape[2] if sep_prefix else 0,
     )
+    kwargs = dict(
+        D=d,
+        D_PAD=padded_dim(d),
+        KNORM=knorm,
+        SEP_PREFIX=sep_prefix,
+        HAS_KLW=klw is not None,
+        HAS_AM=am is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    if traced:
+        wrap_triton(_key_bias_kernel)[grid](*args, **kwargs)
+    else:
+        launch_jit(_key_bias_kernel, grid, args, kwargs)
     return kb, kn
 
 

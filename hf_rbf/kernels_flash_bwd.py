@@ -42,6 +42,7 @@ from .kernels_common import (
     padded_dim,
     planes_bucket,
     shared_memory_fits,
+    wrap_triton,
 )
 from .kernels_flash_fwd import prefix_args
 
@@ -1080,6 +1081,7 @@ def distance_backward(
     prefix=None,
     knorm_inline=None,
     tau_in=False,
+    traced=False,
 ):
     """Gradients of :func:`kernels_flash_fwd.distance_forward`: two launches (dQ, then dK/dV) and one sum.
 
@@ -1087,7 +1089,9 @@ def distance_backward(
     None: then the key norms (``knorm``) are computed from the key tiles inside the kernels, as in the forward.
     ``prefix``: None or the separate prefix keys / values ``(pk, pv)`` of the forward (see ``distance_forward``);
     ``knorm_inline``: the forward's choice (default: ``knorm`` without ``kb``); ``tau_in``: ``beta`` holds the
-    temperature ``tau`` (the kernels take ``1 / tau``, and ``dbeta`` is then ``tau``'s gradient).
+    temperature ``tau`` (the kernels take ``1 / tau``, and ``dbeta`` is then ``tau``'s gradient); ``traced``: called
+    from the ``triton_op`` that ``torch.compile`` traces (``attention_distance_triton.distance_bwd_t``): the launches
+    go through ``wrap_triton`` (see ``distance_forward``).
 
     Returns ``dq, dk, dv, dkb, dab, dqs, dks, dbeta``: ``dq``/``dk``/``dv`` in the inputs' dtypes (with ``kv_same``
     ``dk`` holds key plus value gradient and ``dv`` is empty); fp32 ``dkb [B,H,Nk]`` (``sum_i dS_ij``, the key
@@ -1210,9 +1214,7 @@ def distance_backward(
     planes = planes_bucket(bsz * heads)
     need_dbeta = dbeta is not None
     grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
-    launch_tuned(
-        _distance_bwd_dq,
-        grid_q,
+    args_q = (
         *ins,
         out,
         dq,
@@ -1234,6 +1236,8 @@ def distance_backward(
         math.log2(eps) if eps > 0 else 0.0,
         nb,
         planes,
+    )
+    kw_q = dict(
         D=d,
         DV=dv_dim,
         QNORM=qnorm,
@@ -1241,14 +1245,16 @@ def distance_backward(
         NEED_DBETA=need_dbeta,
         **common,
     )
+    if traced:
+        wrap_triton(_distance_bwd_dq)[grid_q](*args_q, **kw_q)
+    else:
+        launch_tuned(_distance_bwd_dq, grid_q, *args_q, **kw_q)
     grid_kv = lambda meta: (  # noqa: E731
         triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
         bsz * groups,
     )
     dvt = dv if not kv_same else dk
-    launch_tuned(
-        _distance_bwd_dkdv,
-        grid_kv,
+    args_kv = (
         *ins,
         dk,
         dvt,
@@ -1271,6 +1277,8 @@ def distance_backward(
         window or 0,
         nb,
         planes,
+    )
+    kw_kv = dict(
         D=d,
         DV_=dv_dim,
         KNORM=knorm,
@@ -1278,6 +1286,10 @@ def distance_backward(
         STORE_DKB=store_dkb,
         **common,
     )
+    if traced:
+        wrap_triton(_distance_bwd_dkdv)[grid_kv](*args_kv, **kw_kv)
+    else:
+        launch_tuned(_distance_bwd_dkdv, grid_kv, *args_kv, **kw_kv)
     # the tied form (b None) has its one coefficient's terms in row 0 alone
     dab = work[: 1 if b is None else 2].sum(dim=(1, 3)) if need_ab else None
     if prefix is not None and shared:

@@ -48,6 +48,7 @@ from .kernels_common import (
     planes_bucket,
     shared_memory_fits,
     tma_unavailable_reason,
+    wrap_triton,
 )
 from .kernels_launch import launch_jit
 
@@ -780,6 +781,7 @@ def distance_forward(
     prefix=None,
     tau_in=False,
     tma=None,
+    traced=False,
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
 
@@ -793,7 +795,10 @@ def distance_forward(
     log-weights and padding); ``prefix``: None, or the ``num_prefix_keys`` prefix keys and values ``(pk [B|1, H, P,
     D], pv [B|1, G, P, Dv])`` as separate tensors (then ``k`` / ``v`` hold only the sequence keys; ``kb``, ``ks``
     and the masks still cover all ``P + N`` keys); ``tma``: read the sequence key / value tiles through TMA tensor
-    descriptors (True), pointer loads (False), or None: descriptors wherever :func:`tma_path` allows them.
+    descriptors (True), pointer loads (False), or None: descriptors wherever :func:`tma_path` allows them;
+    ``traced``: called from the ``triton_op`` that ``torch.compile`` traces (``attention_distance_triton
+    .distance_fwd_t``, fake tensors): the launch goes through ``wrap_triton`` (Inductor launches the kernel from its
+    generated code) and the TMA check reads no data pointer.
     """
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
         q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix
@@ -802,30 +807,20 @@ def distance_forward(
     lse = torch.empty(bsz, heads, nq, device=q.device, dtype=torch.float32)
     if nq == 0:
         return out, lse
-    tma = tma_path(k, v, tma, kv_same)
+    tma = tma_path(k, v, tma, kv_same, traced)
     # the output tile goes through a descriptor too where its rows are 16-byte aligned: `out` is fresh and contiguous
     # (an allocator block's base), so every stride is a multiple of dv
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
-    launch_tuned(
-        _distance_fwd,
-        grid,
-        *tensors,
-        out,
-        lse,
-        lse,
-        lse,
-        *strides,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        *sstrides,
-        *scalars,
-        SPLIT=False,
-        **_flags(
-            q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in,
-            num_prefix_keys, tma, tma and (dv * out.element_size()) % 16 == 0,
-        ),
+    # LPART / EROW (split-K partials) are not written with SPLIT=False: lse stands in for them
+    args = (*tensors, out, lse, lse, lse, *strides, out.stride(0), out.stride(1), out.stride(2), *sstrides, *scalars)
+    flags = _flags(
+        q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in,
+        num_prefix_keys, tma, tma and (dv * out.element_size()) % 16 == 0,
     )
+    if traced:
+        wrap_triton(_distance_fwd)[grid](*args, SPLIT=False, **flags)
+    else:
+        launch_tuned(_distance_fwd, grid, *args, SPLIT=False, **flags)
     return out, lse
 
 
@@ -855,7 +850,7 @@ _TMA_LOGGED: set = set()
 TMA_AUTO_MAX_HEAD_DIM = 128
 
 
-def tma_path(k, v, tma: bool | None, kv_same: bool = False) -> bool:
+def tma_path(k, v, tma: bool | None, kv_same: bool = False, traced: bool = False) -> bool:
     """Whether the forward reads its key / value tiles through TMA descriptors.  ``tma`` None takes ``TMA_MODE``
     (``HF_RBF_TRITON_TMA``); None there chooses them wherever ``kernels_common.tma_unavailable_reason`` finds nothing
     against them and the padded head dims are at most ``TMA_AUTO_MAX_HEAD_DIM`` (the pointer path's reason is logged
@@ -863,7 +858,8 @@ def tma_path(k, v, tma: bool | None, kv_same: bool = False) -> bool:
     otherwise); False keeps pointer loads.  ``kv_same`` (``x`` as key and value: GKA) never takes TMA: one descriptor
     tile as both dot operands with its norms reduced from it gave GKA outputs 7x off the float64 reference on an H100
     (triton 3.6; 1.4e-2 against 2.0e-3 relative, kernelcheck of benchmarks/results/h100-2026-11-27p), the same
-    pattern as the register-tile miscompile of ``kernels_common._row_sq_norms``."""
+    pattern as the register-tile miscompile of ``kernels_common._row_sq_norms``.  ``traced``: fake tensors (see
+    ``kernels_common.tma_unavailable_reason``)."""
     if tma is None:
         tma = TMA_MODE
     if tma is False:
@@ -875,7 +871,7 @@ def tma_path(k, v, tma: bool | None, kv_same: bool = False) -> bool:
     if kv_same:
         reason = "x is both key and value (GKA): that form is not read through descriptors (see tma_path)"
     else:
-        reason = tma_unavailable_reason(k.device, [("k", k, k.stride()[:3]), ("v", v, v.stride()[:3])])
+        reason = tma_unavailable_reason(k.device, [("k", k, k.stride()[:3]), ("v", v, v.stride()[:3])], traced)
     if reason is None and tma is None and max(padded_dim(k.shape[-1]), padded_dim(v.shape[-1])) > TMA_AUTO_MAX_HEAD_DIM:
         reason = f"head dim above {TMA_AUTO_MAX_HEAD_DIM}: pointer loads measured faster (see TMA_AUTO_MAX_HEAD_DIM)"
     if reason is None:
