@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from .attention_utils import MaskArgs, is_all_true_mask, zero_key_bias
-from .kernels_common import DEFINED_INTERPRETED, HAS_TRITON, key_bias, triton_unavailable_reason, wrap_triton
+from .kernels_common import DEFINED_INTERPRETED, HAS_TRITON, key_bias, triton_unavailable_reason
 from .kernels_launch import parse_switch
 from .kernels_flash_bwd import distance_backward
 from .kernels_flash_fwd import distance_decode, distance_forward
@@ -533,19 +533,16 @@ def _backward(ctx, dout, _dlse, _dkb):
 distance_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _wrapping_triton() -> bool:
-    """Whether a triton_op's body runs traced (``wrap_triton`` wraps kernels: dynamo's fake run, AOTAutograd's
-    decomposition) rather than as the op's eager backend (``wrap_triton`` returns the kernel itself)."""
-    return wrap_triton(_wrap_probe) is not _wrap_probe
+try:
+    # True while a triton_op's body is traced (dynamo's fake run, AOTAutograd's decomposition: ``wrap_triton`` wraps
+    # kernels), False in the op's eager backend (``wrap_triton`` returns the kernel itself); what triton_op's own
+    # backend switches (torch 2.11-2.13)
+    from torch._library.triton import is_wrap_triton_enabled as _wrapping_triton
+except ImportError:  # a torch without it: the triton_op path is not offered (use_triton_op)
+    _wrapping_triton = None
 
 
-if HAS_TRITON:
-    import triton
-
-    @triton.jit
-    def _wrap_probe():
-        pass
-
+if HAS_TRITON and _wrapping_triton is not None:
     @torch.library.triton_op(f"{_NS}::distance_fwd_t", mutates_args=())
     def distance_fwd_t(
         q: Tensor,
@@ -675,7 +672,8 @@ def use_triton_op(qs, kv_same: bool) -> bool:
         raise ValueError(
             f"HF_RBF_TRITON_OP (attention_distance_triton.TRITON_OP) must be 0/1, true/false, on/off; got {TRITON_OP!r}"
         )
-    return TRITON_OP and qs is None and not kv_same and HAS_TRITON and not DEFINED_INTERPRETED
+    offered = HAS_TRITON and not DEFINED_INTERPRETED and _wrapping_triton is not None
+    return TRITON_OP and offered and qs is None and not kv_same
 
 
 class _DistanceFunction(torch.autograd.Function):

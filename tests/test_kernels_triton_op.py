@@ -1,0 +1,498 @@
+"""The opt-in triton_op path of the fused RBF attention (``HF_RBF_TRITON_OP=1``,
+``attention_distance_triton.TRITON_OP``; docs/triton_op_plan.md, step 0).
+
+While ``torch.compile`` traces, the RBF form goes through the triton_ops ``distance_fwd_t`` / ``distance_bwd_t``, whose
+kernel launches AOTAutograd decomposes into ``triton_kernel_wrapper_functional`` nodes that Inductor launches from its
+generated code.  Neither Triton's CPU interpreter nor a CPU can run that path, so:
+
+* the trace tests run in a child process (this file run as a script: a stub Triton driver reporting an sm90 GPU, no
+  interpreter, real ``@triton.jit`` kernels, CPU tensors; the driver cannot leak into other tests) and compile with an
+  AOTAutograd backend that keeps the partitioned forward and backward graphs (Inductor's partitioner) and stops there.
+  They check that the graphs hold exactly the expected kernel launches, that Triton's TTIR mutation analysis succeeded
+  (only the kernels' fresh outputs are cloned, never q / k / v or another graph input; no "assuming every input is
+  mutated" warning), that our pruned autotune configs reach the traced launches, and that the ops' kernel lists (the
+  AOTAutograd cache key) name our kernels;
+* in this process (the interpreter): the flag is ignored there, visibly (logged once), and ``torch.compile`` of an
+  RBF attention forward+backward with the flag on still matches eager;
+* ``gpu``-marked: Inductor compiles an RBF forward+backward with the flag on, and it matches the float64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+if __name__ != "__main__":
+    import pytest
+    import torch
+
+    from kernel_env import IN_PROCESS, ON_GPU, check_compiled_matches_eager  # noqa: E402 (first: sets TRITON_INTERPRET)
+
+    import hf_rbf  # noqa: E402
+    from hf_rbf import attention_distance_triton as adt  # noqa: E402
+
+_REPO = Path(__file__).resolve().parents[1]
+
+# The kernels' tensor parameters that they write (outputs and scratch): the only names the TTIR analysis may report
+# as mutated, so the only ones functionalization may clone.
+OUTPUT_PARAMS = {
+    "_distance_fwd_kernel": {"OUT", "LSE"},
+    "_key_bias_kernel": {"KB", "KN"},
+    "_distance_bwd_dq_kernel": {"WORK", "DQ", "DQS", "DBETA"},
+    "_distance_bwd_dkdv_kernel": {"WORK", "DK", "DV", "DKB", "DKS", "DPK", "DPV"},
+}
+# Every other node of the traced graphs: allocations, the HOPs' output unpacking, and the torch ops of the adapter,
+# the loss and the gradient reductions.  No clone / copy: a graph input copied for a kernel would show up as one.
+OTHER_OPS = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "getitem",
+    "_to_copy",
+    "sum",
+    "detach",
+    "expand",
+    "slice",
+    "unbind",
+    "mul",
+    "view",
+    "neg",
+    "squeeze",
+    "unsqueeze",
+    "alias",
+}
+
+# (id, spec): the rbf forms traced in the child.  n 256: above SMALL_N_BUCKET, so the autotuner keeps several configs.
+TRACE_CASES = [
+    ("causal-d64-bf16", dict(d=64, dtype="bfloat16", causal=True)),
+    ("bidirectional-window-d256-f32", dict(d=256, dtype="float32", causal=False, window=100)),
+    ("causal-window-registers", dict(d=64, dtype="bfloat16", causal=True, window=64, registers=2)),
+    ("susie-register", dict(d=64, dtype="bfloat16", causal=True, registers=1, susie=True)),
+    ("padding-softmax-free", dict(d=32, dtype="float32", causal=True, padding=True, normalize=False)),
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the child: trace with a stub driver (no GPU, no interpreter)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _child(spec: dict) -> dict:
+    import logging
+    import types
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    class StubDriver:
+        """What tracing asks of triton's active driver: the target the TTIR is generated for."""
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, *args):
+            return 0
+
+        def map_python_to_cpp_type(self, ty):
+            return "void*"
+
+        def get_benchmarker(self):
+            raise RuntimeError("the stub driver cannot time kernels")
+
+    triton.runtime.driver.set_active(StubDriver())
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(f"{record.name}: {record.getMessage()}")
+
+    records = Records()
+    # triton_kernel_wrap logs through "torch._dynamo", which torch's logging setup keeps from propagating
+    for name in ("torch", "torch._dynamo", "torch._higher_order_ops", "torch._inductor"):
+        logging.getLogger(name).addHandler(records)
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._library.triton import triton_ops_to_kernels
+
+    import hf_rbf
+    from hf_rbf import attention_distance_triton as adt
+    from hf_rbf import attention_rbf, kernels_common
+
+    assert not kernels_common.DEFINED_INTERPRETED
+    adt.TRITON_OP = spec.get("flag", True)
+    # the public function's triton backend refuses CPU tensors without the interpreter: let the trace through
+    attention_rbf.distance_reason = lambda *args, **kwargs: None
+
+    if spec.get("break_analysis"):
+        # the negative control: Triton's TTIR generation fails, as it does without a GPU target
+        from torch._higher_order_ops import triton_kernel_wrap
+
+        def no_ttir(*args, **kwargs):
+            raise RuntimeError("no TTIR (test)")
+
+        triton_kernel_wrap.generate_ttir = no_ttir
+
+    captured = {}
+
+    class Stop(Exception):
+        pass
+
+    def partition(joint, inputs, **kwargs):
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        captured["fw"], captured["bw"] = fw, bw
+        return fw, bw
+
+    def fw_compiler(gm, example_inputs):
+        raise Stop  # the graphs are kept: nothing here can run the kernels
+
+    backend = aot_autograd(fw_compiler=fw_compiler, partition_fn=partition)
+
+    def kernel_name(kernel) -> str:
+        """The Python function's name under an Autotuner / JITFunction."""
+        while not isinstance(kernel, types.FunctionType):
+            kernel = kernel.fn
+        return kernel.__name__
+
+    d, b, h, n = spec["d"], 2, 4, spec.get("n", 256)
+    dtype = getattr(torch, spec["dtype"])
+    gen = torch.Generator().manual_seed(0)
+    leaf = lambda *shape, dt=dtype: torch.randn(*shape, generator=gen).to(dt).requires_grad_(True)  # noqa: E731
+    t = {"q": leaf(b, h, n, d), "k": leaf(b, h, n, d), "v": leaf(b, h, n, d), "gamma": leaf(h, dt=torch.float32)}
+    r = spec.get("registers", 0)
+    if r:
+        t["prefix_keys"], t["prefix_values"] = leaf(1, h, r, d), leaf(1, h, r, d)
+    if spec.get("susie"):
+        t["key_log_weights"] = leaf(1, h, r + n, dt=torch.float32)
+    weight = torch.randn(b, h, n, d, generator=gen)
+    mask = None
+    if spec.get("padding"):
+        mask = torch.ones(b, n, dtype=torch.bool)
+        mask[1, : n // 3] = False
+
+    def loss(t):
+        if spec.get("form") == "gka":
+            out = hf_rbf.gka_attention(t["q"], t["gamma"], causal=True, backend="triton")
+        else:
+            out = hf_rbf.rbf_attention(
+                t["q"],
+                t["k"],
+                t["v"],
+                gamma=t["gamma"],
+                causal=spec["causal"],
+                window=spec.get("window"),
+                normalize=spec.get("normalize", True),
+                key_log_weights=t.get("key_log_weights"),
+                attention_mask=mask,
+                num_prefix_keys=r,
+                prefix_keys=t.get("prefix_keys"),
+                prefix_values=t.get("prefix_values"),
+                backend="triton",
+            )
+        # a weighted sum: the output gradient is then a contiguous tensor (a plain sum's is a stride-0 expand, which
+        # distance_backward makes contiguous with a clone of its own, unrelated to the kernels)
+        return (out.float() * weight).sum()
+
+    if spec.get("form") == "gka":
+        from hf_rbf import attention_gka
+
+        attention_gka.distance_reason = lambda *args, **kwargs: None
+
+    error = None
+    try:
+        torch.compile(loss, backend=backend, fullgraph=True)(t)
+        error = "the compiled function ran: the capture did not stop it"
+    except Exception as err:  # noqa: BLE001 (the expected Stop arrives wrapped by dynamo)
+        if "Stop" not in f"{type(err).__name__}: {err}" and not isinstance(err.__cause__, Stop):
+            error = f"{type(err).__name__}: {err}"[:2000]
+
+    def describe(gm):
+        if gm is None:
+            return None
+        nodes = []
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            target = node.target
+            # OpOverloads and HOPs by name() ("aten::empty.memory_format", "triton_kernel_wrapper_functional")
+            named = callable(getattr(target, "name", None))
+            name = target.name() if named else getattr(target, "__name__", str(target))
+            entry = {"op": name}
+            if "triton_kernel_wrapper" in name:
+                kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+                args = node.kwargs["kwargs"]
+                sources = {}
+                for param in node.kwargs.get("tensors_to_clone", []):
+                    src = args.get(param)
+                    sources[param] = (
+                        None if src is None else f"{src.op}:{getattr(src.target, '__name__', str(src.target))}"
+                    )
+                entry.update(
+                    kernel=kernel_name(kernel),
+                    clone=list(node.kwargs.get("tensors_to_clone", [])),
+                    clone_sources=sources,
+                    configs=[
+                        [c.kwargs.get("BLOCK_M"), c.kwargs.get("BLOCK_N"), c.num_warps, c.num_stages]
+                        for c in getattr(kernel, "configs", [])
+                    ],
+                    constants={k: v for k, v in args.items() if k in ("TMA", "HAS_KB", "KNORM_INLINE", "SEP_PREFIX")},
+                )
+            nodes.append(entry)
+        return nodes
+
+    ops = {name: [kernel_name(k) for k in kernels] for name, kernels in triton_ops_to_kernels.items()
+           if name.startswith(adt._NS + "::")}  # fmt: skip
+    return {
+        "error": error,
+        "fw": describe(captured.get("fw")),
+        "bw": describe(captured.get("bw")),
+        "messages": [m for m in records.messages if "mutated" in m or "identify_mutated_tensors" in m],
+        "op_kernels": ops,
+    }
+
+
+def run_child(spec: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(_REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"child failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
+    sys.exit(0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the tests
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _hops(nodes):
+    return [n for n in nodes if "kernel" in n]
+
+
+def _check_graph(nodes, expected_kernels, where):
+    assert nodes is not None, f"no {where} graph was captured"
+    hops = _hops(nodes)
+    assert [n["kernel"] for n in hops] == expected_kernels, (where, nodes)
+    for n in hops:
+        assert n["op"] == "triton_kernel_wrapper_functional", (where, n)
+        # the mutation analysis found the kernel's own outputs, and they are fresh buffers: no graph input is copied
+        assert n["clone"], (where, n)
+        assert set(n["clone"]) <= OUTPUT_PARAMS[n["kernel"]], (where, n)
+        for param, source in n["clone_sources"].items():
+            assert source is not None and not source.startswith("placeholder"), (where, param, source)
+    others = [n["op"].split("::")[-1].split(".")[0] for n in nodes if "kernel" not in n]
+    unexpected = [op for op in others if op not in OTHER_OPS]
+    assert not unexpected, (where, unexpected, nodes)
+
+
+@pytest.mark.parametrize("spec", [c[1] for c in TRACE_CASES], ids=[c[0] for c in TRACE_CASES])
+def test_traced_graphs_launch_the_kernels(spec):
+    """Flag on, stub driver: the forward graph launches the key-bias pass (key weights, padding) and the forward
+    kernel, the backward graph the dQ and dK/dV kernels, as triton_kernel_wrapper_functional nodes; the TTIR mutation
+    analysis succeeded for each (no fallback warning, only outputs cloned); the pruned configs reach the launches."""
+    res = run_child(spec)
+    assert res["error"] is None, res["error"]
+    assert not res["messages"], res["messages"]
+    # the key-bias pass: key log-weights, padding, or the key norms from head dim KNORM_PASS_MIN_HEAD_DIM (128) on
+    key_bias = bool(spec.get("susie") or spec.get("padding") or spec["d"] >= adt.KNORM_PASS_MIN_HEAD_DIM)
+    fw_kernels = (["_key_bias_kernel"] if key_bias else []) + ["_distance_fwd_kernel"]
+    _check_graph(res["fw"], fw_kernels, "forward")
+    _check_graph(res["bw"], ["_distance_bwd_dq_kernel", "_distance_bwd_dkdv_kernel"], "backward")
+    fwd = [n for n in res["fw"] if n.get("kernel") == "_distance_fwd_kernel"][0]
+    assert set(fwd["clone"]) == {"OUT", "LSE"}
+    # autotuned with our pruning (_prune_fwd): a subset of FWD_CONFIGS, several at N 256 (above SMALL_N_BUCKET) where
+    # they fit, one at head dim 256 in float32 (the others exceed the register / shared-memory estimates)
+    from hf_rbf.kernels_flash_fwd import FWD_CONFIGS
+
+    shipped = [[kw["BLOCK_M"], kw["BLOCK_N"], warps, stages] for kw, warps, stages in FWD_CONFIGS]
+    assert fwd["configs"] and all(c in shipped for c in fwd["configs"]), fwd
+    assert (len(fwd["configs"]) > 1) is (spec["d"] <= 128), fwd
+    assert fwd["constants"]["TMA"] is (spec["d"] <= 128), fwd  # TMA up to head dim 128 (tma_path)
+    assert fwd["constants"]["HAS_KB"] is key_bias, fwd
+    assert fwd["constants"]["SEP_PREFIX"] is bool(spec.get("registers")), fwd
+    dkdv = [n for n in res["bw"] if n.get("kernel") == "_distance_bwd_dkdv_kernel"][0]
+    expected = {"WORK", "DK", "DV"} | ({"DPK", "DPV"} if spec.get("registers") else set())
+    expected |= {"DKB"} if spec.get("susie") else set()
+    assert set(dkdv["clone"]) == expected, dkdv
+    # the ops' kernel lists (AOTAutograd's cache key): every kernel a literal wrap_triton call launches
+    kernels = res["op_kernels"]
+    assert set(kernels[f"{adt._NS}::distance_fwd_t"]) == {"_distance_fwd_kernel", "_key_bias_kernel"}, kernels
+    assert set(kernels[f"{adt._NS}::distance_bwd_t"]) == {"_distance_bwd_dq_kernel", "_distance_bwd_dkdv_kernel"}
+
+
+def test_a_failed_mutation_analysis_is_seen():
+    """The negative control of the checks above: where the TTIR analysis fails, the child sees torch's "assuming
+    every input is mutated" warning (and the compile fails in the partitioner: functionalization clones every
+    kernel argument then, outputs of the op's inputs included), so its absence above means the analysis succeeded."""
+    res = run_child(dict(TRACE_CASES[0][1], break_analysis=True))
+    assert any("assuming every input is mutated" in m for m in res["messages"]), res
+    assert res["error"] is not None, res
+
+
+def test_flag_off_keeps_the_custom_op():
+    """Flag off (the default): the traced graphs call the custom ops distance_fwd / distance_bwd, no kernel HOP."""
+    res = run_child(dict(TRACE_CASES[0][1], flag=False))
+    assert res["error"] is None, res["error"]
+    for where, op in (("fw", "distance_fwd"), ("bw", "distance_bwd")):
+        assert not _hops(res[where]), res[where]
+        assert [n["op"] for n in res[where] if n["op"].startswith(adt._NS + "::")] == [f"{adt._NS}::{op}"], res[where]
+
+
+def test_flag_on_other_forms_keep_the_custom_op():
+    """Flag on: GKA (x as key and value) keeps the custom op (step 0 covers the RBF form only)."""
+    res = run_child(dict(d=64, dtype="bfloat16", causal=True, form="gka"))
+    assert res["error"] is None, res["error"]
+    assert not _hops(res["fw"]) and not _hops(res["bw"])
+    assert [n["op"] for n in res["fw"] if n["op"].startswith(adt._NS + "::")] == [f"{adt._NS}::distance_fwd"]
+
+
+def test_flag_values(monkeypatch):
+    """``use_triton_op``: off by default, the RBF form only, never under the interpreter; a bad value raises."""
+    if "HF_RBF_TRITON_OP" not in os.environ:
+        assert adt.TRITON_OP is False
+    monkeypatch.setattr(adt, "TRITON_OP", True)
+    interpreted = adt.DEFINED_INTERPRETED
+    assert adt.use_triton_op(None, False) is (not interpreted)
+    assert adt.use_triton_op(None, True) is False  # GKA
+    assert adt.use_triton_op(object(), False) is False  # the hybrid's scalar term
+    monkeypatch.setattr(adt, "TRITON_OP", "maybe")
+    with pytest.raises(ValueError, match="HF_RBF_TRITON_OP"):
+        adt.use_triton_op(None, False)
+
+
+@pytest.mark.skipif(not IN_PROCESS or ON_GPU, reason="the interpreter's fallback (CPU, TRITON_INTERPRET=1)")
+def test_flag_ignored_under_the_interpreter(monkeypatch, caplog):
+    """Under Triton's interpreter (which cannot trace a triton_op) the flag is ignored with one warning, and the
+    compiled forward+backward (aot_eager, through the custom op) still matches eager."""
+    import logging
+
+    monkeypatch.setattr(adt, "TRITON_OP", True)
+    monkeypatch.setattr(adt, "_TRITON_OP_IGNORED_LOGGED", [])
+    gen = torch.Generator().manual_seed(3)
+    t = {
+        "q": torch.randn(2, 2, 40, 16, generator=gen),
+        "k": torch.randn(2, 2, 40, 16, generator=gen),
+        "v": torch.randn(2, 2, 40, 16, generator=gen),
+        "prefix_keys": torch.randn(1, 2, 1, 16, generator=gen),
+        "prefix_values": torch.randn(1, 2, 1, 16, generator=gen),
+        "gamma": torch.rand(2, generator=gen) + 0.1,
+    }
+
+    def loss_fn(x):
+        out = hf_rbf.rbf_attention(
+            x["q"], x["k"], x["v"], gamma=x["gamma"], num_prefix_keys=1, prefix_keys=x["prefix_keys"],
+            prefix_values=x["prefix_values"], backend="triton",
+        )  # fmt: skip
+        return (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+
+    with caplog.at_level(logging.WARNING, logger=adt.__name__):
+        check_compiled_matches_eager(loss_fn, t)
+        check_compiled_matches_eager(loss_fn, t)
+    ignored = [r for r in caplog.records if "HF_RBF_TRITON_OP" in r.getMessage()]
+    assert len(ignored) == 1, [r.getMessage() for r in caplog.records]
+
+
+# the tolerances of test_kernels_distance_op's GPU test (bfloat16 inputs against the float64 reference)
+GPU_TOL_OUT, GPU_TOL_GRAD, GPU_TOL_GAMMA = 1.5e-2, 3e-2, 8e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "d, n, registers, susie, window",
+    [(64, 1024, 0, False, None), (64, 1023, 1, True, None), (128, 512, 2, False, 300), (256, 512, 1, True, None)],
+)
+def test_compiled_triton_op_on_gpu(d, n, registers, susie, window, monkeypatch):
+    """Flag on, Inductor: the compiled RBF forward+backward launches our kernels from Inductor's generated code (not
+    through the custom op) and matches the float64 naive reference, output and every gradient."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(adt, "TRITON_OP", True)
+    gen = torch.Generator().manual_seed(d + n)
+    b, h = 2, 4
+    t = {
+        "q": torch.randn(b, h, n, d, generator=gen),
+        "k": torch.randn(b, h, n, d, generator=gen),
+        "v": torch.randn(b, h, n, d, generator=gen),
+        "gamma": (0.3 + 0.4 * torch.rand(h, generator=gen)) / d**0.5,
+    }
+    if registers:
+        t["prefix_keys"] = torch.randn(1, h, registers, d, generator=gen)
+        t["prefix_values"] = torch.randn(1, h, registers, d, generator=gen)
+    if susie:
+        t["key_log_weights"] = 0.5 * torch.randn(1, h, registers + n, generator=gen)
+    dout = torch.randn(b, h, n, d, generator=gen).bfloat16()
+
+    def attention(x, backend):
+        return hf_rbf.rbf_attention(
+            x["q"], x["k"], x["v"], gamma=x["gamma"], window=window, key_log_weights=x.get("key_log_weights"),
+            num_prefix_keys=registers, prefix_keys=x.get("prefix_keys"), prefix_values=x.get("prefix_values"),
+            backend=backend,
+        )  # fmt: skip
+
+    def run(dtype, compiled):
+        leaves = {
+            name: x.to("cuda", dtype if x.dim() == 4 else torch.float32 if dtype != torch.float64 else dtype)
+            .detach()
+            .requires_grad_(True)
+            for name, x in t.items()
+        }
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(lambda x: attention(x, "triton"), backend="inductor", fullgraph=True)
+
+            def step():
+                out = fn(leaves)
+                out.backward(dout.to("cuda", out.dtype))
+                return out
+
+            out, codes = run_and_get_code(step)
+            code = "\n".join(codes)
+            assert "_distance_fwd_kernel" in code and "_distance_bwd_dkdv_kernel" in code, code[:4000]
+            assert "distance_fwd.default" not in code and "distance_bwd.default" not in code
+        else:
+            out = attention(leaves, "naive")
+            out.backward(dout.to("cuda", out.dtype))
+        return out.detach(), {name: x.grad for name, x in leaves.items()}
+
+    def rel_err(x, ref):
+        x, ref = x.double(), ref.double()
+        assert torch.isfinite(x).all(), "non-finite values"
+        den = ref.norm().item()
+        return (x - ref).norm().item() / (den if den > 0 else 1.0)
+
+    out, grads = run(torch.bfloat16, True)
+    t = {name: (x.bfloat16().double() if x.dim() == 4 else x.double()) for name, x in t.items()}
+    out_ref, grads_ref = run(torch.float64, False)
+    assert rel_err(out, out_ref) <= GPU_TOL_OUT
+    for name, ref in grads_ref.items():
+        tol = GPU_TOL_GAMMA if name == "gamma" else GPU_TOL_GRAD
+        assert rel_err(grads[name], ref) <= tol, (name, rel_err(grads[name], ref))
