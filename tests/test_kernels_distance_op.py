@@ -617,9 +617,9 @@ def test_key_norms_from_the_key_bias_pass(dtype, flags, monkeypatch):
     passes = []
     key_bias = adt.key_bias
 
-    def counted(k, coef, klw, am, heads, nk, bsz, knorm, prefix_k=None):
+    def counted(k, coef, klw, am, heads, nk, bsz, knorm, prefix_k=None, **kwargs):
         passes.append(knorm)
-        return key_bias(k, coef, klw, am, heads, nk, bsz, knorm, prefix_k)
+        return key_bias(k, coef, klw, am, heads, nk, bsz, knorm, prefix_k, **kwargs)
 
     monkeypatch.setattr(adt, "key_bias", counted)
     if flags == "softmax":

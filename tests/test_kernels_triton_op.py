@@ -420,6 +420,35 @@ def test_flag_ignored_under_the_interpreter(monkeypatch, caplog):
     assert len(ignored) == 1, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.skipif(not IN_PROCESS or ON_GPU, reason="the interpreter's fallback (CPU, TRITON_INTERPRET=1)")
+def test_flag_read_when_traced(monkeypatch):
+    """The flag is read when dynamo traces ``distance_attention`` and guarded: a compiled function traced with one
+    value is traced again when it runs with the other (so the benchmark's per-model setting, applied around each
+    model's steps, holds for each model), and not again while the value stays."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=gen) for _ in range(3))
+
+    def fn(q, k, v):
+        return hf_rbf.rbf_attention(q, k, v, backend="triton").sum()
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    monkeypatch.setattr(adt, "TRITON_OP", False)
+    compiled(q, k, v)
+    compiled(q, k, v)
+    assert counter.frame_count == 1
+    monkeypatch.setattr(adt, "_TRITON_OP_IGNORED_LOGGED", [True])  # (the interpreter's warning is not the subject)
+    monkeypatch.setattr(adt, "TRITON_OP", True)
+    compiled(q, k, v)
+    assert counter.frame_count == 2
+    compiled(q, k, v)
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
 # the tolerances of test_kernels_distance_op's GPU test (bfloat16 inputs against the float64 reference)
 GPU_TOL_OUT, GPU_TOL_GRAD, GPU_TOL_GAMMA = 1.5e-2, 3e-2, 8e-2
 
