@@ -213,9 +213,24 @@ def _child(spec: dict) -> dict:
 
         attention_gka.distance_reason = lambda *args, **kwargs: None
 
+    def run():
+        if not spec.get("model"):
+            return torch.compile(loss, backend=backend, fullgraph=True)(t)
+        # the profile's "rbf (1 register, SuSiE, triton_op)" model in small: every layer's attention in one graph
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(
+            "rbf", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=n, num_register_tokens=1, position_embedding_type="susie",
+            attention_backend="triton",
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_config(config).train()
+        ids = torch.randint(0, 128, (2, n), generator=gen)
+        return torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss.backward()
+
     error = None
     try:
-        torch.compile(loss, backend=backend, fullgraph=True)(t)
+        run()
         error = "the compiled function ran: the capture did not stop it"
     except Exception as err:  # noqa: BLE001 (the expected Stop arrives wrapped by dynamo)
         if "Stop" not in f"{type(err).__name__}: {err}" and not isinstance(err.__cause__, Stop):
@@ -355,6 +370,37 @@ def test_a_failed_mutation_analysis_is_seen():
     res = run_child(dict(TRACE_CASES[0][1], break_analysis=True))
     assert any("assuming every input is mutated" in m for m in res["messages"]), res
     assert res["error"] is not None, res
+
+
+def test_model_graph_launches_the_kernels():
+    """A small rbf model with the profile variant's settings (1 register, SuSiE), compiled whole: with the flag on
+    its graphs launch each layer's forward, dQ and dK/dV kernels (the register through the prefix pointers) instead
+    of the custom ops, and hold the same other ops as with the flag off (the path adds no copy)."""
+    on = run_child(dict(TRACE_CASES[0][1], model=True))
+    off = run_child(dict(TRACE_CASES[0][1], model=True, flag=False))
+    for res in (on, off):
+        assert res["error"] is None, res["error"]
+        assert not res["messages"], res["messages"]
+    assert [n["kernel"] for n in _hops(on["fw"])] == ["_distance_fwd_kernel"] * 2, on["fw"]
+    assert [n["kernel"] for n in _hops(on["bw"])] == ["_distance_bwd_dq_kernel", "_distance_bwd_dkdv_kernel"] * 2
+    for n in _hops(on["fw"]) + _hops(on["bw"]):
+        assert set(n["clone"]) <= OUTPUT_PARAMS[n["kernel"]], n
+        assert all(not src.startswith("placeholder") for src in n["clone_sources"].values()), n
+    assert {"DPK", "DPV"} <= set(_hops(on["bw"])[1]["clone"])  # the register's gradients
+    for where in ("fw", "bw"):
+        ours = [n["op"] for n in on[where] if n["op"].startswith(adt._NS + "::")]
+        assert not ours, ours
+        assert len([n for n in off[where] if n["op"].startswith(adt._NS + "::")]) == 2
+        others_on = sorted(n["op"] for n in on[where] if "kernel" not in n and n["op"] not in ("getitem",))
+        others_off = sorted(
+            n["op"] for n in off[where] if not n["op"].startswith(adt._NS + "::") and n["op"] not in ("getitem",)
+        )
+        # the same model ops, plus the kernels' output allocations and the backward's gradient reductions
+        extra = list(others_on)
+        for op in others_off:
+            assert op in extra, (where, op, others_on)
+            extra.remove(op)
+        assert all(op.split("::")[-1].split(".")[0] in OTHER_OPS for op in extra), (where, extra)
 
 
 def test_flag_off_keeps_the_custom_op():
