@@ -43,9 +43,9 @@ from torch import Tensor
 
 from .attention_utils import MaskArgs, is_all_true_mask, zero_key_bias
 from .kernels_common import DEFINED_INTERPRETED, HAS_TRITON, key_bias, triton_unavailable_reason
-from .kernels_launch import parse_switch
 from .kernels_flash_bwd import distance_backward
 from .kernels_flash_fwd import distance_decode, distance_forward
+from .kernels_launch import parse_switch
 
 _NS = (
     "hf_rbf"
@@ -543,6 +543,7 @@ except ImportError:  # a torch without it: the triton_op path is not offered (us
 
 
 if HAS_TRITON and _wrapping_triton is not None:
+
     @torch.library.triton_op(f"{_NS}::distance_fwd_t", mutates_args=())
     def distance_fwd_t(
         q: Tensor,
