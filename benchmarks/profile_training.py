@@ -327,7 +327,14 @@ def train_steps(model, size, steps: int, warmup: int, profile_steps: int = 0):
 
 
 def interleaved_steps(
-    variants, size: dict, steps: int, rounds: int, compile_model: bool = False, compile_mode=None, save=None
+    variants,
+    size: dict,
+    steps: int,
+    rounds: int,
+    compile_model: bool = False,
+    compile_mode=None,
+    save=None,
+    profile_steps: int = 0,
 ) -> dict:
     """Every variant's model built side by side, then ``rounds`` rounds in which each model runs ``steps`` timed steps
     in turn: the best round of each is reported (the hosts are noisy: one Llama step took 13.6 and 29.7 ms in one
@@ -336,7 +343,9 @@ def interleaved_steps(
 
     ``compile_model``: ``torch.compile(model, mode=compile_mode)`` for every model.  ``save(rows)`` is called after
     each model's first steps and after each round, so that a job cut at its time limit keeps what it measured (a
-    call compiling five d768 models lost the first four's first steps: benchmarks/results/h100-2026-11-28b call 3)."""
+    call compiling five d768 models lost the first four's first steps: benchmarks/results/h100-2026-11-28b call 3).
+    ``profile_steps``: after the rounds, that many more steps of each model under torch.profiler, summarised in its
+    row's ``profile`` (``--profile-all``: the compiled models' kernel time per op, which the plain path cannot give)."""
     b, t = size["batch"], size["seq"]
     ids = torch.randint(0, 8192, (b, t), device="cuda")
     runs, rows = {}, {}
@@ -385,6 +394,19 @@ def interleaved_steps(
             r["activation_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
             r["peak_gib"] = r["activation_peak_gib"]  # the markdown's peak column: activations only, here
         save(rows)
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        for variant, step in runs.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+                for _ in range(profile_steps):
+                    step()
+                _sync()
+            rows[variant]["profile"] = summarise_profile(prof, profile_steps, rows[variant]["ms_per_step"])
+            for e in rows[variant]["profile"]["gpu_top"][:12]:
+                shown = f"gpu {e['ms_per_step']:8.2f} ms {e['calls_per_step']:5.0f}x {e['name']}"
+                print(f"    {variant}: {shown}", flush=True)
+            save(rows)
     for variant, r in rows.items():
         print(
             f"[interleaved] {variant:26s} "
@@ -653,6 +675,7 @@ def main() -> int:
                 compile_model=args.compile,
                 compile_mode=args.compile_mode,
                 save=save,
+                profile_steps=3 if args.profile_all else 0,
             )
             (out / "profile.json").write_text(json.dumps(res, indent=1))
             gc.collect()
