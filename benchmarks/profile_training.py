@@ -219,11 +219,14 @@ VARIANTS = {
     "gka (triton launch path)": ("gka", dict()),
     "scalar_sort (1 register, triton launch path)": ("scalar_sort", dict(num_register_tokens=1)),
     "hybrid_sort (1 register, triton launch path)": ("hybrid_sort", dict(num_register_tokens=1)),
-    # the RBF attention traced as triton_ops under torch.compile (`attention_distance_triton.TRITON_OP`,
-    # HF_RBF_TRITON_OP=1: Inductor launches the fused kernels from its generated code; docs/triton_op_plan.md step 0),
-    # for an A/B against the same model through the custom op, with --compile
+    # the distance attention (RBF, GKA, hybrid) traced as triton_ops under torch.compile
+    # (`attention_distance_triton.TRITON_OP`, HF_RBF_TRITON_OP=1: Inductor launches the fused kernels from its
+    # generated code; docs/triton_op_plan.md step 0 and "Then"), for an A/B against the same model through the custom
+    # op, with --compile
     "rbf (no registers, RoPE, triton_op)": ("rbf", dict(num_register_tokens=0, position_embedding_type="rope")),
     "rbf (1 register, SuSiE, triton_op)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
+    "gka (triton_op)": ("gka", dict()),
+    "hybrid_sort (1 register, triton_op)": ("hybrid_sort", dict(num_register_tokens=1)),
 }
 # variant-name suffix -> the `hf_rbf.modeling_decoder` settings its steps run with (restored after each step)
 SETTING_SUFFIXES = {
@@ -235,7 +238,8 @@ SETTING_SUFFIXES = {
     ", cudagraph)": {"register_compile_mode": "reduce-overhead"},
     "triton launch path)": {"kernels_launch.DIRECT_LAUNCH": False},
     # read while dynamo traces the step, which guards on it: each model keeps the value its steps run with
-    ", triton_op)": {"attention_distance_triton.TRITON_OP": True},
+    # (", triton_op)" and "gka (triton_op)")
+    "triton_op)": {"attention_distance_triton.TRITON_OP": True},
 }
 
 

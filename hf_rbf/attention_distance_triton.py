@@ -25,7 +25,7 @@ be imported next to the installed package):
 Each has a fake (meta) implementation, so ``torch.compile`` traces through them.
 
 ``distance_fwd_t`` / ``distance_bwd_t``: the same forward and backward as ``torch.library.triton_op``s, used instead
-of ``distance_fwd`` only while ``torch.compile`` traces, for the RBF form (no scalar term, separate values), and only
+of ``distance_fwd`` only while ``torch.compile`` traces, for all three forms (RBF, GKA, hybrid), and only
 with ``TRITON_OP`` on (``HF_RBF_TRITON_OP=1``; off by default).  AOTAutograd then decomposes them into their kernel
 launches (``triton_kernel_wrapper_functional``) and Inductor launches the kernels from its generated code, instead
 of calling this module's Python at every step (docs/triton_op_plan.md, step 0).  Eager calls never go through them.
@@ -58,11 +58,12 @@ logger = logging.getLogger(__name__)
 # Up to this many query rows without gradients go through the split-K decode kernel.
 DECODE_MAX_QUERIES = 16
 
-# While torch.compile traces: the RBF form through the triton_ops ``distance_fwd_t`` / ``distance_bwd_t`` (True)
-# instead of the custom op ``distance_fwd`` (False, the default).  Read by :func:`distance_attention` when it is traced
-# (dynamo guards on the value: a model compiled with one value recompiles if it later runs with the other), so a
-# benchmark can set it per model (benchmarks/profile_training.py's "..., triton_op)" variants).  Ignored where the
-# kernels run in Triton's CPU interpreter, which cannot trace a triton_op (logged once).
+# While torch.compile traces: the RBF, GKA and hybrid forms through the triton_ops ``distance_fwd_t`` /
+# ``distance_bwd_t`` (True) instead of the custom op ``distance_fwd`` (False, the default).  Read by
+# :func:`distance_attention` when it is traced (dynamo guards on the value: a model compiled with one value
+# recompiles if it later runs with the other), so a benchmark can set it per model (benchmarks/profile_training.py's
+# "..., triton_op)" variants).  Ignored where the kernels run in Triton's CPU interpreter, which cannot trace a
+# triton_op (logged once).
 TRITON_OP = parse_switch(os.environ.get("HF_RBF_TRITON_OP", "0"))
 _TRITON_OP_IGNORED_LOGGED: list = []
 
@@ -258,7 +259,7 @@ def _(
     eps,
     tau_in,
 ):
-    if TRITON_OP is True and DEFINED_INTERPRETED and qs is None and not kv_same and not _TRITON_OP_IGNORED_LOGGED:
+    if TRITON_OP is True and DEFINED_INTERPRETED and not _TRITON_OP_IGNORED_LOGGED:
         # here, not in distance_attention: dynamo runs a fake implementation natively (a log call in traced code
         # would break the graph)
         _TRITON_OP_IGNORED_LOGGED.append(True)
@@ -666,15 +667,18 @@ if HAS_TRITON and _wrapping_triton is not None:
     distance_fwd_t.register_autograd(_backward_t, setup_context=_setup_context)
 
 
-def use_triton_op(qs, kv_same: bool) -> bool:
+def use_triton_op() -> bool:
     """Whether :func:`distance_attention`, traced by torch.compile, calls the triton_op ``distance_fwd_t`` (see
-    ``TRITON_OP``): the flag on, the RBF form (no scalar term, separate values), kernels that are not interpreted."""
+    ``TRITON_OP``): the flag on, kernels that are not interpreted.  Every form of the op takes it: RBF, GKA (``x`` as
+    key and value: the dK/dV kernel writes no DV / DPV with ``KV_SAME``, so the names it shares with ``dk`` / the
+    placeholder are read-only and functionalization clones nothing twice; docs/triton_op_plan.md, fix 9) and the
+    hybrid (scalar term, ``tau_in``: its extra gradients are outputs of ``distance_bwd_t`` as of ``distance_bwd``)."""
     if not isinstance(TRITON_OP, bool):
         raise ValueError(
             f"HF_RBF_TRITON_OP (attention_distance_triton.TRITON_OP) must be 0/1, true/false, on/off; got {TRITON_OP!r}"
         )
     offered = HAS_TRITON and not DEFINED_INTERPRETED and _wrapping_triton is not None
-    return TRITON_OP and offered and qs is None and not kv_same
+    return TRITON_OP and offered
 
 
 class _DistanceFunction(torch.autograd.Function):
@@ -933,7 +937,7 @@ def distance_attention(
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
         return distance_decode_op(*args) if compiling else _decode_impl(*args)
     if compiling:
-        if use_triton_op(qs, kv_same):
+        if use_triton_op():
             return distance_fwd_t(*args)[0]
         return distance_fwd(*args)[0]
     if needs_grad:
