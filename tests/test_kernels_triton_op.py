@@ -63,6 +63,9 @@ OTHER_OPS = {
     "squeeze",
     "unsqueeze",
     "alias",
+    "exp",  # GKA's adapter: 1 / (2 sigma^2) from log sigma
+    "add",  # GKA's backward: x's gradient as query plus as key (and value)
+    "full",  # the hybrid's fixed temperature (a constant vector)
 }
 
 # (id, spec): the rbf forms traced in the child.  n 256: above SMALL_N_BUCKET, so the autotuner keeps several configs.
@@ -74,6 +77,19 @@ TRACE_CASES = [
     ("padding-softmax-free", dict(d=32, dtype="float32", causal=True, padding=True, normalize=False)),
 ]
 
+# (id, spec): the GKA forms (x as query, key and value: kv_same) and the hybrid forms (the scalar term, tau_in)
+GKA_CASES = [
+    ("gka-causal-d64-bf16", dict(form="gka", d=64, dtype="bfloat16", causal=True)),
+    ("gka-bidirectional-window-d128-f32", dict(form="gka", d=128, dtype="float32", causal=False, window=100)),
+    ("gka-causal-window-register-susie", dict(form="gka", d=64, dtype="bfloat16", causal=True, window=64,
+                                              registers=2, susie=True)),  # fmt: skip
+]
+HYBRID_CASES = [
+    ("hybrid-learnable-tau", dict(form="hybrid", d=64, dtype="bfloat16", causal=True, tau="head")),
+    ("hybrid-fixed-tau-window", dict(form="hybrid", d=32, dtype="float32", causal=False, window=100)),
+    ("hybrid-register-padding", dict(form="hybrid", d=64, dtype="bfloat16", causal=True, tau="head", registers=1,
+                                     padding=True)),  # fmt: skip
+]
 
 # ----------------------------------------------------------------------------------------------------------------
 # the child: trace with a stub driver (no GPU, no interpreter)
@@ -134,10 +150,16 @@ def _child(spec: dict) -> dict:
     from hf_rbf import attention_distance_triton as adt
     from hf_rbf import attention_rbf, kernels_common
 
+    from hf_rbf import attention_gka, attention_hybrid
+
     assert not kernels_common.DEFINED_INTERPRETED
     adt.TRITON_OP = spec.get("flag", True)
-    # the public function's triton backend refuses CPU tensors without the interpreter: let the trace through
-    attention_rbf.distance_reason = lambda *args, **kwargs: None
+    # the public functions' triton backends refuse CPU tensors without the interpreter: let the trace through
+    for module in (attention_rbf, attention_gka, attention_hybrid):
+        module.distance_reason = lambda *args, **kwargs: None
+    from hf_rbf import attention_scalar_triton
+
+    attention_scalar_triton.triton_unavailable_reason = lambda *args, **kwargs: None
 
     if spec.get("break_analysis"):
         # the negative control: Triton's TTIR generation fails, as it does without a GPU target
@@ -175,19 +197,43 @@ def _child(spec: dict) -> dict:
     leaf = lambda *shape, dt=dtype: torch.randn(*shape, generator=gen).to(dt).requires_grad_(True)  # noqa: E731
     t = {"q": leaf(b, h, n, d), "k": leaf(b, h, n, d), "v": leaf(b, h, n, d), "gamma": leaf(h, dt=torch.float32)}
     r = spec.get("registers", 0)
-    if r:
+    form = spec.get("form", "rbf")
+    if form == "gka":  # x as query, key and value; the bandwidth's log
+        t = {"x": leaf(b, h, n, d), "log_sigma": leaf(h, dt=torch.float32)}
+        if r:
+            t["prefix_features"] = leaf(1, h, r, d)
+    elif r:
         t["prefix_keys"], t["prefix_values"] = leaf(1, h, r, d), leaf(1, h, r, d)
+    if form == "scalar":  # the scalar family (its own kernels and custom ops)
+        t = {"qs": leaf(b, h, n), "ks": leaf(b, h, n), "v": leaf(b, h, n, d), "tau": leaf(h, dt=torch.float32)}
+    if form == "hybrid":  # the scalar term: scalar queries / keys (the keys cover the registers), per-head scale
+        t.update(qs=leaf(b, h, n), ks=leaf(b, h, r + n), scale=leaf(h, dt=torch.float32))
+        if spec.get("tau") == "head":  # a learnable temperature per head, with its gradient
+            t["tau"] = leaf(h, dt=torch.float32)
     if spec.get("susie"):
         t["key_log_weights"] = leaf(1, h, r + n, dt=torch.float32)
     weight = torch.randn(b, h, n, d, generator=gen)
     mask = None
     if spec.get("padding"):
-        mask = torch.ones(b, n, dtype=torch.bool)
+        mask = torch.ones(b, r + n, dtype=torch.bool)  # (every key, the registers included)
         mask[1, : n // 3] = False
 
     def loss(t):
-        if spec.get("form") == "gka":
-            out = hf_rbf.gka_attention(t["q"], t["gamma"], causal=True, backend="triton")
+        if form == "gka":
+            out = hf_rbf.gka_attention(
+                t["x"], t["log_sigma"], causal=spec["causal"], window=spec.get("window"), num_prefix_keys=r,
+                prefix_features=t.get("prefix_features"), key_log_weights=t.get("key_log_weights"),
+                attention_mask=mask, backend="triton",
+            )  # fmt: skip
+        elif form == "scalar":
+            out = hf_rbf.scalar_attention(t["qs"], t["ks"], t["v"], t["tau"], causal=spec["causal"], backend="triton")
+        elif form == "hybrid":
+            out = hf_rbf.hybrid_attention(
+                t["q"], t["k"], t["v"], t["qs"], t["ks"], t.get("tau", 0.8), scale=t["scale"], causal=spec["causal"],
+                window=spec.get("window"), key_log_weights=t.get("key_log_weights"), attention_mask=mask,
+                num_prefix_keys=r, prefix_keys=t.get("prefix_keys"), prefix_values=t.get("prefix_values"),
+                backend="triton",
+            )  # fmt: skip
         else:
             out = hf_rbf.rbf_attention(
                 t["q"],
@@ -208,21 +254,22 @@ def _child(spec: dict) -> dict:
         # distance_backward makes contiguous with a clone of its own, unrelated to the kernels)
         return (out.float() * weight).sum()
 
-    if spec.get("form") == "gka":
-        from hf_rbf import attention_gka
-
-        attention_gka.distance_reason = lambda *args, **kwargs: None
-
     def run():
         if not spec.get("model"):
             return torch.compile(loss, backend=backend, fullgraph=True)(t)
-        # the profile's "rbf (1 register, SuSiE, triton_op)" model in small: every layer's attention in one graph
+        # the profile's "rbf (1 register, SuSiE, triton_op)", "gka (triton_op)" and "hybrid_sort (1 register,
+        # triton_op)" models in small: every layer's attention in one graph
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        model_type = spec["model"] if isinstance(spec["model"], str) else "rbf"
+        extra = {
+            "rbf": dict(num_register_tokens=1, position_embedding_type="susie"),
+            "gka": dict(),
+            "hybrid_sort": dict(num_register_tokens=1),
+        }[model_type]
         config = AutoConfig.for_model(
-            "rbf", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            max_position_embeddings=n, num_register_tokens=1, position_embedding_type="susie",
-            attention_backend="triton",
+            model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=n, attention_backend="triton", **extra,
         )  # fmt: skip
         model = AutoModelForCausalLM.from_config(config).train()
         ids = torch.randint(0, 128, (2, n), generator=gen)
@@ -363,6 +410,52 @@ def test_traced_graphs_launch_the_kernels(spec):
     assert set(kernels[f"{adt._NS}::distance_bwd_t"]) == {"_distance_bwd_dq_kernel", "_distance_bwd_dkdv_kernel"}
 
 
+@pytest.mark.parametrize(
+    "spec", [c[1] for c in GKA_CASES + HYBRID_CASES], ids=[c[0] for c in GKA_CASES + HYBRID_CASES]
+)
+def test_traced_graphs_launch_the_kernels_gka_hybrid(spec):
+    """Flag on, stub driver, GKA and the hybrid: the same kernel launches as the RBF form's, each written name a fresh
+    buffer.  GKA (``kv_same``: one tensor as q, k and v, ``dk`` also passed as DV, the placeholder as DPV) has only
+    DK / DPK of them written (the dK/dV kernel stores no DV / DPV with ``KV_SAME``), so no tensor is written under two
+    names (docs/triton_op_plan.md, fix 9) and GKA never reads through TMA; the hybrid's extra outputs (DQS, DKS, and
+    DBETA where the temperature is learnable: its gradient through ``tau_in``) are cloned as fresh outputs."""
+    res = run_child(spec)
+    assert res["error"] is None, res["error"]
+    assert not res["messages"], res["messages"]
+    gka = spec["form"] == "gka"
+    knorm_pass = gka and spec["d"] >= adt.KNORM_PASS_MIN_HEAD_DIM  # GKA's key norms (the hybrid has none)
+    key_bias = bool(spec.get("susie") or spec.get("padding") or knorm_pass)
+    _check_graph(res["fw"], (["_key_bias_kernel"] if key_bias else []) + ["_distance_fwd_kernel"], "forward")
+    _check_graph(res["bw"], ["_distance_bwd_dq_kernel", "_distance_bwd_dkdv_kernel"], "backward")
+    fwd = [n for n in res["fw"] if n.get("kernel") == "_distance_fwd_kernel"][0]
+    assert set(fwd["clone"]) == {"OUT", "LSE"}
+    from hf_rbf.kernels_flash_fwd import FWD_CONFIGS
+
+    shipped = [[kw["BLOCK_M"], kw["BLOCK_N"], warps, stages] for kw, warps, stages in FWD_CONFIGS]
+    assert fwd["configs"] and all(c in shipped for c in fwd["configs"]), fwd
+    # N 256 (above SMALL_N_BUCKET), head dims up to 64: our pruning keeps several (one at d128 f32: the estimates)
+    assert (len(fwd["configs"]) > 1) is (spec["d"] <= 64), fwd
+    assert fwd["constants"]["TMA"] is (not gka and spec["d"] <= 128), fwd  # GKA never takes TMA (tma_path)
+    assert fwd["constants"]["HAS_KB"] is key_bias, fwd
+    assert fwd["constants"]["SEP_PREFIX"] is bool(spec.get("registers")), fwd
+    for n in _hops(res["bw"]):
+        assert n["configs"], n  # autotuned launches (our configs, pruned), not a bare JITFunction
+    dq = [n for n in res["bw"] if n.get("kernel") == "_distance_bwd_dq_kernel"][0]
+    dkdv = [n for n in res["bw"] if n.get("kernel") == "_distance_bwd_dkdv_kernel"][0]
+    registers = bool(spec.get("registers"))
+    if gka:
+        assert set(dq["clone"]) == {"WORK", "DQ"}, dq
+        expected = {"WORK", "DK"} | ({"DPK"} if registers else set())
+    else:
+        assert set(dq["clone"]) == {"WORK", "DQ", "DQS"} | ({"DBETA"} if spec.get("tau") else set()), dq
+        expected = {"WORK", "DK", "DV", "DKS"} | ({"DPK", "DPV"} if registers else set())
+    expected |= {"DKB"} if spec.get("susie") else set()
+    assert set(dkdv["clone"]) == expected, dkdv
+    kernels = res["op_kernels"]
+    assert set(kernels[f"{adt._NS}::distance_fwd_t"]) == {"_distance_fwd_kernel", "_key_bias_kernel"}, kernels
+    assert set(kernels[f"{adt._NS}::distance_bwd_t"]) == {"_distance_bwd_dq_kernel", "_distance_bwd_dkdv_kernel"}
+
+
 def test_a_failed_mutation_analysis_is_seen():
     """The negative control of the checks above: where the TTIR analysis fails, the child sees torch's "assuming
     every input is mutated" warning (and the compile fails in the partitioner: functionalization clones every
@@ -372,12 +465,14 @@ def test_a_failed_mutation_analysis_is_seen():
     assert res["error"] is not None, res
 
 
-def test_model_graph_launches_the_kernels():
-    """A small rbf model with the profile variant's settings (1 register, SuSiE), compiled whole: with the flag on
-    its graphs launch each layer's forward, dQ and dK/dV kernels (the register through the prefix pointers) instead
-    of the custom ops, and hold the same other ops as with the flag off (the path adds no copy)."""
-    on = run_child(dict(TRACE_CASES[0][1], model=True))
-    off = run_child(dict(TRACE_CASES[0][1], model=True, flag=False))
+@pytest.mark.parametrize("model", ["rbf", "gka", "hybrid_sort"])
+def test_model_graph_launches_the_kernels(model):
+    """A small model with the profile variant's settings (rbf: 1 register, SuSiE; gka; hybrid_sort: 1 register),
+    compiled whole: with the flag on its graphs launch each layer's forward, dQ and dK/dV kernels (the register
+    through the prefix pointers) instead of the custom ops, and hold the same other ops as with the flag off (the
+    path adds no copy)."""
+    on = run_child(dict(TRACE_CASES[0][1], model=model))
+    off = run_child(dict(TRACE_CASES[0][1], model=model, flag=False))
     for res in (on, off):
         assert res["error"] is None, res["error"]
         assert not res["messages"], res["messages"]
@@ -386,7 +481,10 @@ def test_model_graph_launches_the_kernels():
     for n in _hops(on["fw"]) + _hops(on["bw"]):
         assert set(n["clone"]) <= OUTPUT_PARAMS[n["kernel"]], n
         assert all(not src.startswith("placeholder") for src in n["clone_sources"].values()), n
-    assert {"DPK", "DPV"} <= set(_hops(on["bw"])[1]["clone"])  # the register's gradients
+    if model != "gka":
+        assert {"DPK", "DPV"} <= set(_hops(on["bw"])[1]["clone"])  # the register's gradients
+    if model == "hybrid_sort":
+        assert {"DQS"} <= set(_hops(on["bw"])[0]["clone"]) and {"DKS"} <= set(_hops(on["bw"])[1]["clone"])
     for where in ("fw", "bw"):
         ours = [n["op"] for n in on[where] if n["op"].startswith(adt._NS + "::")]
         assert not ours, ours
@@ -413,25 +511,32 @@ def test_flag_off_keeps_the_custom_op():
 
 
 def test_flag_on_other_forms_keep_the_custom_op():
-    """Flag on: GKA (x as key and value) keeps the custom op (step 0 covers the RBF form only)."""
-    res = run_child(dict(d=64, dtype="bfloat16", causal=True, form="gka"))
+    """Flag on: the scalar family (its own kernels, not the distance op) keeps its custom ops scalar_fwd /
+    scalar_bwd (the triton_op path covers the distance op's RBF, GKA and hybrid forms only)."""
+    from hf_rbf import attention_scalar_triton
+
+    ns = attention_scalar_triton._NS
+    res = run_child(dict(d=64, dtype="bfloat16", causal=True, form="scalar"))
     assert res["error"] is None, res["error"]
     assert not _hops(res["fw"]) and not _hops(res["bw"])
-    assert [n["op"] for n in res["fw"] if n["op"].startswith(adt._NS + "::")] == [f"{adt._NS}::distance_fwd"]
+    for where, op in (("fw", "scalar_fwd"), ("bw", "scalar_bwd")):
+        assert [n["op"] for n in res[where] if n["op"].startswith(ns + "::")] == [f"{ns}::{op}"], res[where]
 
 
 def test_flag_values(monkeypatch):
-    """``use_triton_op``: off by default, the RBF form only, never under the interpreter; a bad value raises."""
+    """``use_triton_op``: off by default, every form of the distance op (RBF, GKA, hybrid) with it on, never under
+    the interpreter; a bad value raises."""
     if "HF_RBF_TRITON_OP" not in os.environ:
         assert adt.TRITON_OP is False
+        assert adt.use_triton_op() is False
     monkeypatch.setattr(adt, "TRITON_OP", True)
     interpreted = adt.DEFINED_INTERPRETED
-    assert adt.use_triton_op(None, False) is (not interpreted)
-    assert adt.use_triton_op(None, True) is False  # GKA
-    assert adt.use_triton_op(object(), False) is False  # the hybrid's scalar term
+    assert adt.use_triton_op() is (not interpreted)
+    monkeypatch.setattr(adt, "TRITON_OP", False)
+    assert adt.use_triton_op() is False
     monkeypatch.setattr(adt, "TRITON_OP", "maybe")
     with pytest.raises(ValueError, match="HF_RBF_TRITON_OP"):
-        adt.use_triton_op(None, False)
+        adt.use_triton_op()
 
 
 @pytest.mark.skipif(not IN_PROCESS or ON_GPU, reason="the interpreter's fallback (CPU, TRITON_INTERPRET=1)")
