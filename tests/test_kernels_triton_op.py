@@ -676,3 +676,97 @@ def test_compiled_triton_op_on_gpu(d, n, registers, susie, window, monkeypatch):
     for name, ref in grads_ref.items():
         tol = GPU_TOL_GAMMA if name == "gamma" else GPU_TOL_GRAD
         assert rel_err(grads[name], ref) <= tol, (name, rel_err(grads[name], ref))
+
+
+def _compiled_case_errors(case, device: str, backend: str) -> dict:
+    """A ``benchmarks/kernel_checks.py`` case (GKA, hybrid) through ``torch.compile`` with the fused backend against
+    the float64 naive reference (eager): ``{name: (relative error, tolerance)}`` for the output and every gradient
+    (the bandwidth, temperature and scale parameters included), with kernel_checks' tolerances, those of the
+    families' GPU tests (``test_kernels_gka.py`` / ``test_kernels_hybrid.py``: ``test_full_shapes_on_gpu``).  With
+    Inductor the generated code must launch our kernels, not the custom ops."""
+    import kernel_checks as kc
+    from torch._inductor.utils import run_and_get_code
+
+    made = kc.make_inputs(case, device)
+    tensors, args = made["tensors"], made["args"]
+    dout = kc._dout(case, device, tensors)
+    out_ref, grads_ref = kc._run(case, {k: v.double() for k, v in tensors.items()}, args, "naive", dout)
+    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: kc.call(case, x, args, "triton"), backend=backend, fullgraph=True)
+
+    def step():
+        out = fn(leaves)
+        out.backward(dout.to(out.dtype))
+        return out
+
+    if backend == "inductor":
+        out, codes = run_and_get_code(step)
+        code = "\n".join(codes)
+        assert "_distance_fwd_kernel" in code and "_distance_bwd_dkdv_kernel" in code, code[:4000]
+        assert "distance_fwd.default" not in code and "distance_bwd.default" not in code
+    else:
+        out = step()
+    torch._dynamo.reset()
+    tol_out, tol_grad = kc.TOLERANCES[case.dtype]
+    assert out.dtype == case.dtype
+    errors = {"out": (kc.rel_err(out.detach(), out_ref), tol_out)}
+    for name, ref in grads_ref.items():
+        grad = leaves[name].grad
+        errors[f"d{name}"] = (float("inf") if grad is None else kc.rel_err(grad, ref), tol_grad)
+    return errors
+
+
+def _gpu_cases():
+    """GKA and hybrid cases at training shapes: causal, windows, prefix keys, padding, key log-weights, grouped
+    values, a learnable bandwidth, temperatures per head, per token and fixed, a learnable scale."""
+    import kernel_checks as kc
+    from dataclasses import replace
+
+    gka = kc.Case("gka", dtype=torch.bfloat16, b=2, h=8, nq=1024, nk=1024, d=64, dv=64)
+    hyb = replace(gka, family="hybrid")
+    return [
+        gka,
+        replace(gka, d=128, dv=128, window=300, prefix=2, klw="b", seed=1),
+        replace(gka, nq=1023, nk=1023, eps=0.05, pad=64, causal=False, seed=2),
+        hyb,  # tau and scale per head, learnable
+        replace(hyb, h=8, groups=4, tau="token", window=300, prefix=2, klw="bh", seed=3),
+        replace(hyb, tau="float", d=128, dv=128, nq=1023, nk=1023, pad=37, seed=4),  # a fixed temperature
+    ]
+
+
+if __name__ != "__main__":
+    try:
+        GPU_CASES = _gpu_cases()
+    except Exception:  # noqa: BLE001 (kernel_checks not importable: the parametrisation below is empty)
+        GPU_CASES = []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_compiled_triton_op_gka_hybrid_on_gpu(case, monkeypatch):
+    """Flag on, Inductor: compiled GKA and hybrid forward+backward launch our kernels from Inductor's generated code
+    and match the float64 naive reference, output and every gradient (log sigma, tau, scale, the scalar queries and
+    keys, the key log-weights)."""
+    monkeypatch.setattr(adt, "TRITON_OP", True)
+    errors = _compiled_case_errors(case, "cuda", "inductor")
+    bad = {name: e for name, e in errors.items() if not e[0] <= e[1]}
+    assert not bad, (case.name, bad, errors)
+
+
+@pytest.mark.skipif(not IN_PROCESS or ON_GPU, reason="the interpreter's fallback (CPU, TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("family", ["gka", "hybrid"])
+def test_compiled_case_check_in_the_interpreter(family, monkeypatch):
+    """The GPU test's comparison itself, at a small shape under the interpreter (aot_eager, the flag ignored there):
+    every gradient of the case is compared, and within kernel_checks' float32 tolerances."""
+    import kernel_checks as kc
+
+    monkeypatch.setattr(adt, "TRITON_OP", True)
+    monkeypatch.setattr(adt, "_TRITON_OP_IGNORED_LOGGED", [True])
+    case = kc.Case(family, nq=29, nk=29, d=16, dv=16, window=9, prefix=2, klw="bh")
+    errors = _compiled_case_errors(case, "cpu", "aot_eager")
+    expected = {"gka": {"out", "dx", "dlog_sigma"}, "hybrid": {"out", "dq", "dk", "dv", "dqs", "dks", "dtau", "dscale"}}
+    assert expected[family] | {"dkey_log_weights"} == set(errors), errors
+    bad = {name: e for name, e in errors.items() if not e[0] <= e[1]}
+    assert not bad, errors
