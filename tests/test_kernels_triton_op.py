@@ -1,9 +1,9 @@
-"""The opt-in triton_op path of the fused RBF attention (``HF_RBF_TRITON_OP=1``,
-``attention_distance_triton.TRITON_OP``; docs/triton_op_plan.md, step 0).
+"""The opt-in triton_op path of the fused distance attention (``HF_RBF_TRITON_OP=1``,
+``attention_distance_triton.TRITON_OP``; docs/triton_op_plan.md, step 0 and "Then": RBF, GKA and the hybrid).
 
-While ``torch.compile`` traces, the RBF form goes through the triton_ops ``distance_fwd_t`` / ``distance_bwd_t``, whose
-kernel launches AOTAutograd decomposes into ``triton_kernel_wrapper_functional`` nodes that Inductor launches from its
-generated code.  Neither Triton's CPU interpreter nor a CPU can run that path, so:
+While ``torch.compile`` traces, the distance op (RBF, GKA, hybrid) goes through the triton_ops ``distance_fwd_t`` /
+``distance_bwd_t``, whose kernel launches AOTAutograd decomposes into ``triton_kernel_wrapper_functional`` nodes that
+Inductor launches from its generated code.  Neither Triton's CPU interpreter nor a CPU can run that path, so:
 
 * the trace tests run in a child process (this file run as a script: a stub Triton driver reporting an sm90 GPU, no
   interpreter, real ``@triton.jit`` kernels, CPU tensors; the driver cannot leak into other tests) and compile with an
@@ -14,7 +14,8 @@ generated code.  Neither Triton's CPU interpreter nor a CPU can run that path, s
   AOTAutograd cache key) name our kernels;
 * in this process (the interpreter): the flag is ignored there, visibly (logged once), and ``torch.compile`` of an
   RBF attention forward+backward with the flag on still matches eager;
-* ``gpu``-marked: Inductor compiles an RBF forward+backward with the flag on, and it matches the float64 reference.
+* ``gpu``-marked: Inductor compiles RBF, GKA and hybrid forwards+backwards with the flag on, and they match the
+  float64 reference.
 """
 
 from __future__ import annotations
