@@ -395,7 +395,12 @@ def distance_bwd(
         need_dkb,
         tau_in,
     )
-    # the unused outputs as empty tensors (a custom op returns tensors, and its outputs must not alias each other)
+    return _backward_outputs(grads, q, v)
+
+
+def _backward_outputs(grads, q: Tensor, v: Tensor) -> tuple:
+    """``distance_bwd`` / ``distance_bwd_t``'s outputs: the unused gradients as empty tensors (an op returns tensors,
+    and its outputs must not alias each other)."""
     return tuple(
         torch.empty(0, device=q.device, dtype=v.dtype if i == 2 else torch.float32) if t is None else t
         for i, t in enumerate(grads)
@@ -656,10 +661,7 @@ if HAS_TRITON and _wrapping_triton is not None:
             tau_in,
             _wrapping_triton(),
         )
-        return tuple(
-            torch.empty(0, device=q.device, dtype=v.dtype if i == 2 else torch.float32) if t is None else t
-            for i, t in enumerate(grads)
-        )
+        return _backward_outputs(grads, q, v)
 
     def _backward_t(ctx, dout, _dlse, _dkb):
         return _gradients(ctx, dout, distance_bwd_t)
