@@ -340,7 +340,7 @@ def _inverse_two_variances(log_sigma: torch.Tensor) -> torch.Tensor:
     ``torch.compile`` it is kept per ``log_sigma`` tensor while that tensor keeps its data (the version counter counts
     every in-place write: an optimiser step, ``load_state_dict``): a model passes its parameter, the same at every
     decode step, where the three ops per layer and step computed the same values again.  Only ever read."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not parameter_values_keepable():
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not parameter_values_keepable(log_sigma.device):
         return 0.5 * torch.exp(-2.0 * log_sigma.float())
     state = (log_sigma._version, log_sigma.data_ptr(), log_sigma.dtype, log_sigma.device, tuple(log_sigma.shape))
     kept = _INVERSE_TWO_VARIANCES.get(id(log_sigma))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .attention_distance_triton import DECODE_MAX_QUERIES, distance_attention
-from .attention_utils import MaskArgs, constant_vector
+from .attention_utils import MaskArgs, constant_vector, tensors_keepable
 from .kernels_common import key_bias, triton_unavailable_reason
 from .kernels_scalar_bwd import scalar_backward
 from .kernels_scalar_fwd import scalar_forward
@@ -219,7 +219,7 @@ _ZERO_ROWS: dict = {}
 
 def _zero_rows(zero: Tensor, shape: tuple) -> Tensor:
     """``zero.expand(shape)`` (``zero``: a cached constant row of :func:`constant_vector`), kept per shape."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not tensors_keepable(zero.device):
         return zero.expand(shape)
     key = (shape, zero.dtype, zero.device)
     view = _ZERO_ROWS.get(key)

@@ -256,9 +256,10 @@ _CONSTANTS: dict = {}
 _CONSTANTS_MAX = 256
 
 
-def parameter_values_keepable() -> bool:
-    """Whether a value computed from a parameter (a decode step's temperature, sink, GKA's ``1 / (2 sigma^2)``) may
-    be kept while the parameter is the same tensor with the same version counter and data pointer.
+def parameter_values_keepable(device) -> bool:
+    """Whether a value computed from a parameter on ``device`` (a decode step's temperature, sink, GKA's
+    ``1 / (2 sigma^2)``) may be kept while the parameter is the same tensor with the same version counter and data
+    pointer: where :func:`tensors_keepable` allows it.
 
     Not in a process where ``torch.distributed`` is initialised: FSDP2 writes each forward's gathered weights into the
     same unsharded parameter tensors with their version counters preserved, at addresses the allocator may repeat, so
@@ -266,13 +267,38 @@ def parameter_values_keepable() -> bool:
     ``test_replays_under_fsdp2_copy_the_gathered_weights_in[hybrid_sort]``, 1e-4 off in 1 run of about 6);
     ZeRO-3-style sharding swaps ``.data`` alike.  There every call computes the value (a few microseconds per layer).
     """
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False
+    return tensors_keepable(device)
+
+
+def tensors_keepable(device) -> bool:
+    """Whether a tensor made now on ``device`` may be kept for later calls (this module's constants, the decode
+    kernels' scratch, values kept per parameter): not while a CUDA graph is captured, and on CUDA only on the
+    device's default stream.
+
+    Where allocations may land in a CUDA graph's private memory pool, a kept tensor would outlive what the pool's
+    owner tracks.  ``torch.compile(mode="reduce-overhead")`` (``generate``'s compiled static decode step) runs our
+    custom ops' Python inside cudagraph trees' warm-up and recording, on the trees' own stream, with every allocation
+    of the thread routed to their pool: the split-K decode's four scratch buffers kept there made the next model's
+    recording fail with "Detected 4 tensor(s) in the cudagraph pool not tracked as outputs" (every family's static
+    ``generate`` after another model's on an H200, benchmarks/results/h200x2-2026-11-28e), and a tensor filled during
+    a capture holds nothing until the graph replays.  Both run on a side stream (a capture must), so the default
+    stream is the test; a caller on a stream of its own computes its constants per call."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return torch._C._cuda_getCurrentRawStream(-1 if device.index is None else device.index) == 0
 
 
 def constant_vector(value: float, shape: tuple, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` (float32 unless given) filled with ``value`` on ``device``, cached
-    (read-only: the kernels only read it; under ``torch.compile`` a fresh graph constant)."""
-    if torch.compiler.is_compiling():
+    (read-only: the kernels only read it; under ``torch.compile`` a fresh graph constant, and where
+    :func:`tensors_keepable` says no, a fresh tensor)."""
+    if torch.compiler.is_compiling() or not tensors_keepable(device):
         return torch.full(shape, value, device=device, dtype=dtype)
     key = (value, shape, str(device), dtype)
     t = _CONSTANTS.get(key)
@@ -294,6 +320,8 @@ def all_true_mask(rows: int, n: int, device: torch.device) -> torch.Tensor:
     """A read-only all-True bool key mask ``[rows, n]``: a view of a buffer kept per device and row count (grown by
     doubling), so that a decode step's mask over keys known to be valid costs one view, not an allocation and a fill
     per layer; :func:`is_all_true_mask` recognises it.  Read only: every consumer of a mask only reads it."""
+    if not tensors_keepable(device):
+        return torch.ones(rows, n, dtype=torch.bool, device=device)
     key = (torch.device(device), rows, torch.is_inference_mode_enabled())  # (inference tensors: no backward)
     t = _ALL_TRUE.get(key)
     if t is None or t.shape[1] < n:
@@ -318,8 +346,10 @@ def zero_key_bias(batch: int, heads: int, nk: int, device: torch.device) -> torc
     """A read-only contiguous float32 ``[batch, heads, nk]`` of zeros: what the key-bias pass computes for keys that
     are all valid and carry no log-weight (``kernels_common.key_bias`` with an all-True mask: ``0 * log2(e)``, kept
     where the mask is True), as a view of a flat buffer kept per device, without the pass's launch and mask cast."""
-    key = (torch.device(device), torch.is_inference_mode_enabled())
     n = batch * heads * nk
+    if not tensors_keepable(device):
+        return torch.zeros(batch, heads, nk, dtype=torch.float32, device=device)
+    key = (torch.device(device), torch.is_inference_mode_enabled())
     t = _ZERO_BIAS.get(key)
     if t is None or t.numel() < n:
         size = max(n, 4096 if t is None else 2 * t.numel())

@@ -31,6 +31,7 @@ import threading
 
 import torch
 
+from .attention_utils import tensors_keepable
 from .kernels_common import (
     DEFINED_INTERPRETED,
     HAS_TRITON,
@@ -948,14 +949,16 @@ def _decode_plan(q, v, kb, qs, b, causal, window, num_prefix_keys, normalize, qn
     return plan
 
 
-# Split-K scratch: (device, stream, thread, inference mode, B * H, Nq, Dv) -> (acc, mp, lp, erow), sized for at least
-# the split count of the call.  Reuse is safe where the launches that use one set of buffers run in order: the decode
+# Split-K scratch: (device, thread, inference mode, B * H, Nq, Dv) -> (acc, mp, lp, erow), sized for at least the
+# split count of the call.  Reuse is safe where the launches that use one set of buffers run in order: the decode
 # kernel writes every partial result the combine kernel of the same call reads (each split of each row, whatever was
 # there before), the combine reads them before the next call's decode kernel (same stream: launches run in order),
-# and the buffers never leave `distance_decode` (the output is fresh at every call).  So the key holds the stream
-# (launches on two streams may overlap) and the host thread (two threads queueing on one stream could interleave
-# their decode and combine launches); during CUDA graph capture fresh buffers are taken (a captured graph replays on
-# the addresses it recorded, which must stay its own).  Bounded in bytes: emptied when a new set would pass the limit.
+# and the buffers never leave `distance_decode` (the output is fresh at every call).  So scratch is kept only for
+# launches on the device's default stream (`tensors_keepable`: not on a stream of the caller's, whose launches may
+# overlap the default stream's, nor during CUDA graph capture, whose graph replays on the addresses it recorded, nor in
+# cudagraph trees' warm-up, whose allocations go to the trees' pool), per host thread (two threads queueing on one
+# stream could interleave their decode and combine launches).  Bounded in bytes: emptied when a new set would pass the
+# limit.
 _DECODE_SCRATCH: dict = {}
 _DECODE_SCRATCH_BYTES = [0]
 DECODE_SCRATCH_MAX_BYTES = 64 * 2**20
@@ -964,12 +967,9 @@ DECODE_SCRATCH_MAX_BYTES = 64 * 2**20
 def _decode_scratch(device, bh: int, n_split: int, nq: int, dv: int):
     """``(acc [B*H, >= n_split, Nq, Dv], mp, lp [B*H, >= n_split, Nq], erow [B*H, Nq])`` float32, reused across calls
     where that is safe (see above); the kernels address them from their base pointers with the call's split count."""
-    stream = None
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return _new_decode_scratch(device, bh, n_split, nq, dv)
-        stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else -1)
-    key = (device, stream, threading.get_ident(), torch.is_inference_mode_enabled(), bh, nq, dv)
+    if not tensors_keepable(device):  # a capture, or cudagraph trees' warm-up whose allocations go to their pool
+        return _new_decode_scratch(device, bh, n_split, nq, dv)
+    key = (device, threading.get_ident(), torch.is_inference_mode_enabled(), bh, nq, dv)
     entry = _DECODE_SCRATCH.get(key)
     if entry is not None and entry[0] >= n_split:
         return entry[1]

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from .attention_utils import per_query_param
+from .attention_utils import per_query_param, tensors_keepable
 from .kernels_launch import launch_jit
 
 try:
@@ -203,6 +203,8 @@ _CONSTANTS: dict = {}
 
 
 def _constant(shape: tuple, value: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if not tensors_keepable(device):  # (a CUDA graph's capture or pool: see attention_utils.tensors_keepable)
+        return torch.full(shape, value, device=device, dtype=dtype)
     key = (shape, float(value), str(device), dtype)
     t = _CONSTANTS.get(key)
     if t is None:

@@ -279,8 +279,12 @@ class SinusoidFrequencies(nn.Module):
 
 
 # Which RoPE implementation `apply_rotary` uses: "auto" (the fused kernel of `kernels_rotary` on CUDA, the torch
-# reference elsewhere, the Triton interpreter included: it would make every CPU model test crawl), "triton" (the
-# kernel wherever it can run, the interpreter too: what the CPU tests of the fused path set) or "torch".
+# reference elsewhere, the Triton interpreter included: it would make every CPU model test crawl; and the torch
+# reference wherever torch.compile traces, because inductor fuses those few elementwise ops with their neighbours,
+# while the custom op's Python ran at every call inside the compiled graph: 0.19 ms of host time per call, 4.5 ms of a
+# compiled d768 hybrid_sort training step's 52.8 on an H200, benchmarks/results/h200x2-2026-11-28e), "triton" (the
+# kernel wherever it can run, the interpreter and compiled graphs too: what the CPU tests of the fused path set) or
+# "torch".
 ROTARY_BACKENDS = ("auto", "triton", "torch")
 rotary_backend = "auto"
 _ROTARY_LOGGED: set = set()
@@ -293,6 +297,8 @@ def _rotary_uses_kernel(x: torch.Tensor, cos: torch.Tensor) -> bool:
         )
     if rotary_backend == "torch" or (rotary_backend == "auto" and x.device.type != "cuda"):
         use, reason = False, f"rotary_backend={rotary_backend!r} on {x.device.type}"
+    elif rotary_backend == "auto" and torch.compiler.is_compiling():
+        use, reason = False, "rotary_backend='auto' under torch.compile (inductor fuses the torch form)"
     else:
         reason = rotary_reason(x, cos)
         use = reason is None

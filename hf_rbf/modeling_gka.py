@@ -16,6 +16,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .attention_gka import gka_attention
+from .attention_utils import tensors_keepable
 from .attention_gka_approx import (
     gaussian_orthogonal_projection,
     gka_attention_random_features,
@@ -40,7 +41,7 @@ _ZERO_WIDTH: dict = {}
 def _zero_width(feats: torch.Tensor) -> torch.Tensor:
     """``feats.new_empty(*feats.shape[:-1], 0)``: what a cache stores as GKA's values (its keys are its values)."""
     shape = (*feats.shape[:-1], 0)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not tensors_keepable(feats.device):
         return feats.new_empty(shape)
     key = (shape, feats.dtype, feats.device, torch.is_inference_mode_enabled())
     t = _ZERO_WIDTH.get(key)

@@ -198,9 +198,9 @@ class ScalarSortAttention(DecoderAttention):
         layer and step again.  The kept tensor is only ever read."""
         if self.tau_proj is not None:
             return self._temperature_of(self.tau_proj(x).transpose(1, 2))
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not parameter_values_keepable():
-            return self._temperature_of(self.tau_bias.expand(self.num_heads))
         bias = self.tau_bias
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not parameter_values_keepable(bias.device):
+            return self._temperature_of(bias.expand(self.num_heads))
         state = (bias._version, bias.data_ptr(), bias.dtype, bias.device, self.num_heads, self.tau_min, self.tau_max)
         kept = self.__dict__.get("_tau_kept")
         if kept is not None and kept[0] is bias and kept[1] == state:
@@ -299,7 +299,7 @@ class ScalarSortAttention(DecoderAttention):
         :meth:`temperature`'s): a decode step reads the same sink in every step."""
         if self.sink_value is None:
             return None
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not parameter_values_keepable():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not parameter_values_keepable(device):
             return self._sink_entries(dtype, device)
         value = self.sink_value
         state = (value._version, value.data_ptr(), value.dtype, value.device, dtype, torch.device(device),

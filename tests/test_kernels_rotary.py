@@ -155,3 +155,20 @@ def test_models_with_the_fused_rope_equal_the_torch_path(family, overrides, monk
     monkeypatch.setattr(modeling_decoder, "rotary_backend", "fast")
     with pytest.raises(ValueError, match="rotary_backend must be one of"):
         model(input_ids=ids)
+
+
+def test_auto_rope_under_torch_compile_is_the_torch_form_for_inductor_to_fuse(monkeypatch):
+    """``rotary_backend="auto"`` takes the torch form wherever torch.compile traces, on CUDA too (inductor fuses it;
+    the custom op's Python ran at every call of the compiled graph); "triton" keeps the kernel there."""
+    import types
+
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(modeling_decoder, "rotary_backend", "auto")
+    assert modeling_decoder._rotary_uses_kernel(on_cuda, None) is False
+    monkeypatch.setattr(modeling_decoder, "rotary_reason", lambda x, cos: None)
+    monkeypatch.setattr(modeling_decoder, "rotary_backend", "triton")
+    assert modeling_decoder._rotary_uses_kernel(on_cuda, None) is True
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    monkeypatch.setattr(modeling_decoder, "rotary_backend", "auto")
+    assert modeling_decoder._rotary_uses_kernel(on_cuda, None) is True  # eager on CUDA: the fused kernel
