@@ -227,6 +227,12 @@ VARIANTS = {
     "rbf (1 register, SuSiE, triton_op)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
     "gka (triton_op)": ("gka", dict()),
     "hybrid_sort (1 register, triton_op)": ("hybrid_sort", dict(num_register_tokens=1)),
+    # the same through the custom ops (HF_RBF_TRITON_OP=0; the default until 2026-11-28), for the A/B from the other
+    # side now that the triton_ops are the default
+    "rbf (no registers, RoPE, custom op)": ("rbf", dict(num_register_tokens=0, position_embedding_type="rope")),
+    "rbf (1 register, SuSiE, custom op)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
+    "gka (custom op)": ("gka", dict()),
+    "hybrid_sort (1 register, custom op)": ("hybrid_sort", dict(num_register_tokens=1)),
 }
 # variant-name suffix -> the `hf_rbf.modeling_decoder` settings its steps run with (restored after each step)
 SETTING_SUFFIXES = {
@@ -240,6 +246,7 @@ SETTING_SUFFIXES = {
     # read while dynamo traces the step, which guards on it: each model keeps the value its steps run with
     # (", triton_op)" and "gka (triton_op)")
     "triton_op)": {"attention_distance_triton.TRITON_OP": True},
+    "custom op)": {"attention_distance_triton.TRITON_OP": False},
 }
 
 

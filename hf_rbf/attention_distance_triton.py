@@ -59,12 +59,18 @@ logger = logging.getLogger(__name__)
 DECODE_MAX_QUERIES = 16
 
 # While torch.compile traces: the RBF, GKA and hybrid forms through the triton_ops ``distance_fwd_t`` /
-# ``distance_bwd_t`` (True) instead of the custom op ``distance_fwd`` (False, the default).  Read by
-# :func:`distance_attention` when it is traced (dynamo guards on the value: a model compiled with one value
-# recompiles if it later runs with the other), so a benchmark can set it per model (benchmarks/profile_training.py's
-# "..., triton_op)" variants).  Ignored where the kernels run in Triton's CPU interpreter, which cannot trace a
-# triton_op (logged once).
-TRITON_OP = parse_switch(os.environ.get("HF_RBF_TRITON_OP", "0"))
+# ``distance_bwd_t`` (True, the default since 2026-11-28) instead of the custom ops ``distance_fwd`` /
+# ``distance_bwd`` (False: ``HF_RBF_TRITON_OP=0``), whose Python ran at every call inside the compiled graph.  On an
+# H200, compiled training steps with it against without (one process each, x Llama's tokens/s): d256 rbf 0.88x ->
+# 1.12x, rbf with a register and SuSiE 0.84x -> 1.15x, GKA 0.97x -> 1.09x, hybrid_sort 0.54x -> 0.66x; d768
+# hybrid_sort 0.88x -> 0.92x (benchmarks/results/h200x2-2026-11-28d and -28e); its GPU tests, the graphed register
+# steps and their FSDP2 tests pass with it.  Read by :func:`distance_attention` when it is traced (dynamo guards on
+# the value: a model compiled with one value recompiles if it later runs with the other), so a benchmark can set it
+# per model (benchmarks/profile_training.py's "..., triton_op)" and "..., custom op)" variants).  Not used where the
+# kernels run in Triton's CPU interpreter, which cannot trace a triton_op (a warning once if HF_RBF_TRITON_OP asked
+# for it).
+TRITON_OP = parse_switch(os.environ.get("HF_RBF_TRITON_OP", "1"))
+TRITON_OP_REQUESTED = "HF_RBF_TRITON_OP" in os.environ
 _TRITON_OP_IGNORED_LOGGED: list = []
 
 
@@ -259,7 +265,7 @@ def _(
     eps,
     tau_in,
 ):
-    if TRITON_OP is True and DEFINED_INTERPRETED and not _TRITON_OP_IGNORED_LOGGED:
+    if TRITON_OP is True and TRITON_OP_REQUESTED and DEFINED_INTERPRETED and not _TRITON_OP_IGNORED_LOGGED:
         # here, not in distance_attention: dynamo runs a fake implementation natively (a log call in traced code
         # would break the graph)
         _TRITON_OP_IGNORED_LOGGED.append(True)

@@ -1,4 +1,4 @@
-"""The opt-in triton_op path of the fused distance attention (``HF_RBF_TRITON_OP=1``,
+"""The triton_op path of the fused distance attention (the default; ``HF_RBF_TRITON_OP=0`` turns it off,
 ``attention_distance_triton.TRITON_OP``; docs/triton_op_plan.md, step 0 and "Then": RBF, GKA and the hybrid).
 
 While ``torch.compile`` traces, the distance op (RBF, GKA, hybrid) goes through the triton_ops ``distance_fwd_t`` /
@@ -525,11 +525,11 @@ def test_flag_on_other_forms_keep_the_custom_op():
 
 
 def test_flag_values(monkeypatch):
-    """``use_triton_op``: off by default, every form of the distance op (RBF, GKA, hybrid) with it on, never under
-    the interpreter; a bad value raises."""
+    """``use_triton_op``: on by default (where the kernels are not interpreted), every form of the distance op (RBF,
+    GKA, hybrid) with it on, never under the interpreter; a bad value raises."""
     if "HF_RBF_TRITON_OP" not in os.environ:
-        assert adt.TRITON_OP is False
-        assert adt.use_triton_op() is False
+        assert adt.TRITON_OP is True and adt.TRITON_OP_REQUESTED is False
+        assert adt.use_triton_op() is (not adt.DEFINED_INTERPRETED)
     monkeypatch.setattr(adt, "TRITON_OP", True)
     interpreted = adt.DEFINED_INTERPRETED
     assert adt.use_triton_op() is (not interpreted)
@@ -542,11 +542,13 @@ def test_flag_values(monkeypatch):
 
 @pytest.mark.skipif(not IN_PROCESS or ON_GPU, reason="the interpreter's fallback (CPU, TRITON_INTERPRET=1)")
 def test_flag_ignored_under_the_interpreter(monkeypatch, caplog):
-    """Under Triton's interpreter (which cannot trace a triton_op) the flag is ignored with one warning, and the
-    compiled forward+backward (aot_eager, through the custom op) still matches eager."""
+    """Under Triton's interpreter (which cannot trace a triton_op) the flag is ignored, with one warning where
+    HF_RBF_TRITON_OP asked for it (none at the default), and the compiled forward+backward (aot_eager, through the
+    custom op) still matches eager."""
     import logging
 
     monkeypatch.setattr(adt, "TRITON_OP", True)
+    monkeypatch.setattr(adt, "TRITON_OP_REQUESTED", True)
     monkeypatch.setattr(adt, "_TRITON_OP_IGNORED_LOGGED", [])
     gen = torch.Generator().manual_seed(3)
     t = {
@@ -570,6 +572,14 @@ def test_flag_ignored_under_the_interpreter(monkeypatch, caplog):
         check_compiled_matches_eager(loss_fn, t)
     ignored = [r for r in caplog.records if "HF_RBF_TRITON_OP" in r.getMessage()]
     assert len(ignored) == 1, [r.getMessage() for r in caplog.records]
+    # at the default (nobody asked for the triton_ops): no warning
+    monkeypatch.setattr(adt, "TRITON_OP_REQUESTED", False)
+    monkeypatch.setattr(adt, "_TRITON_OP_IGNORED_LOGGED", [])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=adt.__name__):
+        torch._dynamo.reset()
+        check_compiled_matches_eager(loss_fn, t)
+    assert not [r for r in caplog.records if "HF_RBF_TRITON_OP" in r.getMessage()]
 
 
 @pytest.mark.skipif(not IN_PROCESS or ON_GPU, reason="the interpreter's fallback (CPU, TRITON_INTERPRET=1)")
