@@ -560,10 +560,12 @@ def write_markdown(res: dict, path: Path) -> None:
                 continue
             p = r.get("profile", {})
             ratio = r["tokens_per_s"] / base if base else float("nan")
+            # (a run without a profile, e.g. --interleave without --profile-all, has no GPU busy time or launches)
+            busy = f"{p['gpu_busy_ms_per_step']:.1f}" if "gpu_busy_ms_per_step" in p else "-"
+            launches = f"{p['kernel_launches_per_step']:.0f}" if "kernel_launches_per_step" in p else "-"
             lines.append(
                 f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {ratio:.2f}x | {r['peak_gib']:.2f} | "
-                f"{r['first_step_s']:.1f} | {p.get('gpu_busy_ms_per_step', float('nan')):.1f} | "
-                f"{p.get('kernel_launches_per_step', float('nan')):.0f} |"
+                f"{r['first_step_s']:.1f} | {busy} | {launches} |"
             )
         for name, r in rows.items():
             p = r.get("profile")

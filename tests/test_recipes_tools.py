@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -280,6 +281,17 @@ def test_profile_summary_counts_kernels_not_annotation_ranges():
     assert summary["gpu_busy_ms_per_step"] == 2.0  # (3000 + 1000) us over 2 steps
     assert summary["kernel_launches_per_step"] == 2.0
     assert [e["name"] for e in summary["gpu_top"]] == ["gemm", "triton_fused"]
+
+    # the markdown: a run with a profile shows its GPU busy time and launches; one without (an --interleave run
+    # without --profile-all) shows "-" there, not "nan"
+    timed = dict(ms_per_step=10.0, tokens_per_s=1000.0, peak_gib=1.0, first_step_s=2.0)
+    res = dict(gpu="x", torch="t", triton="tr", transformers="tf", host=[], kernels=[],
+               steps={"d256": {"llama": dict(timed, profile=summary), "gka": dict(timed)}})  # fmt: skip
+    out = Path(tempfile.mkdtemp()) / "profile.md"
+    profile_training.write_markdown(res, out)
+    text = out.read_text()
+    assert "| llama | 10.0 | 1,000 | 1.00x | 1.00 | 2.0 | 2.0 | 2 |" in text
+    assert "| gka | 10.0 | 1,000 | 1.00x | 1.00 | 2.0 | - | - |" in text and "nan" not in text
 
 
 def test_diagnose_fsdp2_register_stream_runs_on_two_gloo_processes():
