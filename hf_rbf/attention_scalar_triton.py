@@ -18,14 +18,17 @@ search in a key-sorted cache, the scalar-sort paper's O(log n + k) step) belongs
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from . import attention_distance_triton as _adt
 from .attention_distance_triton import DECODE_MAX_QUERIES, distance_attention
 from .attention_utils import MaskArgs, constant_vector, tensors_keepable
-from .kernels_common import key_bias, triton_unavailable_reason
+from .kernels_common import HAS_TRITON, key_bias, triton_unavailable_reason
+from .kernels_launch import parse_switch
 from .kernels_scalar_bwd import scalar_backward
 from .kernels_scalar_fwd import scalar_forward
 
@@ -35,12 +38,22 @@ _NS = (
     else "hf_rbf_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
 )
 
+# While torch.compile traces: the scalar family through the triton_ops ``scalar_fwd_t`` / ``scalar_bwd_t`` (True)
+# instead of the custom ops ``scalar_fwd`` / ``scalar_bwd`` (False, the default), as the distance op's forms do with
+# ``attention_distance_triton.TRITON_OP``; both flags must be on (:func:`use_scalar_triton_op`).  Off by default
+# until a GPU validates it (docs/triton_op_plan.md, "Scalar as built": traced on CPU with a stub driver only).  Read
+# when dynamo traces :func:`scalar_attention_triton` (guarded: a change recompiles).
+SCALAR_TRITON_OP = parse_switch(os.environ.get("HF_RBF_SCALAR_TRITON_OP", "0"))
 
-def _forward_impl(qs, ks, v, tau, tau_value, key_log_weights, attention_mask, causal, window, num_prefix_keys):
-    """The key-bias pass and the forward kernel: ``(out, lse, kb | None)``."""
+
+def _forward_impl(
+    qs, ks, v, tau, tau_value, key_log_weights, attention_mask, causal, window, num_prefix_keys, traced=False
+):
+    """The key-bias pass and the forward kernel: ``(out, lse, kb | None)``.  ``traced``: called from the triton_op
+    ``scalar_fwd_t`` while it is traced (the launches go through ``wrap_triton``)."""
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
-    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
+    kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False, traced=traced)
     out, lse = scalar_forward(
         qs,
         ks,
@@ -50,6 +63,7 @@ def _forward_impl(qs, ks, v, tau, tau_value, key_log_weights, attention_mask, ca
         causal=causal,
         window=window,
         num_prefix_keys=num_prefix_keys,
+        traced=traced,
     )
     return out, lse, kb
 
@@ -103,11 +117,18 @@ def scalar_bwd(
     need_dtau: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = _backward_impl(dout, qs, ks, v, tau, tau_value, kb, lse, causal, window, num_prefix_keys, need_dtau)
-    # an op returns tensors: empty ones stand for the gradients that were not asked for
+    return _backward_outputs(grads, v)
+
+
+def _backward_outputs(grads, v):
+    """An op returns tensors: empty ones stand for the gradients that were not asked for (``scalar_bwd`` and
+    ``scalar_bwd_t``)."""
     return tuple(torch.empty(0, device=v.device, dtype=torch.float32) if g is None else g for g in grads)
 
 
-def _backward_impl(dout, qs, ks, v, tau, tau_value, kb, lse, causal, window, num_prefix_keys, need_dtau):
+def _backward_impl(
+    dout, qs, ks, v, tau, tau_value, kb, lse, causal, window, num_prefix_keys, need_dtau, traced=False
+):
     """The backward kernels: ``(dqs, dks, dv, dkb | None, dtau | None)`` (``kb``: None or, from the op, an empty
     tensor for none)."""
     return scalar_backward(
@@ -122,6 +143,7 @@ def _backward_impl(dout, qs, ks, v, tau, tau_value, kb, lse, causal, window, num
         window=window,
         num_prefix_keys=num_prefix_keys,
         need_dtau=need_dtau,
+        traced=traced,
     )
 
 
@@ -189,6 +211,92 @@ def _backward(ctx, dout, _dlse, _dkb):
 
 
 scalar_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+_wrapping_triton = _adt._wrapping_triton  # torch._library.triton.is_wrap_triton_enabled, or None
+
+
+if HAS_TRITON and _wrapping_triton is not None:
+
+    @torch.library.triton_op(f"{_NS}::scalar_fwd_t", mutates_args=())
+    def scalar_fwd_t(
+        qs: Tensor,
+        ks: Tensor,
+        v: Tensor,
+        tau: Optional[Tensor],
+        tau_value: float,
+        key_log_weights: Optional[Tensor],
+        attention_mask: Optional[Tensor],
+        causal: bool,
+        window: Optional[int],
+        num_prefix_keys: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``scalar_fwd`` as a triton_op (see ``SCALAR_TRITON_OP``)."""
+        out, lse, kb = _forward_impl(
+            qs,
+            ks,
+            v,
+            tau,
+            tau_value,
+            key_log_weights,
+            attention_mask,
+            causal,
+            window,
+            num_prefix_keys,
+            _wrapping_triton(),
+        )
+        kb = torch.empty(0, device=v.device, dtype=torch.float32) if kb is None else kb
+        return out, lse, kb
+
+    @torch.library.triton_op(f"{_NS}::scalar_bwd_t", mutates_args=())
+    def scalar_bwd_t(
+        dout: Tensor,
+        qs: Tensor,
+        ks: Tensor,
+        v: Tensor,
+        tau: Optional[Tensor],
+        tau_value: float,
+        kb: Tensor,
+        lse: Tensor,
+        causal: bool,
+        window: Optional[int],
+        num_prefix_keys: int,
+        need_dtau: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``scalar_bwd`` as a triton_op."""
+        grads = _backward_impl(
+            dout,
+            qs,
+            ks,
+            v,
+            tau,
+            tau_value,
+            kb,
+            lse,
+            causal,
+            window,
+            num_prefix_keys,
+            need_dtau,
+            _wrapping_triton(),
+        )
+        return _backward_outputs(grads, v)
+
+    def _backward_t(ctx, dout, _dlse, _dkb):
+        return _gradients(ctx, dout, scalar_bwd_t)
+
+    scalar_fwd_t.register_autograd(_backward_t, setup_context=_setup_context)
+
+
+def use_scalar_triton_op() -> bool:
+    """Whether :func:`scalar_attention_triton`, traced by torch.compile, calls the triton_op ``scalar_fwd_t``:
+    ``SCALAR_TRITON_OP`` and ``attention_distance_triton.TRITON_OP`` on, kernels that are not interpreted
+    (``attention_distance_triton.use_triton_op``)."""
+    if not isinstance(SCALAR_TRITON_OP, bool):
+        raise ValueError(
+            "HF_RBF_SCALAR_TRITON_OP (attention_scalar_triton.SCALAR_TRITON_OP) must be 0/1, true/false, on/off; "
+            f"got {SCALAR_TRITON_OP!r}"
+        )
+    return SCALAR_TRITON_OP and _adt.use_triton_op() and _wrapping_triton is not None
 
 
 class _ScalarFunction(torch.autograd.Function):
@@ -289,6 +397,8 @@ def scalar_attention_triton(qs, ks, v, tau, mask: MaskArgs, prefix_values=None) 
         mask.num_prefix_keys,
     )
     if torch.compiler.is_compiling():
+        if use_scalar_triton_op():
+            return scalar_fwd_t(*args)[0]
         return scalar_fwd(*args)[0]
     if needs_grad:
         return _ScalarFunction.apply(*args)

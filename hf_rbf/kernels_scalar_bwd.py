@@ -37,6 +37,7 @@ from .kernels_common import (
     n_bucket,
     padded_dim,
     planes_bucket,
+    wrap_triton,
 )
 from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, tau_args
 
@@ -497,12 +498,17 @@ if HAS_TRITON:
     )
 
 
-def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix_keys, need_dtau):
+def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix_keys, need_dtau, traced=False):
     """Gradients of :func:`kernels_scalar_fwd.scalar_forward` (``tau`` the same float or tensor).
 
     Returns ``dqs [B,H,Nq]`` (qs's dtype), ``dks [B,H,Nk]`` (ks's dtype), ``dv [B,G,Nk,Dv]`` (v's dtype), ``dkb
     [B,H,Nk]`` (fp32, ``sum_i dS_ij``; None without key bias) and ``dtau [B,H,Nq]`` (fp32, per row: the caller sums
-    it over tau's broadcast dims; None unless ``need_dtau``).
+    it over tau's broadcast dims; None unless ``need_dtau``).  ``traced``: called from the triton_op
+    ``scalar_bwd_t`` while it is traced (literal ``wrap_triton`` launches).  Written: dQ ``WORK``, ``DQS`` and
+    ``DTAU`` (only with ``NEED_DTAU``: otherwise the name is on ``work``, unwritten); dK/dV ``DV``, ``DKS`` and
+    ``DKB`` (only with ``HAS_KB``: otherwise the name is on ``dks``, unwritten), ``WORK`` only read there; ``KB`` /
+    ``TAU`` on the ``lse`` placeholder are read under ``HAS_KB`` / ``TAU_TENSOR`` alone.  So no tensor is written
+    under two names (docs/triton_op_plan.md, fix 9).
     """
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
@@ -537,9 +543,7 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
     s_do = dout.stride()[:3]
     kbt = kb if kb is not None else lse
     grid_q = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
-    launch_tuned(
-        _scalar_bwd_dq,
-        grid_q,
+    args_q = (
         qs,
         ks,
         v,
@@ -555,17 +559,17 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
         *stau,
         *s_do,
         *sizes,
-        DV=dv_dim,
-        NEED_DTAU=need_dtau,
-        **common,
     )
+    kwargs_q = dict(DV=dv_dim, NEED_DTAU=need_dtau, **common)
+    if traced:
+        wrap_triton(_scalar_bwd_dq)[grid_q](*args_q, **kwargs_q)
+    else:
+        launch_tuned(_scalar_bwd_dq, grid_q, *args_q, **kwargs_q)
     grid_kv = lambda meta: (  # noqa: E731
         triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
         bsz * groups,
     )
-    launch_tuned(
-        _scalar_bwd_dkv,
-        grid_kv,
+    args_kv = (
         qs,
         ks,
         v,
@@ -581,7 +585,10 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
         *s_do,
         *dv.stride()[:3],
         *sizes,
-        DV_=dv_dim,
-        **common,
     )
+    kwargs_kv = dict(DV_=dv_dim, **common)
+    if traced:
+        wrap_triton(_scalar_bwd_dkv)[grid_kv](*args_kv, **kwargs_kv)
+    else:
+        launch_tuned(_scalar_bwd_dkv, grid_kv, *args_kv, **kwargs_kv)
     return dqs, dks, dv, dkb, dtau

@@ -32,6 +32,7 @@ from .kernels_common import (
     padded_dim,
     planes_bucket,
     shared_memory_fits,
+    wrap_triton,
 )
 
 if HAS_TRITON:
@@ -368,12 +369,14 @@ def tau_args(tau, bsz: int, heads: int, nq: int, dummy):
     return dummy, 1.0 / float(tau), (0, 0, 0), False
 
 
-def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys):
+def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys, traced=False):
     """Launch the scalar forward.  ``qs [B,H,Nq]``, ``ks [B,H,Nk]`` (any strides), ``v [B,G,Nk,Dv]`` (last dim
     contiguous), ``kb``: key bias ``[B,H,Nk]`` fp32 or None, ``tau``: a positive float or a ``[B|1,H|1,Nq|1]`` tensor
-    (the kernel takes ``beta = 1 / tau`` itself).
+    (the kernel takes ``beta = 1 / tau`` itself).  ``traced``: called from the triton_op ``scalar_fwd_t`` while it
+    is traced (the launch goes through a literal ``wrap_triton``, Inductor launches the kernel).
 
-    Returns ``(out [B,H,Nq,Dv] in v's dtype, lse [B,H,Nq] fp32)``.
+    Returns ``(out [B,H,Nq,Dv] in v's dtype, lse [B,H,Nq] fp32)``.  Written: ``OUT``, ``LSE`` only (``KB`` / ``TAU``
+    on the ``lse`` placeholder are read under ``HAS_KB`` / ``TAU_TENSOR`` alone).
     """
     bsz, heads, nq = qs.shape
     nk = ks.shape[2]
@@ -385,9 +388,7 @@ def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys):
         return out, lse
     tau_t, beta_value, stau, tau_tensor = tau_args(tau, bsz, heads, nq, lse)
     grid = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
-    launch_tuned(
-        _scalar_fwd,
-        grid,
+    args = (
         qs,
         ks,
         v,
@@ -414,6 +415,8 @@ def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys):
         n_bucket(max(nq, nk)),
         planes_bucket(bsz * heads),
         requested_heads_per_program(),
+    )
+    kwargs = dict(
         DV=dv,
         DV_PAD=padded_dim(dv),
         CAUSAL=causal,
@@ -422,4 +425,8 @@ def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys):
         TAU_TENSOR=tau_tensor,
         DOT_PREC=dot_precision(v.dtype),
     )
+    if traced:
+        wrap_triton(_scalar_fwd)[grid](*args, **kwargs)
+    else:
+        launch_tuned(_scalar_fwd, grid, *args, **kwargs)
     return out, lse
