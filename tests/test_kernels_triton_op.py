@@ -16,6 +16,10 @@ Inductor launches from its generated code.  Neither Triton's CPU interpreter nor
   RBF attention forward+backward with the flag on still matches eager;
 * ``gpu``-marked: Inductor compiles RBF, GKA and hybrid forwards+backwards with the flag on, and they match the
   float64 reference.
+
+The scalar family (``scalar_fwd_t`` / ``scalar_bwd_t``, its own kernels) takes the same path only with
+``attention_scalar_triton.SCALAR_TRITON_OP`` on as well (``HF_RBF_SCALAR_TRITON_OP=1``; off by default until its
+``gpu``-marked test has passed on a GPU); the child turns it on unless a spec says ``scalar_flag=False``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ OUTPUT_PARAMS = {
     "_key_bias_kernel": {"KB", "KN"},
     "_distance_bwd_dq_kernel": {"WORK", "DQ", "DQS", "DBETA"},
     "_distance_bwd_dkdv_kernel": {"WORK", "DK", "DV", "DKB", "DKS", "DPK", "DPV"},
+    "_scalar_fwd_kernel": {"OUT", "LSE"},
+    "_scalar_bwd_dq_kernel": {"WORK", "DQS", "DTAU"},
+    "_scalar_bwd_dkv_kernel": {"DV", "DKS", "DKB"},
 }
 # Every other node of the traced graphs: allocations, the HOPs' output unpacking, and the torch ops of the adapter,
 # the loss and the gradient reductions.  No clone / copy: a graph input copied for a kernel would show up as one.
@@ -67,6 +74,7 @@ OTHER_OPS = {
     "exp",  # GKA's adapter: 1 / (2 sigma^2) from log sigma
     "add",  # GKA's backward: x's gradient as query plus as key (and value)
     "full",  # the hybrid's fixed temperature (a constant vector)
+    "cat",  # the scalar family's separate prefix values, in front of v (as in eager: scalar_attention_triton)
 }
 
 # (id, spec): the rbf forms traced in the child.  n 256: above SMALL_N_BUCKET, so the autotuner keeps several configs.
@@ -90,6 +98,18 @@ HYBRID_CASES = [
     ("hybrid-fixed-tau-window", dict(form="hybrid", d=32, dtype="float32", causal=False, window=100)),
     ("hybrid-register-padding", dict(form="hybrid", d=64, dtype="bfloat16", causal=True, tau="head", registers=1,
                                      padding=True)),  # fmt: skip
+]
+# (id, spec): the scalar family (its own kernels, scalar_fwd_t / scalar_bwd_t; SCALAR_TRITON_OP on in the child
+# unless the spec says otherwise).  tau: "head" (learnable [H]), "token" (learnable [B, H, N]) or "float" (fixed);
+# groups: value groups (G < H: grouped values); registers: separate prefix values (in front of v, num_prefix_keys)
+SCALAR_CASES = [
+    ("scalar-causal-d64-bf16", dict(form="scalar", d=64, dtype="bfloat16", causal=True, tau="head")),
+    ("scalar-window-grouped-f32", dict(form="scalar", d=32, dtype="float32", causal=False, window=100, groups=2,
+                                       tau="token")),  # fmt: skip
+    ("scalar-register-susie-fixed-tau", dict(form="scalar", d=64, dtype="bfloat16", causal=True, registers=1,
+                                             susie=True, tau="float")),  # fmt: skip
+    ("scalar-causal-window-padding-grouped", dict(form="scalar", d=128, dtype="bfloat16", causal=True, window=64,
+                                                  groups=1, padding=True, tau="head")),  # fmt: skip
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,11 +175,12 @@ def _child(spec: dict) -> dict:
 
     assert not kernels_common.DEFINED_INTERPRETED
     adt.TRITON_OP = spec.get("flag", True)
+    from hf_rbf import attention_scalar_triton
+
+    attention_scalar_triton.SCALAR_TRITON_OP = spec.get("scalar_flag", spec.get("flag", True))
     # the public functions' triton backends refuse CPU tensors without the interpreter: let the trace through
     for module in (attention_rbf, attention_gka, attention_hybrid):
         module.distance_reason = lambda *args, **kwargs: None
-    from hf_rbf import attention_scalar_triton
-
     attention_scalar_triton.triton_unavailable_reason = lambda *args, **kwargs: None
 
     if spec.get("break_analysis"):
@@ -205,8 +226,16 @@ def _child(spec: dict) -> dict:
             t["prefix_features"] = leaf(1, h, r, d)
     elif r:
         t["prefix_keys"], t["prefix_values"] = leaf(1, h, r, d), leaf(1, h, r, d)
-    if form == "scalar":  # the scalar family (its own kernels and custom ops)
-        t = {"qs": leaf(b, h, n), "ks": leaf(b, h, n), "v": leaf(b, h, n, d), "tau": leaf(h, dt=torch.float32)}
+    if form == "scalar":  # the scalar family (its own kernels and ops): grouped values, the keys cover the registers
+        g = spec.get("groups", h)
+        t = {"qs": leaf(b, h, n), "ks": leaf(b, h, r + n), "v": leaf(b, g, n, d)}
+        if r:
+            t["prefix_values"] = leaf(1, g, r, d)
+        tau_kind = spec.get("tau", "head")
+        if tau_kind != "float":
+            t["tau"] = leaf(h, dt=torch.float32) if tau_kind == "head" else leaf(b, h, n, dt=torch.float32)
+            with torch.no_grad():
+                t["tau"].abs_().add_(0.5)
     if form == "hybrid":  # the scalar term: scalar queries / keys (the keys cover the registers), per-head scale
         t.update(qs=leaf(b, h, n), ks=leaf(b, h, r + n), scale=leaf(h, dt=torch.float32))
         if spec.get("tau") == "head":  # a learnable temperature per head, with its gradient
@@ -227,7 +256,11 @@ def _child(spec: dict) -> dict:
                 attention_mask=mask, backend="triton",
             )  # fmt: skip
         elif form == "scalar":
-            out = hf_rbf.scalar_attention(t["qs"], t["ks"], t["v"], t["tau"], causal=spec["causal"], backend="triton")
+            out = hf_rbf.scalar_attention(
+                t["qs"], t["ks"], t["v"], t.get("tau", 0.8), causal=spec["causal"], window=spec.get("window"),
+                key_log_weights=t.get("key_log_weights"), attention_mask=mask, num_prefix_keys=r,
+                prefix_values=t.get("prefix_values"), backend="triton",
+            )  # fmt: skip
         elif form == "hybrid":
             out = hf_rbf.hybrid_attention(
                 t["q"], t["k"], t["v"], t["qs"], t["ks"], t.get("tau", 0.8), scale=t["scale"], causal=spec["causal"],
@@ -267,6 +300,7 @@ def _child(spec: dict) -> dict:
             "rbf": dict(num_register_tokens=1, position_embedding_type="susie"),
             "gka": dict(),
             "hybrid_sort": dict(num_register_tokens=1),
+            "scalar_sort": dict(num_register_tokens=1),
         }[model_type]
         config = AutoConfig.for_model(
             model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -319,7 +353,7 @@ def _child(spec: dict) -> dict:
         return nodes
 
     ops = {name: [kernel_name(k) for k in kernels] for name, kernels in triton_ops_to_kernels.items()
-           if name.startswith(adt._NS + "::")}  # fmt: skip
+           if name.startswith((adt._NS + "::", attention_scalar_triton._NS + "::"))}  # fmt: skip
     return {
         "error": error,
         "fw": describe(captured.get("fw")),
@@ -457,11 +491,40 @@ def test_traced_graphs_launch_the_kernels_gka_hybrid(spec):
     assert set(kernels[f"{adt._NS}::distance_bwd_t"]) == {"_distance_bwd_dq_kernel", "_distance_bwd_dkdv_kernel"}
 
 
-def test_a_failed_mutation_analysis_is_seen():
+@pytest.mark.parametrize("spec", [c[1] for c in SCALAR_CASES], ids=[c[0] for c in SCALAR_CASES])
+def test_traced_graphs_launch_the_kernels_scalar(spec):
+    """Flags on (``SCALAR_TRITON_OP`` and ``TRITON_OP``), stub driver, the scalar family: the forward graph launches
+    ``[_key_bias_kernel,] _scalar_fwd_kernel`` (the pass for key log-weights / padding), the backward
+    ``_scalar_bwd_dq_kernel, _scalar_bwd_dkv_kernel``, as triton_kernel_wrapper_functional nodes, the mutation
+    analysis succeeded (no fallback warning), and each clones exactly its fresh outputs (docs/triton_op_plan.md, fix
+    9: the placeholders ``KB`` / ``TAU`` = ``lse``, ``DTAU`` = ``work`` without a learnable tau, ``DKB`` = ``dks``
+    without key bias are constexpr-dead names, neither written nor cloned)."""
+    res = run_child(spec)
+    assert res["error"] is None, res["error"]
+    assert not res["messages"], res["messages"]
+    key_bias = bool(spec.get("susie") or spec.get("padding"))
+    _check_graph(res["fw"], (["_key_bias_kernel"] if key_bias else []) + ["_scalar_fwd_kernel"], "forward")
+    _check_graph(res["bw"], ["_scalar_bwd_dq_kernel", "_scalar_bwd_dkv_kernel"], "backward")
+    fwd = [n for n in res["fw"] if n.get("kernel") == "_scalar_fwd_kernel"][0]
+    assert set(fwd["clone"]) == {"OUT", "LSE"}, fwd
+    assert fwd["constants"]["HAS_KB"] is key_bias, fwd
+    for n in _hops(res["fw"]) + _hops(res["bw"]):
+        assert n["configs"], n  # autotuned launches (our configs, pruned), not a bare JITFunction
+    dq, dkv = _hops(res["bw"])
+    learnable_tau = spec.get("tau", "head") != "float"
+    assert set(dq["clone"]) == {"WORK", "DQS"} | ({"DTAU"} if learnable_tau else set()), dq
+    assert set(dkv["clone"]) == {"DV", "DKS"} | ({"DKB"} if key_bias else set()), dkv  # WORK: only read there
+    kernels = res["op_kernels"]
+    assert set(kernels[f"{adt._NS}::scalar_fwd_t"]) == {"_scalar_fwd_kernel", "_key_bias_kernel"}, kernels
+    assert set(kernels[f"{adt._NS}::scalar_bwd_t"]) == {"_scalar_bwd_dq_kernel", "_scalar_bwd_dkv_kernel"}, kernels
+
+
+@pytest.mark.parametrize("spec", [TRACE_CASES[0][1], SCALAR_CASES[0][1]], ids=["rbf", "scalar"])
+def test_a_failed_mutation_analysis_is_seen(spec):
     """The negative control of the checks above: where the TTIR analysis fails, the child sees torch's "assuming
     every input is mutated" warning (and the compile fails in the partitioner: functionalization clones every
     kernel argument then, outputs of the op's inputs included), so its absence above means the analysis succeeded."""
-    res = run_child(dict(TRACE_CASES[0][1], break_analysis=True))
+    res = run_child(dict(spec, break_analysis=True))
     assert any("assuming every input is mutated" in m for m in res["messages"]), res
     assert res["error"] is not None, res
 
@@ -511,17 +574,45 @@ def test_flag_off_keeps_the_custom_op():
         assert [n["op"] for n in res[where] if n["op"].startswith(adt._NS + "::")] == [f"{adt._NS}::{op}"], res[where]
 
 
-def test_flag_on_other_forms_keep_the_custom_op():
-    """Flag on: the scalar family (its own kernels, not the distance op) keeps its custom ops scalar_fwd /
-    scalar_bwd (the triton_op path covers the distance op's RBF, GKA and hybrid forms only)."""
+@pytest.mark.parametrize("flags", [dict(scalar_flag=False), dict(flag=False, scalar_flag=True)],
+                         ids=["scalar-flag-off", "triton-op-off"])  # fmt: skip
+def test_scalar_flag_off_keeps_the_custom_op(flags):
+    """The scalar family keeps its custom ops scalar_fwd / scalar_bwd unless both ``SCALAR_TRITON_OP`` (off by
+    default: not yet run on a GPU) and ``TRITON_OP`` are on."""
     from hf_rbf import attention_scalar_triton
 
     ns = attention_scalar_triton._NS
-    res = run_child(dict(d=64, dtype="bfloat16", causal=True, form="scalar"))
+    res = run_child(dict(SCALAR_CASES[0][1], **flags))
     assert res["error"] is None, res["error"]
     assert not _hops(res["fw"]) and not _hops(res["bw"])
     for where, op in (("fw", "scalar_fwd"), ("bw", "scalar_bwd")):
         assert [n["op"] for n in res[where] if n["op"].startswith(ns + "::")] == [f"{ns}::{op}"], res[where]
+
+
+def test_model_graph_launches_the_kernels_scalar_sort():
+    """A small scalar_sort model with 1 register (the profile's "scalar_sort (1 register)"), compiled whole: with
+    both flags on its graphs launch each layer's scalar forward, dQ and dK/dV kernels instead of the custom ops
+    (the register's values concatenated in front of v, as in eager), each cloning only fresh outputs; with
+    ``SCALAR_TRITON_OP`` off (the default) they call the custom ops."""
+    from hf_rbf import attention_scalar_triton
+
+    ns = attention_scalar_triton._NS
+    on = run_child(dict(TRACE_CASES[0][1], model="scalar_sort"))
+    off = run_child(dict(TRACE_CASES[0][1], model="scalar_sort", scalar_flag=False))
+    for res in (on, off):
+        assert res["error"] is None, res["error"]
+        assert not res["messages"], res["messages"]
+    fw_kernels = [n["kernel"] for n in _hops(on["fw"])]
+    assert [k for k in fw_kernels if k != "_key_bias_kernel"] == ["_scalar_fwd_kernel"] * 2, on["fw"]
+    assert [n["kernel"] for n in _hops(on["bw"])] == ["_scalar_bwd_dq_kernel", "_scalar_bwd_dkv_kernel"] * 2
+    for n in _hops(on["fw"]) + _hops(on["bw"]):
+        assert set(n["clone"]) <= OUTPUT_PARAMS[n["kernel"]], n
+        assert all(not src.startswith("placeholder") for src in n["clone_sources"].values()), n
+    for where in ("fw", "bw"):
+        assert not [n["op"] for n in on[where] if n["op"].startswith(ns + "::")], on[where]
+        assert not _hops(off[where]), off[where]
+        ours = [n["op"] for n in off[where] if n["op"].startswith(ns + "::")]
+        assert ours == [f"{ns}::scalar_{'fwd' if where == 'fw' else 'bwd'}"] * 2, ours
 
 
 def test_flag_values(monkeypatch):
@@ -538,6 +629,23 @@ def test_flag_values(monkeypatch):
     monkeypatch.setattr(adt, "TRITON_OP", "maybe")
     with pytest.raises(ValueError, match="HF_RBF_TRITON_OP"):
         adt.use_triton_op()
+
+
+def test_scalar_flag_values(monkeypatch):
+    """``use_scalar_triton_op``: off by default (``HF_RBF_SCALAR_TRITON_OP``); on only with ``TRITON_OP`` on too and
+    the kernels not interpreted; a bad value raises."""
+    from hf_rbf import attention_scalar_triton as ast
+
+    if "HF_RBF_SCALAR_TRITON_OP" not in os.environ:
+        assert ast.SCALAR_TRITON_OP is False and ast.use_scalar_triton_op() is False
+    monkeypatch.setattr(ast, "SCALAR_TRITON_OP", True)
+    monkeypatch.setattr(adt, "TRITON_OP", True)
+    assert ast.use_scalar_triton_op() is (not adt.DEFINED_INTERPRETED)
+    monkeypatch.setattr(adt, "TRITON_OP", False)
+    assert ast.use_scalar_triton_op() is False
+    monkeypatch.setattr(ast, "SCALAR_TRITON_OP", "maybe")
+    with pytest.raises(ValueError, match="HF_RBF_SCALAR_TRITON_OP"):
+        ast.use_scalar_triton_op()
 
 
 @pytest.mark.skipif(not IN_PROCESS or ON_GPU, reason="the interpreter's fallback (CPU, TRITON_INTERPRET=1)")
@@ -714,8 +822,10 @@ def _compiled_case_errors(case, device: str, backend: str) -> dict:
     if backend == "inductor":
         out, codes = run_and_get_code(step)
         code = "\n".join(codes)
-        assert "_distance_fwd_kernel" in code and "_distance_bwd_dkdv_kernel" in code, code[:4000]
-        assert "distance_fwd.default" not in code and "distance_bwd.default" not in code
+        op = "scalar" if case.family == "scalar" else "distance"
+        dkv = "_scalar_bwd_dkv_kernel" if op == "scalar" else "_distance_bwd_dkdv_kernel"
+        assert f"_{op}_fwd_kernel" in code and dkv in code, code[:4000]
+        assert f"{op}_fwd.default" not in code and f"{op}_bwd.default" not in code
     else:
         out = step()
     torch._dynamo.reset()
@@ -766,8 +876,47 @@ def test_compiled_triton_op_gka_hybrid_on_gpu(case, monkeypatch):
     assert not bad, (case.name, bad, errors)
 
 
+def _scalar_gpu_cases():
+    """Scalar cases at training shapes: causal, windows, in-sequence prefix keys, padding, key log-weights, grouped
+    values, temperatures per head, per token and fixed; bfloat16 and float32."""
+    import kernel_checks as kc
+    from dataclasses import replace
+
+    sc = kc.Case("scalar", dtype=torch.bfloat16, b=2, h=8, nq=1024, nk=1024, d=64, dv=64)
+    return [
+        sc,  # tau per head, learnable
+        replace(sc, groups=4, tau="token", window=300, prefix=2, klw="bh", seed=1),
+        replace(sc, tau="float", dv=128, nq=1023, nk=1023, pad=37, causal=False, seed=2),
+        replace(sc, dtype=torch.float32, groups=2, dv=32, window=100, klw="b", seed=3),
+    ]
+
+
+if __name__ != "__main__":
+    try:
+        SCALAR_GPU_CASES = _scalar_gpu_cases()
+    except Exception:  # noqa: BLE001 (kernel_checks not importable: the parametrisation below is empty)
+        SCALAR_GPU_CASES = []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("case", SCALAR_GPU_CASES, ids=lambda c: c.name)
+def test_compiled_triton_op_scalar_on_gpu(case, monkeypatch):
+    """Both flags on (``SCALAR_TRITON_OP``, ``TRITON_OP``), Inductor: compiled scalar forward+backward launch the
+    scalar kernels from Inductor's generated code (not the custom ops) and match the float64 naive reference,
+    output and every gradient (qs, ks, v, tau, the key log-weights).  Not yet run on a GPU (docs/triton_op_plan.md,
+    "Scalar as built"): its result decides whether ``SCALAR_TRITON_OP`` can default on."""
+    from hf_rbf import attention_scalar_triton as ast
+
+    monkeypatch.setattr(adt, "TRITON_OP", True)
+    monkeypatch.setattr(ast, "SCALAR_TRITON_OP", True)
+    errors = _compiled_case_errors(case, "cuda", "inductor")
+    bad = {name: e for name, e in errors.items() if not e[0] <= e[1]}
+    assert not bad, (case.name, bad, errors)
+
+
 @pytest.mark.skipif(not IN_PROCESS or ON_GPU, reason="the interpreter's fallback (CPU, TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("family", ["gka", "hybrid"])
+@pytest.mark.parametrize("family", ["gka", "hybrid", "scalar"])
 def test_compiled_case_check_in_the_interpreter(family, monkeypatch):
     """The GPU test's comparison itself, at a small shape under the interpreter (aot_eager, the flag ignored there):
     every gradient of the case is compared, and within kernel_checks' float32 tolerances."""
@@ -775,9 +924,16 @@ def test_compiled_case_check_in_the_interpreter(family, monkeypatch):
 
     monkeypatch.setattr(adt, "TRITON_OP", True)
     monkeypatch.setattr(adt, "_TRITON_OP_IGNORED_LOGGED", [True])
+    from hf_rbf import attention_scalar_triton as ast
+
+    monkeypatch.setattr(ast, "SCALAR_TRITON_OP", True)  # (ignored there too: use_triton_op is False)
     case = kc.Case(family, nq=29, nk=29, d=16, dv=16, window=9, prefix=2, klw="bh")
     errors = _compiled_case_errors(case, "cpu", "aot_eager")
-    expected = {"gka": {"out", "dx", "dlog_sigma"}, "hybrid": {"out", "dq", "dk", "dv", "dqs", "dks", "dtau", "dscale"}}
+    expected = {
+        "gka": {"out", "dx", "dlog_sigma"},
+        "hybrid": {"out", "dq", "dk", "dv", "dqs", "dks", "dtau", "dscale"},
+        "scalar": {"out", "dqs", "dks", "dv", "dtau"},
+    }
     assert expected[family] | {"dkey_log_weights"} == set(errors), errors
     bad = {name: e for name, e in errors.items() if not e[0] <= e[1]}
     assert not bad, errors
