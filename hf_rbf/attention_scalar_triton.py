@@ -13,6 +13,12 @@ programs, so one query row fills the GPU at any cache length, where this family'
 one program that walks every key (0.16 ms at 1K keys, 42 ms at 1M on an H200).  The sorted-window decode (binary
 search in a key-sorted cache, the scalar-sort paper's O(log n + k) step) belongs to the sorted-cache data structure
 (``cache_sorted_scalar.py``, ``kernels_sorted_decode.py``).
+
+``scalar_fwd_t`` / ``scalar_bwd_t``: the same forward and backward as ``torch.library.triton_op``s (their launches
+go through ``wrap_triton``, so Inductor launches the kernels from its generated code), used instead of
+``scalar_fwd`` only while ``torch.compile`` traces and only with ``SCALAR_TRITON_OP`` on (``HF_RBF_SCALAR_TRITON_OP=1``,
+off by default until a GPU validates it) and ``attention_distance_triton.TRITON_OP`` on (docs/triton_op_plan.md,
+"Scalar as built").  Eager calls never go through them.
 """
 
 from __future__ import annotations
