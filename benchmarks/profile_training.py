@@ -233,10 +233,9 @@ VARIANTS = {
     "rbf (1 register, SuSiE, custom op)": ("rbf", dict(num_register_tokens=1, position_embedding_type="susie")),
     "gka (custom op)": ("gka", dict()),
     "hybrid_sort (1 register, custom op)": ("hybrid_sort", dict(num_register_tokens=1)),
-    # the scalar family through its custom ops scalar_fwd / scalar_bwd (also the default while
-    # `attention_scalar_triton.SCALAR_TRITON_OP` is off): the A/B against "scalar_sort (1 register)" run with
-    # HF_RBF_SCALAR_TRITON_OP=1, or against "scalar_sort (1 register, triton_op)" (docs/triton_op_plan.md, "Scalar as
-    # built")
+    # the scalar family through its custom ops scalar_fwd / scalar_bwd (HF_RBF_SCALAR_TRITON_OP=0; the default until
+    # session 25) against its triton_ops (the default since: "scalar_sort (1 register)" is the same as
+    # "scalar_sort (1 register, triton_op)"; docs/triton_op_plan.md, "Scalar as built")
     "scalar_sort (1 register, custom op)": ("scalar_sort", dict(num_register_tokens=1)),
     "scalar_sort (1 register, triton_op)": ("scalar_sort", dict(num_register_tokens=1)),
 }
@@ -251,7 +250,7 @@ SETTING_SUFFIXES = {
     "triton launch path)": {"kernels_launch.DIRECT_LAUNCH": False},
     # read while dynamo traces the step, which guards on it: each model keeps the value its steps run with
     # (", triton_op)" and "gka (triton_op)")
-    # (the scalar family's own flag with it: attention_scalar_triton.SCALAR_TRITON_OP, off by default)
+    # (the scalar family's own flag with it: attention_scalar_triton.SCALAR_TRITON_OP, on by default since session 25)
     "triton_op)": {"attention_distance_triton.TRITON_OP": True, "attention_scalar_triton.SCALAR_TRITON_OP": True},
     "custom op)": {"attention_distance_triton.TRITON_OP": False, "attention_scalar_triton.SCALAR_TRITON_OP": False},
 }

@@ -26,7 +26,7 @@ Each has a fake (meta) implementation, so ``torch.compile`` traces through them.
 
 ``distance_fwd_t`` / ``distance_bwd_t``: the same forward and backward as ``torch.library.triton_op``s, used instead
 of ``distance_fwd`` only while ``torch.compile`` traces, for all three forms (RBF, GKA, hybrid), and only
-with ``TRITON_OP`` on (``HF_RBF_TRITON_OP=1``; off by default).  AOTAutograd then decomposes them into their kernel
+with ``TRITON_OP`` on (``HF_RBF_TRITON_OP``, default ``1``; ``0`` keeps the custom ops).  AOTAutograd then decomposes them into their kernel
 launches (``triton_kernel_wrapper_functional``) and Inductor launches the kernels from its generated code, instead
 of calling this module's Python at every step (docs/triton_op_plan.md, step 0).  Eager calls never go through them.
 """

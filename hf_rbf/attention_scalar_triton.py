@@ -16,8 +16,8 @@ search in a key-sorted cache, the scalar-sort paper's O(log n + k) step) belongs
 
 ``scalar_fwd_t`` / ``scalar_bwd_t``: the same forward and backward as ``torch.library.triton_op``s (their launches
 go through ``wrap_triton``, so Inductor launches the kernels from its generated code), used instead of
-``scalar_fwd`` only while ``torch.compile`` traces and only with ``SCALAR_TRITON_OP`` on (``HF_RBF_SCALAR_TRITON_OP=1``,
-off by default until a GPU validates it) and ``attention_distance_triton.TRITON_OP`` on (docs/triton_op_plan.md,
+``scalar_fwd`` only while ``torch.compile`` traces and only with ``SCALAR_TRITON_OP`` on (``HF_RBF_SCALAR_TRITON_OP``,
+default ``1``; ``0`` keeps the custom ops) and ``attention_distance_triton.TRITON_OP`` on (docs/triton_op_plan.md,
 "Scalar as built").  Eager calls never go through them.
 """
 
@@ -45,11 +45,13 @@ _NS = (
 )
 
 # While torch.compile traces: the scalar family through the triton_ops ``scalar_fwd_t`` / ``scalar_bwd_t`` (True)
-# instead of the custom ops ``scalar_fwd`` / ``scalar_bwd`` (False, the default), as the distance op's forms do with
-# ``attention_distance_triton.TRITON_OP``; both flags must be on (:func:`use_scalar_triton_op`).  Off by default
-# until a GPU validates it (docs/triton_op_plan.md, "Scalar as built": traced on CPU with a stub driver only).  Read
-# when dynamo traces :func:`scalar_attention_triton` (guarded: a change recompiles).
-SCALAR_TRITON_OP = parse_switch(os.environ.get("HF_RBF_SCALAR_TRITON_OP", "0"))
+# (the default) instead of the custom ops ``scalar_fwd`` / ``scalar_bwd`` (False, ``HF_RBF_SCALAR_TRITON_OP=0``), as
+# the distance op's forms do with ``attention_distance_triton.TRITON_OP``; both flags must be on
+# (:func:`use_scalar_triton_op`).  On by default since GPU session 25 (2026-11-28, H200): the GPU tests passed (14 of
+# 14) and compiled scalar_sort (1 register) trained at 1.22x Llama at d256 (custom ops 0.85x) and 1.28x at d768
+# (1.04x) in the same processes (benchmarks/results/h200x2-2026-11-28f/README.md).  Read when dynamo traces
+# :func:`scalar_attention_triton` (guarded: a change recompiles).
+SCALAR_TRITON_OP = parse_switch(os.environ.get("HF_RBF_SCALAR_TRITON_OP", "1"))
 
 
 def _forward_impl(

@@ -18,8 +18,8 @@ Inductor launches from its generated code.  Neither Triton's CPU interpreter nor
   float64 reference.
 
 The scalar family (``scalar_fwd_t`` / ``scalar_bwd_t``, its own kernels) takes the same path only with
-``attention_scalar_triton.SCALAR_TRITON_OP`` on as well (``HF_RBF_SCALAR_TRITON_OP=1``; off by default until its
-``gpu``-marked test has passed on a GPU); the child turns it on unless a spec says ``scalar_flag=False``.
+``attention_scalar_triton.SCALAR_TRITON_OP`` on as well (``HF_RBF_SCALAR_TRITON_OP``, on by default since its
+``gpu``-marked test passed on an H200); the child turns it on unless a spec says ``scalar_flag=False``.
 """
 
 from __future__ import annotations
@@ -577,8 +577,8 @@ def test_flag_off_keeps_the_custom_op():
 @pytest.mark.parametrize("flags", [dict(scalar_flag=False), dict(flag=False, scalar_flag=True)],
                          ids=["scalar-flag-off", "triton-op-off"])  # fmt: skip
 def test_scalar_flag_off_keeps_the_custom_op(flags):
-    """The scalar family keeps its custom ops scalar_fwd / scalar_bwd unless both ``SCALAR_TRITON_OP`` (off by
-    default: not yet run on a GPU) and ``TRITON_OP`` are on."""
+    """The scalar family keeps its custom ops scalar_fwd / scalar_bwd unless both ``SCALAR_TRITON_OP`` (on by
+    default, ``HF_RBF_SCALAR_TRITON_OP=0`` turns it off) and ``TRITON_OP`` are on."""
     from hf_rbf import attention_scalar_triton
 
     ns = attention_scalar_triton._NS
@@ -632,12 +632,13 @@ def test_flag_values(monkeypatch):
 
 
 def test_scalar_flag_values(monkeypatch):
-    """``use_scalar_triton_op``: off by default (``HF_RBF_SCALAR_TRITON_OP``); on only with ``TRITON_OP`` on too and
+    """``use_scalar_triton_op``: on by default (``HF_RBF_SCALAR_TRITON_OP``); on only with ``TRITON_OP`` on too and
     the kernels not interpreted; a bad value raises."""
     from hf_rbf import attention_scalar_triton as ast
 
     if "HF_RBF_SCALAR_TRITON_OP" not in os.environ:
-        assert ast.SCALAR_TRITON_OP is False and ast.use_scalar_triton_op() is False
+        assert ast.SCALAR_TRITON_OP is True
+        assert ast.use_scalar_triton_op() is (adt.use_triton_op() and ast._wrapping_triton is not None)
     monkeypatch.setattr(ast, "SCALAR_TRITON_OP", True)
     monkeypatch.setattr(adt, "TRITON_OP", True)
     assert ast.use_scalar_triton_op() is (not adt.DEFINED_INTERPRETED)
