@@ -198,6 +198,32 @@ def _few_rows_in_eval(x: torch.Tensor, linears) -> bool:
     return rows <= SEPARATE_PROJECTION_MAX_ROWS
 
 
+# While torch.compile traces a decode step (`_few_rows_in_eval`), projections with at most this many outputs (hidden ->
+# heads: the scalar queries and keys, a per-token temperature) are computed together as one multiply-and-sum that
+# Inductor turns into a single reduction kernel, instead of a GEMM each.
+SMALL_PROJECTION_MAX_OUT = 64
+
+
+def _small_projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """``tuple(F.linear(x, m.weight, m.bias) for m in linears)`` as one multiply-and-sum over the modules'
+    concatenated weights, accumulated in float32 like the GEMMs, in ``F.linear``'s dtype (the autocast dtype under
+    autocast).  For torch.compile only (:func:`project_together`'s decode-step branch): Inductor fuses the weights'
+    ``cat`` into the loads of one reduction kernel.
+
+    Why: cuBLAS runs a ``hidden -> heads`` GEMM of one row as a gemv of two kernels (``dot_kernel`` and
+    ``reduce_1Block_kernel``); in the static-cache decode step of a d768 L12 scalar_sort model on an H200 the two
+    scalar projections of each layer took 82 us of the 663 us of GPU time per token, about 3.4 us per projection
+    (benchmarks/results/h200x2-2026-11-28f/README.md, call 1)."""
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    weight = torch.cat([m.weight for m in linears]).to(dtype)
+    out = (x.to(dtype).unsqueeze(-2).float() * weight.float()).sum(-1)
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
+        out = out + bias.to(dtype).float()
+    return out.to(dtype).split([m.out_features for m in linears], dim=-1)
+
+
 def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in linears)``, computed as one GEMM over the modules' concatenated weights when every one is
     a plain ``nn.Linear`` (see ``_plain_linear``); otherwise every module is called, so that wrapped or hooked modules
@@ -217,7 +243,8 @@ def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     kernels took 95 us per generated token, a tenth of its GPU time (benchmarks/results/h100-2026-11-27p/
     diagnose-512k-b); their time matches these copies (6.3 MB of SwiGLU weights and 1.2 MB of q-scalar / k-scalar /
     value weights per layer, read and written at ~2 TB/s), and the CPU-compiled step has no other ``cat`` (not yet
-    re-measured on the GPU).
+    re-measured on the GPU).  Compiled, the small ones among them (at most ``SMALL_PROJECTION_MAX_OUT`` outputs)
+    are one reduction kernel together (:func:`_small_projections`).
     """
     eager = not torch.compiler.is_compiling()
     plain = _plain_linear_eager if eager else _plain_linear
@@ -230,7 +257,12 @@ def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     if _few_rows_in_eval(x, linears):
         if eager:  # what `nn.Linear.forward` computes, its parameters read without `nn.Module.__getattr__`
             return tuple(F.linear(x, _param(m, "weight"), _param(m, "bias")) for m in linears)
-        return tuple(F.linear(x, m.weight, m.bias) for m in linears)
+        small = [m for m in linears if m.out_features <= SMALL_PROJECTION_MAX_OUT]
+        if not small:
+            return tuple(F.linear(x, m.weight, m.bias) for m in linears)
+        outputs = iter(_small_projections(x, small))
+        return tuple(next(outputs) if m.out_features <= SMALL_PROJECTION_MAX_OUT else F.linear(x, m.weight, m.bias)
+                     for m in linears)  # fmt: skip
     weight = torch.cat([m.weight for m in linears])
     bias = None
     if any(m.bias is not None for m in linears):

@@ -152,3 +152,69 @@ def test_decode_step_concatenates_no_weights(family):
             model(input_ids=token, attention_mask=torch.ones_like(token), **{CACHE_NAME: cache})
     assert cats.sizes, "the probe saw no cat at all (the attention mask's prefix is one)"
     assert max(cats.sizes) < smallest, f"weight-sized cats in a decode step: {cats.sizes} (weights: {smallest})"
+
+
+def _compiled_graph_ops(fn, *args):
+    """``fn(*args)`` compiled with a backend that records the aten ops of its (only) graph and runs it as traced."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    ops = []
+
+    def record(gm, _inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=aot_autograd(fw_compiler=record), fullgraph=True)(*args)
+    return out, ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_compiled_decode_step_joins_the_small_projections_into_one_reduction(dtype, bias):
+    """Compiled, on a decode step's few rows in eval mode, the projections with at most ``SMALL_PROJECTION_MAX_OUT``
+    outputs (hidden -> heads: scalar queries and keys) are one multiply-and-sum over their joined weights (Inductor:
+    one reduction kernel, where cuBLAS ran a gemv of two kernels for each), the large ones stay one GEMM each (no
+    weight-sized ``cat``), and the values are the modules' own up to float32 accumulation order, in their dtype."""
+    from hf_rbf import modeling_decoder
+
+    torch.manual_seed(0)
+    big = modeling_decoder.SMALL_PROJECTION_MAX_OUT + 1
+    widths = (big, 12, 12, big + 16)  # the hybrid's shape: a vector projection, scalar q / k, values
+    linears = [nn.Linear(48, w, bias=bias).to(dtype).eval() for w in widths]
+    x = torch.randn(1, 1, 48, dtype=dtype)
+    with torch.no_grad():
+        out, ops = _compiled_graph_ops(lambda t: project_together(t, linears), x)
+        expected = [m(x) for m in linears]
+    gemms = [op for op in ops if op.startswith(("aten.mm", "aten.addmm", "aten.bmm", "aten.linear"))]
+    assert len(gemms) == 2, ops  # the big projection's and the values'; the two scalar ones in the reduction
+    assert "aten.sum.dim_IntList" in ops, ops
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for a, b in zip(out, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **tol)
+    # the reduction in float32 (the GEMMs' accumulation): the scalar outputs match a float64 product to the output
+    # dtype's rounding
+    x64 = x.double()
+    for a, m in zip(out[1:3], linears[1:3]):
+        ref = torch.nn.functional.linear(x64, m.weight.double(), None if m.bias is None else m.bias.double())
+        torch.testing.assert_close(a.double(), ref, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
+def test_compiled_training_and_many_rows_keep_the_joined_gemm():
+    """Train mode, or more than ``SEPARATE_PROJECTION_MAX_ROWS`` rows, keep the one GEMM over the joined weights
+    when compiled (no reduction form)."""
+    from hf_rbf import modeling_decoder
+
+    torch.manual_seed(0)
+    linears = [nn.Linear(16, w) for w in (16, 3, 3)]
+    few = torch.randn(1, 1, 16)
+    many = torch.randn(1, modeling_decoder.SEPARATE_PROJECTION_MAX_ROWS + 1, 16)
+    for x, train in ((few, True), (many, False)):
+        for m in linears:
+            m.train(train)
+        with torch.no_grad():
+            _, ops = _compiled_graph_ops(lambda t: project_together(t, linears), x)
+        assert "aten.sum.dim_IntList" not in ops, ops
+        assert len([op for op in ops if op.startswith(("aten.mm", "aten.addmm"))]) == 1, ops
