@@ -57,6 +57,12 @@ class HybridSortAttention(ScalarSortAttention):
         self.head_kinds = list(config.head_kinds)
         self._scalar_head_flags = [kind != "dot" for kind in self.head_kinds]
         self._dot_heads = [kind != "scalar" for kind in self.head_kinds]
+        # what the forward asks of the per-head kinds, as three bools fixed here: `all(self._dot_heads)` read in the
+        # forward made a compiled decode step guard on every element of both lists (2 * (heads + 2) guards per layer,
+        # 336 at 12 layers of 12 heads, checked before every step); a bool attribute is one guard
+        self._all_dot = all(self._dot_heads)
+        self._no_dot = not any(self._dot_heads)
+        self._all_scalar = all(self._scalar_head_flags)
 
     @property
     def scalar_head_list(self) -> list[bool]:
@@ -65,22 +71,22 @@ class HybridSortAttention(ScalarSortAttention):
     def _scale(self, device):
         """``1 / sqrt(head_dim)`` for heads with the dot term, 0 for pure scalar heads (float when uniform)."""
         base = self.head_dim**-0.5
-        if all(self._dot_heads):
+        if self._all_dot:
             return base
-        if not any(self._dot_heads):
+        if self._no_dot:
             return 0.0
         return self._head_constant("scale", [base if dot else 0.0 for dot in self._dot_heads], torch.float32, device)
 
     def decode_scale(self):
         # (the device only where the heads' scales differ: `_scale` returns a float otherwise, and the parameter read
         # costs two `nn.Module.__getattr__` calls, twice per layer and decode step)
-        uniform = all(self._dot_heads) or not any(self._dot_heads)
+        uniform = self._all_dot or self._no_dot
         scale = self._scale(None if uniform else self.q_proj.weight.device)
         return None if isinstance(scale, float) and scale == 0.0 else scale
 
     def _scalar_heads(self, qs: torch.Tensor, ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qs, ks = super()._scalar_heads(qs, ks)
-        if not all(self._scalar_head_flags):
+        if not self._all_scalar:
             mask = self._scalar_head_mask(qs.device).view(1, -1, 1).to(qs.dtype)
             qs, ks = qs * mask, ks * mask
         return qs, ks
