@@ -1,10 +1,11 @@
 """What Dynamo guards on in the compiled decode step of ``generate(..., cache_implementation="static")``: guarded
 tensors, every leaf guard by kind, and the time one check of the guards takes, for tiny models of 2, 4 and 12 layers
-(Llama with transformers' ``StaticCache`` as the yardstick, rbf with ``StaticKeyValueLayer``, scalar_sort with
-``StaticSortedLayer`` on its torch and its fused Triton decode step, hybrid_sort).
+(Llama with transformers' ``StaticCache`` as the yardstick, rbf and gka with ``StaticKeyValueLayer``, scalar_sort
+with ``StaticSortedLayer`` on its torch and its fused Triton decode step, hybrid_sort).
 
     PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/count_decode_guards.py [--layers 2,4,12]
-        [--variants llama,rbf,scalar_sort,scalar_sort_triton,hybrid_sort] [--iters 20000] [--json PATH] [--verbose]
+        [--variants llama,rbf,gka,scalar_sort,scalar_sort_triton,hybrid_sort] [--iters 20000] [--out DIR]
+        [--compile transformers|eager] [--json PATH] [--verbose]
     # on a GPU: the d768 models, transformers' own compile of the decode step, and ms per generated token
     python benchmarks/count_decode_guards.py --device cuda --size d768 --layers 12 --no-interpret \
         --variants llama,scalar_sort,rbf [--prompt 512] [--new-tokens 33]
@@ -14,11 +15,14 @@ was about 1.2 ms, of which ``TorchDynamo Cache Lookup`` (the guards of the compi
 tensors against Llama's 150 (issue 13).  ``generate`` waits for every step's token, so this host time is on the
 critical path.
 
-How: each model runs ``generate`` (a 5-token prompt, 4 new tokens, greedy) with the static cache and a forced
-``compile_config`` (``CompileConfig(backend="eager", fullgraph=True)``, ``_compile_all_devices`` so that the CPU
-compiles the decode step as CUDA does; the guards do not depend on the backend, which only compiles the captured
-graph).  ``torch._dynamo.guards.guard_manager_testing_hook_fn`` hands over the guard manager of the decode step and
-the frame's locals it was built for.  Reported per model:
+How: each model runs ``generate`` (a 5-token prompt, 8 new tokens, greedy) with the static cache and the decode step
+compiled as transformers compiles it (``--compile transformers``, the default: ``torch.compile(model.__call__,
+**CompileConfig().to_dict())`` from ``get_compiled_call``, i.e. inductor, "reduce-overhead", ``fullgraph=False``,
+``dynamic=None``; on the CPU ``_compile_all_devices`` lets ``generate`` compile at all, and "reduce-overhead" has no
+CUDA graphs there; the guards are the same).  ``--compile eager`` (``CompileConfig(backend="eager", fullgraph=True,
+mode=None)``) builds the same guard tree in seconds instead of an inductor compile per model (checked: 1363 / 1699 leaf
+guards for Llama / scalar_sort, 12 tiny layers, with either).  ``torch._dynamo.guards.guard_manager_testing_hook_fn``
+hands over the guard manager of the decode step and the frame's locals it was built for.  Reported per model:
 
 * ``tensors``: the ``TENSOR_MATCH`` guards (one per tensor the step reads from its inputs: parameters, buffers, the
   cache's tensors, the inputs), and how many of them belong to the cache (their source goes through the cache);
@@ -27,7 +31,14 @@ the frame's locals it was built for.  Reported per model:
 * ``check_us``: microseconds per ``guard_manager.check(frame locals)`` (the C++ guard tree), the fastest of 20
   rounds of ``--iters / 20`` calls on this CPU (``check_us_median``: their median): the part of ``TorchDynamo Cache
   Lookup`` that grows with the guards;
+* ``lookup_us``: the median ``TorchDynamo Cache Lookup`` (torch.profiler) of the decode steps of 3 more ``generate``
+  calls of the same length (the compiled step warm): the guards as a step meets them, after the step's other work has
+  left the CPU's caches cold (with the same guard tree it is 2-3x ``check_us`` on this CPU; the H200 profile's 233
+  us per token for scalar_sort is this number);
+* ``recompiles``: guard trees built for a frame beyond the first (the decode step must compile once);
 * ``per_layer``: the growth of each count per layer between the smallest and the largest model.
+
+``--out DIR`` writes ``guards.json`` (every row) and ``guards.md`` (the table).
 
 Only the decode step's cache entry is read (the last compiled one); the prefill runs eagerly, as in ``generate``.
 
@@ -71,7 +82,8 @@ if __package__ in (None, ""):
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64)
 D768 = dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_attention_heads=12)
-VARIANTS = ("llama", "rbf", "scalar_sort", "scalar_sort_triton", "hybrid_sort")
+VARIANTS = ("llama", "rbf", "gka", "scalar_sort", "scalar_sort_triton", "hybrid_sort")
+NEW_TOKENS = 8  # new tokens of the CPU's generate calls (the guard capture and the profiled call: the same cache)
 
 
 def build(variant: str, layers: int, device: str = "cpu", size: str = "tiny", positions: int = 64):
@@ -114,39 +126,88 @@ def walk(manager, counts: collections.Counter, tensors: list) -> None:
         walk(child, counts, tensors)
 
 
-def generate_kwargs(model, variant: str, new_tokens: int) -> dict:
+def compile_config(model, how: str = "transformers"):
+    """The ``compile_config`` to pass to ``generate``: None on CUDA with ``how="transformers"`` (transformers' own
+    default, ``CompileConfig()``); elsewhere that default (or the eager backend) with ``_compile_all_devices``."""
+    from transformers import CompileConfig
+
+    if how == "transformers":
+        if model.device.type == "cuda":
+            return None
+        config = CompileConfig()  # what `get_compiled_call` compiles with when none is given
+    elif how == "eager":
+        config = CompileConfig(backend="eager", fullgraph=True, mode=None)
+    else:
+        raise ValueError(f"compile: 'transformers' or 'eager', not {how!r}")
+    config._compile_all_devices = True  # the CPU compiles only when told to
+    return config
+
+
+def generate_kwargs(model, variant: str, new_tokens: int, how: str = "transformers") -> dict:
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
     if variant.endswith("_triton"):
         kwargs["cache_config"] = {"static_decode_backend": "triton"}
-    if model.device.type != "cuda":
-        # the CPU compiles only when told to (transformers compiles the decode step by itself on CUDA)
-        from transformers import CompileConfig
-
-        config = CompileConfig(backend="eager", fullgraph=True, mode=None)
-        config._compile_all_devices = True
+    config = compile_config(model, how)
+    if config is not None:
         kwargs["compile_config"] = config
     return kwargs
 
 
-def decode_step_guards(model, variant: str, ids: torch.Tensor, new_tokens: int):
-    """Run a static ``generate`` with the decode step compiled; return (guard manager, frame locals) of the step."""
-    import torch._dynamo.guards as guards
+class GuardCapture:
+    """While active, every guard tree Dynamo builds: ``(guard manager, frame locals, code)``, in order."""
 
-    captured = []
-    previous = guards.guard_manager_testing_hook_fn
-    guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: captured.append((manager, dict(scope)))
+    def __init__(self):
+        self.trees = []
+
+    def __enter__(self):
+        import torch._dynamo.guards as guards
+
+        self.previous = guards.guard_manager_testing_hook_fn
+        guards.guard_manager_testing_hook_fn = self._hook
+        return self
+
+    def _hook(self, manager, scope, builder):
+        self.trees.append((manager, dict(scope), getattr(builder, "f_code", None)))
+
+    def __exit__(self, *exc):
+        import torch._dynamo.guards as guards
+
+        guards.guard_manager_testing_hook_fn = self.previous
+
+    @property
+    def recompiles(self) -> int:
+        """Guard trees built for a code object that already had one (graph breaks' frames are not recompiles)."""
+        return len(self.trees) - len({id(code) for _, _, code in self.trees})
+
+
+def decode_step_guards(model, variant: str, ids: torch.Tensor, new_tokens: int, how: str = "transformers"):
+    """Run a static ``generate`` with the decode step compiled; return ((guard manager, frame locals) of the step,
+    the number of guard trees built, the capture)."""
     torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, variant, new_tokens))
-    finally:
-        guards.guard_manager_testing_hook_fn = previous
-    if not captured:  # no compiled step, or a torch without the hook
-        return (None, None), 0
-    return captured[-1], len(captured)
+    with GuardCapture() as capture, torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, variant, new_tokens, how))
+    if not capture.trees:  # no compiled step, or a torch without the hook
+        return (None, None), 0, capture
+    manager, scope, _ = capture.trees[-1]
+    return (manager, scope), len(capture.trees), capture
 
 
-def ms_per_token(model, variant: str, ids: torch.Tensor, new_tokens: int) -> float:
+def lookup_us(
+    model, variant: str, ids: torch.Tensor, new_tokens: int, how: str = "transformers", calls: int = 3
+) -> float | None:
+    """Median ``TorchDynamo Cache Lookup`` microseconds (torch.profiler) over the decode steps of ``calls`` static
+    ``generate`` calls (the step compiled by an earlier call of the same length): the guard evaluation as ``generate``
+    meets it, between steps whose other work leaves the host caches cold."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, variant, new_tokens, how))
+    times = [e.cpu_time_total for e in prof.events() if e.name == "TorchDynamo Cache Lookup"]
+    return round(statistics.median(times), 1) if times else None
+
+
+def ms_per_token(model, variant: str, ids: torch.Tensor, new_tokens: int, how: str = "transformers") -> float:
     """``(t(n) - t(1)) / (n - 1)`` ms of static ``generate`` calls (the compiled step warm), the best of 3."""
 
     def timed(n: int) -> float:
@@ -154,7 +215,7 @@ def ms_per_token(model, variant: str, ids: torch.Tensor, new_tokens: int) -> flo
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, variant, n))
+            model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, variant, n, how))
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -191,12 +252,14 @@ def measure(
     device: str = "cpu",
     size: str = "tiny",
     prompt: int = 5,
-    new_tokens: int = 4,
+    new_tokens: int = NEW_TOKENS,
+    how: str = "transformers",
+    lookup: bool = True,
 ) -> dict:
     model = build(variant, layers, device, size, positions=max(64, prompt + new_tokens + 8))
     ids = torch.randint(2, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
     ids = ids.to(model.device)
-    (manager, scope), compiles = decode_step_guards(model, variant, ids, new_tokens)
+    (manager, scope), compiles, capture = decode_step_guards(model, variant, ids, new_tokens, how)
     counts, tensors = collections.Counter(), []
     if manager is None:
         print(f"{variant}: no guard manager captured (no compiled decode step, or no guard_manager_testing_hook_fn)")
@@ -206,62 +269,97 @@ def measure(
     row = {
         "variant": variant,
         "layers": layers,
+        "compile": how,
         "compiled_frames": compiles,
         "tensors": len(tensors),
         "cache_tensors": len(cache_tensors),
         "guards": sum(counts.values()),
         "by_kind": dict(sorted(counts.items())),
         "check_us": None,
+        "check_us_median": None,
+        "lookup_us": None,
     }
     if manager is not None:
         with torch.no_grad():
             best, median = time_check(manager, scope, iters)
         row["check_us"], row["check_us_median"] = round(best, 2), round(median, 2)
-    if device == "cuda":
-        row["ms_per_token"] = round(ms_per_token(model, variant, ids, new_tokens), 4)
+    with GuardCapture() as later:
+        if lookup and manager is not None:
+            row["lookup_us"] = lookup_us(model, variant, ids, new_tokens, how)
+        if device == "cuda":
+            row["ms_per_token"] = round(ms_per_token(model, variant, ids, new_tokens, how), 4)
+    row["recompiles"] = capture.recompiles + len(later.trees)  # the later calls must reuse the step
     if verbose:
         row["cache_tensor_sources"] = cache_tensors
-    del manager, scope
+    del manager, scope, capture
     torch._dynamo.reset()
     return row
+
+
+COLUMNS = (
+    ("model", "variant"),
+    ("layers", "layers"),
+    ("guards", "guards"),
+    ("guarded tensors", "tensors"),
+    ("of the cache", "cache_tensors"),
+    ("guard check us (median)", "check_us_median"),
+    ("guard check us (fastest round)", "check_us"),
+    ("cache lookup us in generate (median)", "lookup_us"),
+    ("recompiles", "recompiles"),
+)
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    names = [c for c, _ in COLUMNS] + (["ms per token"] if any("ms_per_token" in r for r in rows) else [])
+    lines = [f"# {title}", "", "| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    for r in rows:
+        cells = ["-" if r.get(key) is None else str(r[key]) for _, key in COLUMNS]
+        if len(names) > len(COLUMNS):
+            cells.append(str(r.get("ms_per_token", "-")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="2,4,12")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--iters", type=int, default=20000)
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "scalar_sort_triton"))
+    parser.add_argument("--iters", type=int, default=20000, help="guard checks timed per model (20 rounds)")
+    parser.add_argument("--compile", default="transformers", choices=["transformers", "eager"],
+                        help="transformers' own compile of the decode step, or the eager backend (same guards, fast)")
+    parser.add_argument("--no-lookup", action="store_true", help="skip the profiled generate (lookup_us)")
+    parser.add_argument("--out", default=None, help="directory for guards.json and guards.md")
     parser.add_argument("--json", default=None)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--no-interpret", action="store_true", help="leave TRITON_INTERPRET as it is")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--size", default="tiny", choices=["tiny", "d768"])
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (5 on the CPU, 512 on CUDA)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (4 on the CPU, 33 on CUDA)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (8 on the CPU, 33 on CUDA)")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)
     cuda = args.device == "cuda"
     prompt = args.prompt or (512 if cuda else 5)
-    new_tokens = args.new_tokens or (33 if cuda else 4)
+    new_tokens = args.new_tokens or (33 if cuda else NEW_TOKENS)
     layer_counts = [int(x) for x in args.layers.split(",")]
+    variants = args.variants.split(",")
     rows = []
-    for variant in args.variants.split(","):
+    for variant in variants:
         for layers in layer_counts:
-            row = measure(variant, layers, args.iters, args.verbose, args.device, args.size, prompt, new_tokens)
+            row = measure(variant, layers, args.iters, args.verbose, args.device, args.size, prompt, new_tokens,
+                          args.compile, not args.no_lookup)  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
+    title = (f"Guards of the compiled static decode step ({args.device}, {args.size}, compile={args.compile}, "
+             f"torch {torch.__version__})")  # fmt: skip
+    table = markdown(rows, title)
     print()
-    print("| variant | layers | tensors | of the cache | leaf guards | check us | ms per token |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['variant']} | {r['layers']} | {r['tensors']} | {r['cache_tensors']} | {r['guards']} | "
-              f"{r['check_us']} | {r.get('ms_per_token', '-')} |")
+    print(table)
     if len(layer_counts) > 1:
         lo, hi = min(layer_counts), max(layer_counts)
-        print()
         print(f"per layer ({lo} -> {hi} layers):")
-        for variant in args.variants.split(","):
+        for variant in variants:
             a = next(r for r in rows if r["variant"] == variant and r["layers"] == lo)
             b = next(r for r in rows if r["variant"] == variant and r["layers"] == hi)
             per = {k: round((b[k] - a[k]) / (hi - lo), 2) for k in ("tensors", "cache_tensors", "guards", "check_us")}
@@ -269,6 +367,12 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "guards.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(os.path.join(args.out, "guards.md"), "w") as f:
+            f.write(table)
 
 
 if __name__ == "__main__":
