@@ -119,6 +119,9 @@ class ScalarSortAttention(DecoderAttention):
 
     kind = "scalar"
     has_vector_term = False
+    # every head has the scalar term (`scalar_head_list` all True); the hybrid family sets it per layer.  The forward
+    # reads this bool rather than the per-head list: under torch.compile a read list is a guard per element
+    _all_scalar = True
 
     def __init__(self, config: ScalarSortConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -313,7 +316,9 @@ class ScalarSortAttention(DecoderAttention):
     def _sink_entries(self, dtype, device) -> _Projections:
         h = self.num_heads
         # the key parts are constants of the layer (made once per device and dtype, see `_head_constant`)
-        keys = [self.sink_key if scalar else 0.0 for scalar in self.scalar_head_list]
+        # (not a list over the heads where every head has the scalar term: under torch.compile each element read is
+        # a guard of the step, `_all_scalar` one)
+        keys = [self.sink_key] * h if self._all_scalar else [self.sink_key if s else 0.0 for s in self.scalar_head_list]
         ks = self._head_constant("sink_key", keys, dtype, device).view(1, h, 1)
         v = self.sink_value.to(dtype).view(1, self.num_value_groups, 1, self.value_head_dim)
         k = None
@@ -628,8 +633,7 @@ class ScalarSortAttention(DecoderAttention):
                 prefix_v=None if prefix is None else prefix.v,
                 prefix_k=None if prefix is None else prefix.k,
             )
-            dot_only = [not s for s in self.scalar_head_list]
-            if any(dot_only):
+            if not self._all_scalar:
                 # heads without a scalar term cannot be windowed: they read every cached key
                 exact = self._exact_over_cache(layer, proj, tau, prefix, num_prefix)
                 mask = ~self._scalar_head_mask(out.device).view(1, h, 1, 1)
@@ -656,8 +660,7 @@ class ScalarSortAttention(DecoderAttention):
             prefix_v=None if prefix is None else prefix.v,
             prefix_k=None if prefix is None else prefix.k,
         )
-        dot_only = [not s for s in self.scalar_head_list]
-        if any(dot_only):
+        if not self._all_scalar:
             # heads without a scalar term cannot be windowed: they read every cached key
             exact = self._exact_over_static(layer, proj, tau, prefix, num_prefix, n)
             mask = ~self._scalar_head_mask(out.device).view(1, h, 1, 1)
