@@ -38,7 +38,10 @@ hands over the guard manager of the decode step and the frame's locals it was bu
 * ``recompiles``: guard trees built for a frame beyond the first (the decode step must compile once);
 * ``per_layer``: the growth of each count per layer between the smallest and the largest model.
 
-``--out DIR`` writes ``guards.json`` (every row) and ``guards.md`` (the table).
+``--interleave ROUNDS`` (one ``--layers``): every model stays compiled, and ``check_us`` / ``lookup_us`` come from
+ROUNDS rounds that visit the models in turn (a block of checks, one profiled ``generate`` each), so a change of the
+machine's speed during the run reaches every model alike.  ``--out DIR`` writes ``guards.json`` (every row) and
+``guards.md`` (the table).
 
 Only the decode step's cache entry is read (the last compiled one); the prefill runs eagerly, as in ``generate``.
 
@@ -180,10 +183,13 @@ class GuardCapture:
         return len(self.trees) - len({id(code) for _, _, code in self.trees})
 
 
-def decode_step_guards(model, variant: str, ids: torch.Tensor, new_tokens: int, how: str = "transformers"):
+def decode_step_guards(
+    model, variant: str, ids: torch.Tensor, new_tokens: int, how: str = "transformers", reset: bool = True
+):
     """Run a static ``generate`` with the decode step compiled; return ((guard manager, frame locals) of the step,
     the number of guard trees built, the capture)."""
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     with GuardCapture() as capture, torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, variant, new_tokens, how))
     if not capture.trees:  # no compiled step, or a torch without the hook
@@ -193,8 +199,8 @@ def decode_step_guards(model, variant: str, ids: torch.Tensor, new_tokens: int, 
 
 
 def lookup_us(
-    model, variant: str, ids: torch.Tensor, new_tokens: int, how: str = "transformers", calls: int = 3
-) -> float | None:
+    model, variant: str, ids: torch.Tensor, new_tokens: int, how: str = "transformers", calls: int = 3, raw=False
+):
     """Median ``TorchDynamo Cache Lookup`` microseconds (torch.profiler) over the decode steps of ``calls`` static
     ``generate`` calls (the step compiled by an earlier call of the same length): the guard evaluation as ``generate``
     meets it, between steps whose other work leaves the host caches cold."""
@@ -204,6 +210,8 @@ def lookup_us(
         for _ in range(calls):
             model.generate(ids, attention_mask=torch.ones_like(ids), **generate_kwargs(model, variant, new_tokens, how))
     times = [e.cpu_time_total for e in prof.events() if e.name == "TorchDynamo Cache Lookup"]
+    if raw:
+        return times
     return round(statistics.median(times), 1) if times else None
 
 
@@ -255,11 +263,12 @@ def measure(
     new_tokens: int = NEW_TOKENS,
     how: str = "transformers",
     lookup: bool = True,
+    keep: list | None = None,
 ) -> dict:
     model = build(variant, layers, device, size, positions=max(64, prompt + new_tokens + 8))
     ids = torch.randint(2, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
     ids = ids.to(model.device)
-    (manager, scope), compiles, capture = decode_step_guards(model, variant, ids, new_tokens, how)
+    (manager, scope), compiles, capture = decode_step_guards(model, variant, ids, new_tokens, how, keep is None)
     counts, tensors = collections.Counter(), []
     if manager is None:
         print(f"{variant}: no guard manager captured (no compiled decode step, or no guard_manager_testing_hook_fn)")
@@ -291,9 +300,39 @@ def measure(
     row["recompiles"] = capture.recompiles + len(later.trees)  # the later calls must reuse the step
     if verbose:
         row["cache_tensor_sources"] = cache_tensors
+    if keep is not None:  # --interleave: the model and its compiled step stay for the interleaved rounds
+        keep.append((row, model, ids, manager, scope))
+        return row
     del manager, scope, capture
     torch._dynamo.reset()
     return row
+
+
+def interleaved(kept: list, rounds: int, iters: int, new_tokens: int, how: str) -> None:
+    """``rounds`` rounds over the kept models, each round a timed block of guard checks and one profiled
+    ``generate`` per model in turn, so that a drift of the machine's speed (other processes, clocks) reaches every
+    model alike; the rows get the medians over the rounds (``check_us_median``, ``lookup_us``)."""
+    checks = {id(k[0]): [] for k in kept}
+    lookups = {id(k[0]): [] for k in kept}
+    n = max(1, iters // rounds)
+    with GuardCapture() as later, torch.no_grad():
+        for _ in range(rounds):
+            for row, model, ids, manager, scope in kept:
+                if manager is None:
+                    continue
+                start = time.perf_counter()
+                for _ in range(n):
+                    manager.check(scope)
+                checks[id(row)].append((time.perf_counter() - start) / n * 1e6)
+                lookups[id(row)] += lookup_us(model, row["variant"], ids, new_tokens, how, calls=1, raw=True)
+    for row, *_ in kept:
+        if checks[id(row)]:
+            row["check_us"] = round(min(checks[id(row)]), 2)
+            row["check_us_median"] = round(statistics.median(checks[id(row)]), 2)
+            row["lookup_us"] = round(statistics.median(lookups[id(row)]), 1)
+            row["lookup_samples"] = len(lookups[id(row)])
+    for row, *_ in kept:
+        row["recompiles"] += len(later.trees)  # (not told apart by model: any is a failure)
 
 
 COLUMNS = (
@@ -329,6 +368,8 @@ def main() -> None:
                         help="transformers' own compile of the decode step, or the eager backend (same guards, fast)")
     parser.add_argument("--no-lookup", action="store_true", help="skip the profiled generate (lookup_us)")
     parser.add_argument("--out", default=None, help="directory for guards.json and guards.md")
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="keep every model compiled and time them in ROUNDS interleaved rounds (one --layers)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--no-interpret", action="store_true", help="leave TRITON_INTERPRET as it is")
@@ -344,13 +385,24 @@ def main() -> None:
     new_tokens = args.new_tokens or (33 if cuda else NEW_TOKENS)
     layer_counts = [int(x) for x in args.layers.split(",")]
     variants = args.variants.split(",")
-    rows = []
+    if args.interleave and len(layer_counts) > 1:
+        parser.error("--interleave takes one --layers (models of one class would share the step's cache entries)")
+    rows, kept = [], ([] if args.interleave else None)
+    if kept is not None:
+        torch._dynamo.reset()
+        # Llama's step guards on the length of transformers' `_CAN_RECORD_REGISTRY`, which grows when a model class
+        # first runs: compiled before the others, its step would recompile in the rounds
+        variants = sorted(variants, key=lambda v: v == "llama")
     for variant in variants:
         for layers in layer_counts:
             row = measure(variant, layers, args.iters, args.verbose, args.device, args.size, prompt, new_tokens,
-                          args.compile, not args.no_lookup)  # fmt: skip
+                          args.compile, not args.no_lookup and kept is None, kept)  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if kept:
+        interleaved(kept, args.interleave, args.iters, new_tokens, args.compile)
+        for row in rows:
+            print(json.dumps({k: row[k] for k in ("variant", "check_us", "check_us_median", "lookup_us")}))
     title = (f"Guards of the compiled static decode step ({args.device}, {args.size}, compile={args.compile}, "
              f"torch {torch.__version__})")  # fmt: skip
     table = markdown(rows, title)
