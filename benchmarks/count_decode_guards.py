@@ -89,15 +89,17 @@ VARIANTS = ("llama", "rbf", "gka", "scalar_sort", "scalar_sort_triton", "hybrid_
 NEW_TOKENS = 8  # new tokens of the CPU's generate calls (the guard capture and the profiled call: the same cache)
 
 
-def build(variant: str, layers: int, device: str = "cpu", size: str = "tiny", positions: int = 64):
+def build(variant: str, layers: int, device: str = "cpu", size: str = "tiny", positions: int = 64, heads=None):
     """A model of ``variant`` with ``layers`` layers (random weights, greedy, no EOS): tiny float32 on the CPU, or
-    ``size`` on ``device`` (bfloat16 on CUDA)."""
+    ``size`` on ``device`` (bfloat16 on CUDA); ``heads``: that many heads of the tiny model's head dim (8)."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     import hf_rbf  # noqa: F401
 
     torch.manual_seed(0)
     dims = dict(TINY if size == "tiny" else D768, max_position_embeddings=positions)
+    if heads is not None:
+        dims.update(num_attention_heads=heads, hidden_size=8 * heads, intermediate_size=16 * heads)
     window = 4 if size == "tiny" else 64
     if variant == "llama":
         model = LlamaForCausalLM(LlamaConfig(**dims, num_hidden_layers=layers))
