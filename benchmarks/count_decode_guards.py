@@ -38,10 +38,13 @@ hands over the guard manager of the decode step and the frame's locals it was bu
 * ``recompiles``: guard trees built for a frame beyond the first (the decode step must compile once);
 * ``per_layer``: the growth of each count per layer between the smallest and the largest model.
 
-``--interleave ROUNDS`` (one ``--layers``): every model stays compiled, and ``check_us`` / ``lookup_us`` come from
-ROUNDS rounds that visit the models in turn (a block of checks, one profiled ``generate`` each), so a change of the
-machine's speed during the run reaches every model alike.  ``--out DIR`` writes ``guards.json`` (every row) and
-``guards.md`` (the table).
+``--host-step ROUNDS`` measures something else instead: host microseconds per generated token of static ``generate``
+with the step compiled but its graph replaced by the outputs of its first call (``generate``'s Python per step, the
+guards and the compiled frame's bytecode, not the graph's work), the models interleaved; writes ``host_step.json`` /
+``host_step.md``.  ``--interleave ROUNDS`` (one ``--layers``): every model stays compiled, and ``check_us`` /
+``lookup_us`` come from ROUNDS rounds that visit the models in turn (a block of checks, one profiled ``generate``
+each), so a change of the machine's speed during the run reaches every model alike.  ``--out DIR`` writes
+``guards.json`` (every row) and ``guards.md`` (the table).
 
 Only the decode step's cache entry is read (the last compiled one); the prefill runs eagerly, as in ``generate``.
 
@@ -337,6 +340,66 @@ def interleaved(kept: list, rounds: int, iters: int, new_tokens: int, how: str) 
         row["recompiles"] += len(later.trees)  # (not told apart by model: any is a failure)
 
 
+def host_step_us(variants: list[str], layers: int, rounds: int, new_tokens: int = 41, device: str = "cpu",
+                 size: str = "tiny") -> dict:
+    """Host microseconds per generated token of static ``generate`` with the decode step compiled by Dynamo but its
+    graph replaced by the outputs of its first call (a "null graph"): ``generate``'s per-step Python, the cache
+    lookup (guards) and the compiled frame's own bytecode, without the graph's work.  ``(t(n) - t(1)) / (n - 1)``,
+    the models' calls interleaved over ``rounds`` rounds; median and fastest round per model."""
+    from transformers import CompileConfig
+
+    def null_backend():
+        outs = {}
+
+        def backend(gm, example_inputs):
+            def run(*args):
+                if "out" not in outs:
+                    outs["out"] = gm(*args)
+                return outs["out"]
+
+            return run
+
+        return backend
+
+    torch._dynamo.reset()
+    models = {}
+    for variant in sorted(variants, key=lambda v: v == "llama"):  # (Llama last: see --interleave)
+        model = build(variant, layers, device, size, positions=max(64, new_tokens + 16))
+        config = CompileConfig(backend=null_backend(), mode=None)
+        config._compile_all_devices = True
+        ids = torch.randint(2, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+        models[variant] = (model, config, ids.to(model.device))
+
+    def timed(variant: str, n: int) -> float:
+        model, config, ids = models[variant]
+        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static")
+        if variant.endswith("_triton"):
+            kwargs["cache_config"] = {"static_decode_backend": "triton"}
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), compile_config=config, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for variant in models:  # compile, warm
+        timed(variant, new_tokens), timed(variant, 1)
+    per = {v: [] for v in models}
+    with GuardCapture() as later:
+        for _ in range(rounds):
+            for variant in models:
+                t1, tn = timed(variant, 1), timed(variant, new_tokens)
+                per[variant].append((tn - t1) / (new_tokens - 1) * 1e6)
+    torch._dynamo.reset()
+    return {
+        v: {"variant": v, "layers": layers, "host_us_per_token": round(statistics.median(t), 1),
+            "host_us_per_token_fastest": round(min(t), 1), "recompiles": len(later.trees)}
+        for v, t in per.items()
+    }  # fmt: skip
+
+
 COLUMNS = (
     ("model", "variant"),
     ("layers", "layers"),
@@ -370,6 +433,8 @@ def main() -> None:
                         help="transformers' own compile of the decode step, or the eager backend (same guards, fast)")
     parser.add_argument("--no-lookup", action="store_true", help="skip the profiled generate (lookup_us)")
     parser.add_argument("--out", default=None, help="directory for guards.json and guards.md")
+    parser.add_argument("--host-step", type=int, default=0, metavar="ROUNDS",
+                        help="instead: host us per generated token with a null graph, ROUNDS interleaved rounds")
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                         help="keep every model compiled and time them in ROUNDS interleaved rounds (one --layers)")
     parser.add_argument("--json", default=None)
@@ -387,6 +452,23 @@ def main() -> None:
     new_tokens = args.new_tokens or (33 if cuda else NEW_TOKENS)
     layer_counts = [int(x) for x in args.layers.split(",")]
     variants = args.variants.split(",")
+    if args.host_step:
+        rows = host_step_us(variants, layer_counts[-1], args.host_step, device=args.device, size=args.size)
+        rows = list(rows.values())
+        lines = ["| model | layers | host us per token, null graph (median) | fastest round | recompiles |",
+                 "|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['variant']} | {r['layers']} | {r['host_us_per_token']} | {r['host_us_per_token_fastest']} | "
+                  f"{r['recompiles']} |" for r in rows]  # fmt: skip
+        table = f"# Host time per token of static generate, null graph ({args.device}, {args.size})\n\n"
+        table += "\n".join(lines) + "\n"
+        print(table)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "host_step.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+            with open(os.path.join(args.out, "host_step.md"), "w") as f:
+                f.write(table)
+        return
     if args.interleave and len(layer_counts) > 1:
         parser.error("--interleave takes one --layers (models of one class would share the step's cache entries)")
     rows, kept = [], ([] if args.interleave else None)
