@@ -57,6 +57,9 @@ guards included, is on the critical path).
 
 Measured (issue 13; before = one tensor per layer and buffer kind, after = ``StackedBuffers``):
 
+* every family against Llama, transformers' compile, the hybrid's per-head lists, the lookup inside ``generate`` and
+  the null-graph host step: ``benchmarks/results/cpu-guards-2026-11-28/README.md``;
+
 * this 2-core CPU, torch 2.13, transformers 5.24, 12 tiny layers (``--layers 2,4,12``; check us: the fastest round,
   two interleaved runs): guarded tensors / of the cache / check us: Llama 151 / 36 / 75-77 (unchanged); scalar_sort
   (torch step) 258 / 121 / 97-99 -> 148 / 11 / 80; scalar_sort (fused step) 270 / 133 / 108-110 -> 149 / 12 / 78-81;
