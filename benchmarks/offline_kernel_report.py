@@ -1,7 +1,7 @@
 """Compile the fused kernels for a GPU that is not here (default sm_90, the H100 / H200) and report what the compiler
 made of them: registers, spills, shared memory, SASS instruction mix and layout conversions, per kernel variant.
 
-    PYTHONPATH=. python benchmarks/offline_kernel_report.py [--arch 90] [--cases rbf,gka,hybrid,scalar] \\
+    PYTHONPATH=. python benchmarks/offline_kernel_report.py [--arch 90] [--cases rbf,gka,hybrid,hybrid_tau,scalar] \\
         [--n 1024] [--d 64] [--config BLOCK_M=128,BLOCK_N=64,num_warps=4,num_stages=3] [--forward-only] \\
         [--out DIR] [--asm-dir DIR]
 
@@ -209,16 +209,19 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
 
     out = {}
     for name in names:
-        if name in ("rbf", "gka", "hybrid", "rbf_nonorm", "rbf_pass"):
+        if name in ("rbf", "gka", "hybrid", "hybrid_tau", "rbf_nonorm", "rbf_pass"):
             # prefix keys (registers, the sorted families' sink) sit before the text keys, as the models pass them
             nk = n + prefix_keys
             q, k = rnd(b, h, n, d), rnd(b, h, nk, d)
             v = k if name == "gka" else rnd(b, h, nk, d)
             qs = ks = beta = None
-            if name == "hybrid":
+            hybrid = name in ("hybrid", "hybrid_tau")
+            if hybrid:
                 qs, ks, beta = rnd(b, h, n).float(), rnd(b, h, nk).float(), torch.ones(b, h, n)
+            if name == "hybrid_tau":  # the model's / bench_attention.py's call: a per-head tau, 1 / tau in the kernels
+                beta = torch.ones(1, h, 1)
             a = torch.full((h,), 0.125)
-            bb = None if name != "hybrid" else torch.zeros(h)
+            bb = None if not hybrid else torch.zeros(h)
             flags = dict(
                 causal=True,
                 window=None,
@@ -227,10 +230,11 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
                 qnorm=name == "gka",
                 kv_same=name == "gka",
                 eps=1e-6 if name == "gka" else 0.0,
+                tau_in=name == "hybrid_tau",
             )
             # rbf_nonorm: the same kernel without the key-norm term (a plain scaled softmax: the kernel's own shape);
             # rbf_pass: the norms from the key-bias pass (one fp32 bias per key) instead of the key tiles
-            knorm = name not in ("hybrid", "rbf_nonorm")
+            knorm = name not in ("hybrid", "hybrid_tau", "rbf_nonorm")
             inline = knorm and name != "rbf_pass"
             kb = key_bias(k, -a, None, None, h, nk, b, True)[0] if name == "rbf_pass" else None
 
@@ -392,6 +396,7 @@ def main(argv=None) -> int:
         "rbf_pass",
         "gka",
         "hybrid",
+        "hybrid_tau",
         "scalar",
         "rbf_decode",
         "gka_decode",
