@@ -176,6 +176,7 @@ if HAS_TRITON:
         DELTA_ptr,
         QS_ptr,
         BETA_ptr,
+        beta_h,
         sqn,
         son,
         sqsn,
@@ -197,12 +198,16 @@ if HAS_TRITON:
         HAS_KB: tl.constexpr,
         SCALAR: tl.constexpr,
         TAU_IN: tl.constexpr,
+        BETA_ROWS: tl.constexpr,
         NORMALIZE: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         """Query tiles ``lo .. hi`` against the stationary key tile (transposed scores ``[BLOCK_N, BLOCK_M]``).
 
         MODE 0: every row valid and allowed; 1: rows masked by bounds and position (prefix key blocks: bounds only).
+        ``beta_h``: without ``BETA_ROWS`` (one beta for every query of the head) the scalar term's ``beta log2(e)``,
+        formed once per head by the caller; with it the per-query betas are loaded (and with ``TAU_IN`` inverted)
+        per tile.
         """
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
@@ -221,23 +226,34 @@ if HAS_TRITON:
             if HAS_KB:
                 sT += kb[:, None]
             if SCALAR:
-                qs = tl.load(QS_ptr + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-                if TAU_IN:  # the scalar tensor holds tau: beta = 1 / tau, IEEE-rounded as in the dQ kernel
-                    tau = tl.load(BETA_ptr + offs_m * sbn, mask=row_ok, other=1.0).to(tl.float32)
-                    beta = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tau)
+                if MODE == 0:
+                    qs = tl.load(QS_ptr + offs_m * sqsn).to(tl.float32)
                 else:
-                    beta = tl.load(BETA_ptr + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
+                    qs = tl.load(QS_ptr + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
+                if BETA_ROWS:
+                    if TAU_IN:  # the scalar tensor holds tau: beta = 1 / tau, IEEE-rounded as in the dQ kernel
+                        tau = tl.load(BETA_ptr + offs_m * sbn, mask=row_ok, other=1.0).to(tl.float32)
+                        beta = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tau)
+                    else:
+                        beta = tl.load(BETA_ptr + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
+                    bl = (beta * 1.4426950408889634)[None, :]
+                else:
+                    bl = beta_h
                 dd = qs[None, :] - ks[:, None]
                 # u = beta_i log2(e) (qs_i - ks_j) serves the score (one fma) and the scalar-key gradient below (its
                 # log2(e) taken out once per key at the store): one multiply per pair fewer than two products
-                u = dd * (beta * 1.4426950408889634)[None, :]
-                sT -= u * dd
+                u = dd * bl
+                # lse first: a q.k . a - lse_i fma, then the scalar term's fma (no separate subtraction per pair)
+                sT = (sT - lse[None, :]) - u * dd
             if MODE == 1:
                 ok = row_ok[None, :] & (
                     _allowed((t0 + offs_m)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW) | is_prefix
                 )
                 sT = tl.where(ok, sT, float("-inf"))
-            pT = tl.math.exp2(sT - lse[None, :])
+            if SCALAR:
+                pT = tl.math.exp2(sT)
+            else:
+                pT = tl.math.exp2(sT - lse[None, :])
             dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
             dpT = _dot(v, tl.trans(do), None, DOT_PREC)
             if NORMALIZE:
@@ -327,6 +343,7 @@ if HAS_TRITON:
         STORE_DKB: tl.constexpr,
         SCALAR: tl.constexpr,
         TAU_IN: tl.constexpr,
+        BETA_ROWS: tl.constexpr,
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
@@ -421,6 +438,13 @@ if HAS_TRITON:
             DO_ptr = DO + b * sdob + h * sdoh
             QS_ptr = QS + b * sqsb + h * sqsh
             BETA_ptr = BETA + b * sbb + h * sbh
+            beta_h = 0.0
+            if SCALAR:
+                if not BETA_ROWS:  # one beta for the head's queries: formed here, not per query tile
+                    if TAU_IN:
+                        beta_h = tl.math.div_rn(1.0, tl.load(BETA_ptr).to(tl.float32)) * 1.4426950408889634
+                    else:
+                        beta_h = tl.load(BETA_ptr).to(tl.float32) * 1.4426950408889634
             dk, dv, c_acc, dks_acc = _dkdv_tiles(
                 dk,
                 dv,
@@ -438,6 +462,7 @@ if HAS_TRITON:
                 WORK + 2 * plane + bh * (NQ + NK),
                 QS_ptr,
                 BETA_ptr,
+                beta_h,
                 sqn,
                 sdon,
                 sqsn,
@@ -459,6 +484,7 @@ if HAS_TRITON:
                 KEY_BIAS,
                 SCALAR,
                 TAU_IN,
+                BETA_ROWS,
                 NORMALIZE,
                 DOT_PREC,
             )
@@ -479,6 +505,7 @@ if HAS_TRITON:
                 WORK + 2 * plane + bh * (NQ + NK),
                 QS_ptr,
                 BETA_ptr,
+                beta_h,
                 sqn,
                 sdon,
                 sqsn,
@@ -500,6 +527,7 @@ if HAS_TRITON:
                 KEY_BIAS,
                 SCALAR,
                 TAU_IN,
+                BETA_ROWS,
                 NORMALIZE,
                 DOT_PREC,
             )
@@ -520,6 +548,7 @@ if HAS_TRITON:
                 WORK + 2 * plane + bh * (NQ + NK),
                 QS_ptr,
                 BETA_ptr,
+                beta_h,
                 sqn,
                 sdon,
                 sqsn,
@@ -541,6 +570,7 @@ if HAS_TRITON:
                 KEY_BIAS,
                 SCALAR,
                 TAU_IN,
+                BETA_ROWS,
                 NORMALIZE,
                 DOT_PREC,
             )
@@ -649,13 +679,18 @@ if HAS_TRITON:
             if SCALAR:
                 ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
                 dd = qs_r[:, None] - ks[None, :]
-                s -= dd * dd * (beta_r * 1.4426950408889634)[:, None]
+                dd2 = dd * dd
+                # lse first: a q.k . a - lse_i fma, then the scalar term's fma
+                s = (s - lse[:, None]) - dd2 * (beta_r * 1.4426950408889634)[:, None]
             if MODE == 1:
                 ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW) & col_ok[None, :]
                 s = tl.where(ok, s, float("-inf"))
             elif MODE == 2:
                 s = tl.where(col_ok[None, :], s, float("-inf"))
-            p = tl.math.exp2(s - lse[:, None])
+            if SCALAR:
+                p = tl.math.exp2(s)
+            else:
+                p = tl.math.exp2(s - lse[:, None])
             if KV_SAME:
                 v = k
             else:
@@ -667,18 +702,20 @@ if HAS_TRITON:
                 ds = p * dp
             dq = _dot(ds.to(k.dtype), k, dq, DOT_PREC)
             if SCALAR:
-                # Row sums for the scalar-query / temperature gradients with the *exact* delta_i = sum_j W_ij dP_ij
-                # (the dS above uses dO.O with O rounded to the input dtype, which in bf16 costs the temperature
-                # gradient, a sum of cancelling terms, several per cent): sum_j dS_ij d_ij = A1_i - delta_i B1_i.
-                # Softmax-free: dS = W dP has no delta, so A1 and A2 are the sums themselves.
-                pd = p * dp
-                dacc += tl.sum(pd, 1)
-                a1 += tl.sum(pd * dd, 1)
+                # Row sums for the scalar-query / temperature gradients with the *exact* delta*_i = sum_j W_ij dP_ij
+                # (the dS above uses delta_i = dO.O with O rounded to the input dtype, which in bf16 costs the
+                # temperature gradient, a sum of cancelling terms, several per cent).  With that dS:
+                # sum_j W_ij (dP_ij - delta*_i) d_ij^k = A_k - (delta*_i - delta_i) B_k, A_k = sum_j dS_ij d_ij^k,
+                # B_k = sum_j W_ij d_ij^k, and delta*_i - delta_i = sum_j dS_ij + delta_i (sum_j W_ij - 1) (dacc
+                # sums dS; see the caller).  dS serves as it is (no W dP product per pair) and the correction is
+                # small (delta*_i - delta_i is delta's rounding error).  Softmax-free: dS = W dP has no delta, so A1
+                # and A2 are the sums themselves.
+                dacc += tl.sum(ds, 1)
+                a1 += tl.sum(ds * dd, 1)
                 if NORMALIZE:
                     b1 += tl.sum(p * dd, 1)
                 if NEED_DBETA:
-                    dd2 = dd * dd
-                    a2 += tl.sum(pd * dd2, 1)
+                    a2 += tl.sum(ds * dd2, 1)
                     if NORMALIZE:
                         b2 += tl.sum(p * dd2, 1)
         return dq, dacc, a1, b1, a2, b2
@@ -1032,9 +1069,16 @@ if HAS_TRITON:
             mask=row_ok[:, None] & (offs_d[None, :] < D),
         )
         if SCALAR:
-            if NORMALIZE:  # sum_j dS_ij d_ij^k with dS = W (dP - delta*): A_k - delta* B_k
+            if NORMALIZE:  # sum_j W_ij (dP_ij - delta*_i) d_ij^k = A_k - (delta*_i - delta_i) B_k (see _dq_tiles)
+                if HAS_EPS:  # sum_j W_ij = 1 - eps 2^(-r_i - lse_i) (the closed form of rowsum(dS) above)
+                    if QNORM:
+                        e_w = LOG2_EPS - qn * b_log2
+                    else:
+                        e_w = LOG2_EPS
+                    dacc -= delta * tl.math.exp2(e_w - lse)
                 a1 -= dacc * b1
                 a2 -= dacc * b2
+                dacc += delta  # the exact delta*
             dqs_val = -2.0 * beta_r * a1
             tl.store(DQS + bh * NQ + offs_m, dqs_val.to(DQS.dtype.element_ty), mask=row_ok)
             if NEED_DBETA:  # d/dbeta = -a2; with TAU_IN the tau gradient -beta^2 d/dbeta instead
@@ -1284,6 +1328,8 @@ def distance_backward(
         KNORM=knorm,
         KEY_BIAS=kb is not None or knorm,  # a key-bias term in the scores (loaded, inline, or both)
         STORE_DKB=store_dkb,
+        # a beta per query (else one per head, e.g. the hybrid's per-head tau: formed once per head, not per tile)
+        BETA_ROWS=scalar and nq > 1 and sbeta[2] != 0,
         **common,
     )
     if traced:
