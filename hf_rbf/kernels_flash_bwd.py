@@ -159,6 +159,19 @@ if HAS_TRITON:
             )
 
     @triton.jit
+    def _lane_rowsum(x):
+        """``[BLOCK_M, BLOCK_N] -> [BLOCK_M, 4]``: column ``c`` sums the columns ``8 i + 2 c + {0, 1}`` of each row.
+
+        In the tensor-core accumulator layout (Hopper's wgmma, and mma.sync) the 4 threads of a quad hold a row's
+        columns exactly so, thread ``c`` of the quad those of column ``c`` here: the sums stay in the thread (no
+        shuffles per key tile), and the 4 partial sums of a row are added (across the quad) once, after the loops.
+        """
+        m: tl.constexpr = x.shape[0]
+        n: tl.constexpr = x.shape[1]
+        y = tl.permute(tl.reshape(x, [m, n // 8, 4, 2]), (0, 2, 1, 3))  # [row, c, i, pair]: one in-thread sum
+        return tl.sum(tl.reshape(y, [m, 4, n // 4]), 2)
+
+    @triton.jit
     def _dkdv_tiles(
         dk,
         dv,
@@ -264,7 +277,7 @@ if HAS_TRITON:
             if HAS_KB:
                 c_acc += tl.sum(dsT, 1)
             if SCALAR:
-                dks_acc += tl.sum(dsT * u, 1)
+                dks_acc += _lane_rowsum(dsT * u)
         return dk, dv, c_acc, dks_acc
 
     @triton.jit
@@ -433,7 +446,7 @@ if HAS_TRITON:
                 ks = tl.zeros([BLOCK_N], dtype=tl.float32)
             dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
             c_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            dks_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            dks_acc = tl.zeros([BLOCK_N, 4], dtype=tl.float32)  # 4 partial sums per key (see _lane_rowsum)
             Q_ptr = Q + b * sqb + h * sqh
             DO_ptr = DO + b * sdob + h * sdoh
             QS_ptr = QS + b * sqsb + h * sqsh
@@ -600,7 +613,7 @@ if HAS_TRITON:
             if STORE_DKB:
                 tl.store(DKB + bh * NK + j, c_acc, mask=key_ok)
             if SCALAR:
-                dks_val = (2.0 * 0.6931471805599453) * dks_acc  # 2 ln(2): see u
+                dks_val = (2.0 * 0.6931471805599453) * tl.sum(dks_acc, 1)  # 2 ln(2): see u
                 tl.store(DKS + bh * NK + j, dks_val.to(DKS.dtype.element_ty), mask=key_ok)
         if not KV_SAME:
             _store_key_rows(
@@ -677,7 +690,10 @@ if HAS_TRITON:
                 kn = _row_sq_norms(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
                 s += (kn * kn_coef)[None, :]
             if SCALAR:
-                ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
+                if MODE == 0:
+                    ks = tl.load(KS_ptr + j * sksn).to(tl.float32)
+                else:
+                    ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
                 dd = qs_r[:, None] - ks[None, :]
                 dd2 = dd * dd
                 # lse first: a q.k . a - lse_i fma, then the scalar term's fma
@@ -710,14 +726,14 @@ if HAS_TRITON:
                 # sums dS; see the caller).  dS serves as it is (no W dP product per pair) and the correction is
                 # small (delta*_i - delta_i is delta's rounding error).  Softmax-free: dS = W dP has no delta, so A1
                 # and A2 are the sums themselves.
-                dacc += tl.sum(ds, 1)
-                a1 += tl.sum(ds * dd, 1)
+                dacc += _lane_rowsum(ds)
+                a1 += _lane_rowsum(ds * dd)
                 if NORMALIZE:
-                    b1 += tl.sum(p * dd, 1)
+                    b1 += _lane_rowsum(p * dd)
                 if NEED_DBETA:
-                    a2 += tl.sum(ds * dd2, 1)
+                    a2 += _lane_rowsum(ds * dd2)
                     if NORMALIZE:
-                        b2 += tl.sum(p * dd2, 1)
+                        b2 += _lane_rowsum(p * dd2)
         return dq, dacc, a1, b1, a2, b2
 
     @triton.jit
@@ -848,11 +864,12 @@ if HAS_TRITON:
             qs_r = tl.zeros([BLOCK_M], dtype=tl.float32)
             beta_r = tl.zeros([BLOCK_M], dtype=tl.float32)
         dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        dacc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        a1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        a2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # the scalar term's row sums as 4 partial sums per row (see _lane_rowsum), added up after the loops
+        dacc = tl.zeros([BLOCK_M, 4], dtype=tl.float32)
+        a1 = tl.zeros([BLOCK_M, 4], dtype=tl.float32)
+        b1 = tl.zeros([BLOCK_M, 4], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK_M, 4], dtype=tl.float32)
+        b2 = tl.zeros([BLOCK_M, 4], dtype=tl.float32)
         t_r = t0 + offs_m
         PK_ptr, PV_ptr, pkn, pvn, K_seq, V_seq = _key_value_bases(
             K, V, PK, PV, b, h, g, skb, skh, skn, svb, svh, svn, spkb, spkh, spkn, spvb, spvh, spvn, P, SEP_PREFIX
@@ -1069,6 +1086,11 @@ if HAS_TRITON:
             mask=row_ok[:, None] & (offs_d[None, :] < D),
         )
         if SCALAR:
+            dacc = tl.sum(dacc, 1)
+            a1 = tl.sum(a1, 1)
+            b1 = tl.sum(b1, 1)
+            a2 = tl.sum(a2, 1)
+            b2 = tl.sum(b2, 1)
             if NORMALIZE:  # sum_j W_ij (dP_ij - delta*_i) d_ij^k = A_k - (delta*_i - delta_i) B_k (see _dq_tiles)
                 if HAS_EPS:  # sum_j W_ij = 1 - eps 2^(-r_i - lse_i) (the closed form of rowsum(dS) above)
                     if QNORM:

@@ -86,3 +86,44 @@ def test_scalar_temperature_gradient_is_exact():
     out = hf_rbf.scalar_attention(qs.to(DEVICE), ks.to(DEVICE), v.to(DEVICE), tau_t, causal=True, backend="triton")
     out.backward(dout.to(DEVICE))
     _check(tau_t.grad, exact, rounded)
+
+
+# The dQ kernel forms the scalar row sums from the dS it already has (built with the rounded delta) and corrects them
+# with delta*'s rounding error times sum_j W_ij d_ij^k (kernels_flash_bwd._dq_tiles); with a per-head tau the dK/dV
+# kernel takes 1 / tau once per head.  The scalar gradients, with fp32 scalar inputs (so that no output rounding
+# hides them), against float64, with and without GKA's eps (whose sum_j W_ij < 1 the correction takes from its closed
+# form): measured 1.4e-7 .. 6.3e-7 under the interpreter for qs, ks and tau (the earlier sums of W dP d^k less delta*
+# times sum W d^k: 1e-7 .. 1.2e-6); without the eps term of the correction the error is 0.18.
+SCALAR_GRAD_TOL = 1e-5
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["tau_per_query", "tau_per_head"])
+@pytest.mark.parametrize("eps", [0.0, 0.5], ids=["softmax", "eps"])
+def test_scalar_gradients_match_float64(per_head, eps):
+    from hf_rbf.kernels_flash_bwd import distance_backward
+    from hf_rbf.kernels_flash_fwd import distance_forward
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, H, N, D, generator=gen).to(BF16) for _ in range(3))
+    qs, ks = (2 * torch.randn(B, H, N, generator=gen) for _ in range(2))
+    tau = torch.rand(1 if per_head else B, H, 1 if per_head else N, generator=gen) + 0.5
+    dout = torch.randn(B, H, N, D, generator=gen).to(BF16)
+    leaves = [t.double().requires_grad_() for t in (qs, ks, tau)]
+    dd = leaves[0][..., :, None] - leaves[1][..., None, :]
+    scores = D**-0.5 * (q.double() @ k.double().transpose(-1, -2)) - dd * dd / leaves[2][..., None]
+    w = scores.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf")).exp()
+    w = w / (w.sum(-1, keepdim=True) + eps)
+    (w @ v.double()).backward(dout.double())
+
+    a = torch.full((H,), D**-0.5, device=DEVICE)
+    t = [x.to(DEVICE) for x in (q, k, v, qs, ks, tau, dout)]
+    flags = dict(causal=True, window=None, num_prefix_keys=0, normalize=True, qnorm=False, kv_same=False, eps=eps)
+    o, lse = distance_forward(*t[:3], None, *t[3:6], a, a, knorm_inline=False, tau_in=True, **flags)
+    kw = dict(knorm=False, knorm_inline=False, need_dbeta=True, tau_in=True)
+    grads = distance_backward(t[6], *t[:3], None, *t[3:6], a, a, o, lse, **kw, **flags)
+    dqs, dks, dtau = grads[5:8]
+    if per_head:
+        dtau = dtau.sum((0, 2), keepdim=True)
+    for name, got, leaf in (("qs", dqs, leaves[0]), ("ks", dks, leaves[1]), ("tau", dtau, leaves[2])):
+        err = _rel(got, leaf.grad)
+        assert err < SCALAR_GRAD_TOL, (name, err)
