@@ -15,7 +15,7 @@ float64 reference, a bound that a delta from the rounded output misses by far (c
 import pytest
 import torch
 
-from kernel_env import DEVICE, IN_PROCESS  # noqa: E402 (first: sets TRITON_INTERPRET)
+from kernel_env import DEVICE, IN_PROCESS, ON_GPU  # noqa: E402 (first: sets TRITON_INTERPRET)
 
 import hf_rbf  # noqa: E402
 
@@ -97,26 +97,24 @@ def test_scalar_temperature_gradient_is_exact():
 SCALAR_GRAD_TOL = 1e-5
 
 
-@pytest.mark.parametrize("per_head", [False, True], ids=["tau_per_query", "tau_per_head"])
-@pytest.mark.parametrize("eps", [0.0, 0.5], ids=["softmax", "eps"])
-def test_scalar_gradients_match_float64(per_head, eps):
+def _scalar_grad_errors(per_head: bool, eps: float, n: int, d: int, device: str) -> dict:
     from hf_rbf.kernels_flash_bwd import distance_backward
     from hf_rbf.kernels_flash_fwd import distance_forward
 
     gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(B, H, N, D, generator=gen).to(BF16) for _ in range(3))
-    qs, ks = (2 * torch.randn(B, H, N, generator=gen) for _ in range(2))
-    tau = torch.rand(1 if per_head else B, H, 1 if per_head else N, generator=gen) + 0.5
-    dout = torch.randn(B, H, N, D, generator=gen).to(BF16)
+    q, k, v = (torch.randn(B, H, n, d, generator=gen).to(BF16) for _ in range(3))
+    qs, ks = (2 * torch.randn(B, H, n, generator=gen) for _ in range(2))
+    tau = torch.rand(1 if per_head else B, H, 1 if per_head else n, generator=gen) + 0.5
+    dout = torch.randn(B, H, n, d, generator=gen).to(BF16)
     leaves = [t.double().requires_grad_() for t in (qs, ks, tau)]
     dd = leaves[0][..., :, None] - leaves[1][..., None, :]
-    scores = D**-0.5 * (q.double() @ k.double().transpose(-1, -2)) - dd * dd / leaves[2][..., None]
-    w = scores.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf")).exp()
+    scores = d**-0.5 * (q.double() @ k.double().transpose(-1, -2)) - dd * dd / leaves[2][..., None]
+    w = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).exp()
     w = w / (w.sum(-1, keepdim=True) + eps)
     (w @ v.double()).backward(dout.double())
 
-    a = torch.full((H,), D**-0.5, device=DEVICE)
-    t = [x.to(DEVICE) for x in (q, k, v, qs, ks, tau, dout)]
+    a = torch.full((H,), d**-0.5, device=device)
+    t = [x.to(device) for x in (q, k, v, qs, ks, tau, dout)]
     flags = dict(causal=True, window=None, num_prefix_keys=0, normalize=True, qnorm=False, kv_same=False, eps=eps)
     o, lse = distance_forward(*t[:3], None, *t[3:6], a, a, knorm_inline=False, tau_in=True, **flags)
     kw = dict(knorm=False, knorm_inline=False, need_dbeta=True, tau_in=True)
@@ -124,6 +122,20 @@ def test_scalar_gradients_match_float64(per_head, eps):
     dqs, dks, dtau = grads[5:8]
     if per_head:
         dtau = dtau.sum((0, 2), keepdim=True)
-    for name, got, leaf in (("qs", dqs, leaves[0]), ("ks", dks, leaves[1]), ("tau", dtau, leaves[2])):
-        err = _rel(got, leaf.grad)
-        assert err < SCALAR_GRAD_TOL, (name, err)
+    return {name: _rel(got, leaf.grad) for name, got, leaf in zip(("qs", "ks", "tau"), (dqs, dks, dtau), leaves)}
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["tau_per_query", "tau_per_head"])
+@pytest.mark.parametrize("eps", [0.0, 0.5], ids=["softmax", "eps"])
+def test_scalar_gradients_match_float64(per_head, eps):
+    errors = _scalar_grad_errors(per_head, eps, N, D, DEVICE)
+    assert max(errors.values()) < SCALAR_GRAD_TOL, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("per_head", [False, True], ids=["tau_per_query", "tau_per_head"])
+def test_scalar_gradients_match_float64_on_gpu(per_head):
+    """The same at a training length and head dim (the GPU's tiles: 128 x 32 and 32 x 128 with autotuning off)."""
+    errors = _scalar_grad_errors(per_head, 0.0, 2048, 64, "cuda")
+    assert max(errors.values()) < SCALAR_GRAD_TOL, errors
