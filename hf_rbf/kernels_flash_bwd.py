@@ -168,6 +168,7 @@ if HAS_TRITON:
         """
         m: tl.constexpr = x.shape[0]
         n: tl.constexpr = x.shape[1]
+        tl.static_assert(n % 8 == 0, "_lane_rowsum: the summed axis must be a multiple of 8")
         y = tl.permute(tl.reshape(x, [m, n // 8, 4, 2]), (0, 2, 1, 3))  # [row, c, i, pair]: one in-thread sum
         return tl.sum(tl.reshape(y, [m, 4, n // 4]), 2)
 
@@ -1351,7 +1352,7 @@ def distance_backward(
         KEY_BIAS=kb is not None or knorm,  # a key-bias term in the scores (loaded, inline, or both)
         STORE_DKB=store_dkb,
         # a beta per query (else one per head, e.g. the hybrid's per-head tau: formed once per head, not per tile)
-        BETA_ROWS=scalar and nq > 1 and sbeta[2] != 0,
+        BETA_ROWS=bool(scalar and nq > 1 and sbeta[2] != 0),
         **common,
     )
     if traced:
