@@ -466,11 +466,7 @@ def main() -> None:
         table += "\n".join(lines) + "\n"
         print(table)
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "host_step.json"), "w") as f:
-                json.dump(rows, f, indent=1)
-            with open(os.path.join(args.out, "host_step.md"), "w") as f:
-                f.write(table)
+            write_results(args.out, "host_step", rows, table)
         return
     if args.interleave and len(layer_counts) > 1:
         parser.error("--interleave takes one --layers (models of one class would share the step's cache entries)")
@@ -507,11 +503,17 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "guards.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-        with open(os.path.join(args.out, "guards.md"), "w") as f:
-            f.write(table)
+        write_results(args.out, "guards", rows, table)
+
+
+
+def write_results(out: str, name: str, rows: list, table: str) -> None:
+    """``rows`` as ``OUT/NAME.json`` and the markdown ``table`` as ``OUT/NAME.md``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(table)
 
 
 if __name__ == "__main__":
