@@ -206,7 +206,7 @@ SMALL_PROJECTION_MAX_OUT = 64
 
 def _small_projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(x, m.weight, m.bias) for m in linears)`` as one multiply-and-sum over the modules'
-    concatenated weights, accumulated in float32 like the GEMMs, in ``F.linear``'s dtype (the autocast dtype under
+    concatenated weights, accumulated in float32 like the GEMMs (float64 for float64), in ``F.linear``'s dtype (the autocast dtype under
     autocast).  For torch.compile only (:func:`project_together`'s decode-step branch): Inductor fuses the weights'
     ``cat`` into the loads of one reduction kernel.
 
@@ -216,11 +216,12 @@ def _small_projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     (benchmarks/results/h200x2-2026-11-28f/README.md, call 1)."""
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    acc = torch.promote_types(dtype, torch.float32)  # float64 stays float64
     weight = torch.cat([m.weight for m in linears]).to(dtype)
-    out = (x.to(dtype).unsqueeze(-2).float() * weight.float()).sum(-1)
+    out = (x.to(dtype).unsqueeze(-2).to(acc) * weight.to(acc)).sum(-1)
     if any(m.bias is not None for m in linears):
         bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
-        out = out + bias.to(dtype).float()
+        out = out + bias.to(dtype).to(acc)
     return out.to(dtype).split([m.out_features for m in linears], dim=-1)
 
 

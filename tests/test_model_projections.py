@@ -170,7 +170,7 @@ def _compiled_graph_ops(fn, *args):
     return out, ops
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_compiled_decode_step_joins_the_small_projections_into_one_reduction(dtype, bias):
     """Compiled, on a decode step's few rows in eval mode, the projections with at most ``SMALL_PROJECTION_MAX_OUT``
@@ -190,7 +190,9 @@ def test_compiled_decode_step_joins_the_small_projections_into_one_reduction(dty
     gemms = [op for op in ops if op.startswith(("aten.mm", "aten.addmm", "aten.bmm", "aten.linear"))]
     assert len(gemms) == 2, ops  # the big projection's and the values'; the two scalar ones in the reduction
     assert "aten.sum.dim_IntList" in ops, ops
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    tol = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5)}.get(
+        dtype, dict(rtol=1e-2, atol=1e-2)
+    )
     for a, b in zip(out, expected):
         assert a.dtype == b.dtype and a.shape == b.shape
         torch.testing.assert_close(a, b, **tol)
@@ -199,7 +201,8 @@ def test_compiled_decode_step_joins_the_small_projections_into_one_reduction(dty
     x64 = x.double()
     for a, m in zip(out[1:3], linears[1:3]):
         ref = torch.nn.functional.linear(x64, m.weight.double(), None if m.bias is None else m.bias.double())
-        torch.testing.assert_close(a.double(), ref, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+        rtol = {torch.float64: 1e-12, torch.float32: 1e-6}.get(dtype, 2**-7)
+        torch.testing.assert_close(a.double(), ref, rtol=rtol, atol=rtol)
 
 
 def test_compiled_training_and_many_rows_keep_the_joined_gemm():
