@@ -206,8 +206,8 @@ SMALL_PROJECTION_MAX_OUT = 64
 
 def _small_projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(x, m.weight, m.bias) for m in linears)`` as one multiply-and-sum over the modules'
-    concatenated weights, accumulated in float32 like the GEMMs (float64 for float64), in ``F.linear``'s dtype (the autocast dtype under
-    autocast).  For torch.compile only (:func:`project_together`'s decode-step branch): Inductor fuses the weights'
+    concatenated weights, accumulated in float32 like the GEMMs (float64 for float64), in ``F.linear``'s dtype (the
+    autocast dtype under autocast).  For torch.compile only (:func:`project_together`'s decode-step branch): Inductor fuses the weights'
     ``cat`` into the loads of one reduction kernel.
 
     Why: cuBLAS runs a ``hidden -> heads`` GEMM of one row as a gemv of two kernels (``dot_kernel`` and
