@@ -421,12 +421,20 @@ def main() -> int:
     )
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing new rows after this many seconds")
     ap.add_argument("--no-warm", action="store_true", help="skip the parallel compile warm-up")
-    ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of the triton rows at N8192 D64")
+    ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times, triton rows (D64, --profile-n)")
+    ap.add_argument(
+        "--profile-n",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[2048, 8192],
+        help="sequence lengths of --profile (B = --tokens / N where --tokens is given, else 2)",
+    )
     ap.add_argument("--naive-max-n", type=int, default=None, help="naive rows only up to this N (time)")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tokens is not None and args.tokens < 1:
         ap.error(f"--tokens must be a positive number of tokens per call; got {args.tokens}")
+    if not args.profile_n or min(args.profile_n) < 1:
+        ap.error(f"--profile-n takes positive sequence lengths, comma-separated; got {args.profile_n}")
 
     import torch
 
@@ -544,15 +552,19 @@ def main() -> int:
 
 
 def profile_headline(args, out_dir: Path, b, h, dtype):
-    """Per-kernel CUDA time and the host time of one forward+backward (D64, causal, N 2048 and 8192): the triton
-    path of each family and dot-product SDPA-flash, to separate kernel time from launch overhead."""
+    """Per-kernel CUDA time and the host time of one forward+backward (D64, causal, each N of ``--profile-n``; the
+    batch ``--tokens / N`` where ``--tokens`` is given, as in the timed rows, else ``b``): the triton path of each
+    family and dot-product SDPA-flash, to separate kernel time from launch overhead (a wall time well above the
+    kernels' total is host work)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
     lines = ["", "# Profiler: one forward+backward, D64 causal bf16 (CUDA time per kernel, host time)", ""]
-    for n in (2048, 8192):
+    batch = b
+    for n in args.profile_n:
+        b = max(1, args.tokens // n) if args.tokens else batch
         cases = []
         for fam in args.families:
             t, extra = make_inputs(fam, b, h, n, 64, dtype, "cuda", grad=True)
@@ -577,7 +589,9 @@ def profile_headline(args, out_dir: Path, b, h, dtype):
             events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
             events.sort(key=lambda e: -e.self_device_time_total)
             total = sum(e.self_device_time_total for e in events) / 1e3
-            lines.append(f"## N{n} {name}: kernels {total:.3f} ms of GPU time, {wall:.2f} ms wall under the profiler")
+            lines.append(
+                f"## N{n} B{b} {name}: kernels {total:.3f} ms of GPU time, {wall:.2f} ms wall under the profiler"
+            )
             lines.append("")
             lines += [f"- {e.key[:90]}: {e.self_device_time_total / 1e3:.3f} ms x{e.count}" for e in events[:8]]
             lines.append("")

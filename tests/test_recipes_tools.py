@@ -215,6 +215,7 @@ def test_kernel_benchmarks_refuse_bad_arguments():
         ("offline_kernel_report.py", ["--prefix-keys", "-2"], "--prefix-keys takes a count"),
         ("find_nonfinite_grads.py", ["--config", "c.yaml", "--out", "unused", "--steps", "0"], "--steps must be >= 1"),
         ("bench_attention.py", ["--out", "unused", "--tokens", "0"], "--tokens must be a positive number"),
+        ("bench_attention.py", ["--out", "unused", "--profile-n", "256,0"], "--profile-n takes positive"),
         ("bench_generate.py", ["--out", "unused", "--rounds", "0"], "it needs --step-clock"),
         ("bench_generate.py", ["--out", "unused", "--step-clock", "--skip-steps", "-1"], "--skip-steps must be in"),
         ("bench_generate.py", ["--out", "unused", "--step-clock", "--skip-steps", "63"], "--skip-steps must be in"),
