@@ -591,6 +591,9 @@ def read_row(config: str, launch: dict, root: str, returncode, wall_seconds: flo
         tokens_per_step=s["tokens_per_step"],
         steps=s["steps"],
         measured_steps=s["throughput"]["measured_steps"],
+        # each measured step's duration (recipes/pretrain_callbacks.py): a stalled step shows in the max
+        step_ms_median=_ms(s["throughput"].get("step_seconds_median")),
+        step_ms_max=_ms(s["throughput"].get("step_seconds_max")),
         tokens_per_second=tokens_per_second,
         tokens_per_second_per_gpu=tokens_per_second / s["world_size"] if tokens_per_second else None,
         peak_memory_gib=max(p["peak_bytes"] for p in peaks) / 2**30 if peaks else None,
@@ -610,6 +613,10 @@ def read_row(config: str, launch: dict, root: str, returncode, wall_seconds: flo
     elif len(peaks) != processes:
         row["error"] = f"{len(peaks)} of {processes} processes reported their peak memory"
     return row
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
 
 
 def run_wave(wave: list[dict], args, prepared: dict) -> list[dict]:
@@ -692,20 +699,21 @@ def markdown_table(rows: list[dict], title: str, concurrent: bool = False) -> st
         "",
         (
             "| recipe | family | parameters | strategy | processes (GPUs) | tokens per GPU and step | tokens/s per GPU "
-            "| peak memory per GPU (GiB) | FSDP units | efficiency |"
+            "| step ms (median / max) | peak memory per GPU (GiB) | FSDP units | efficiency |"
             + (" vs the strategy on 1 process |" if baselines else "")
         ),
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if baselines else ""),
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if baselines else ""),
     ]
     for r in _order(rows):
         recipe = os.path.splitext(os.path.basename(r["config"]))[0]
         if "error" in r:
-            empty = " | | |" + (" |" if baselines else "")
+            empty = " | | | |" + (" |" if baselines else "")
             lines.append(f"| {recipe} | | | {r['strategy']} | {r['processes']} | | {r['error']} |{empty}")
             continue
         lines.append(
             f"| {recipe} | {r['family']} | {r['num_parameters']:,} | {r['strategy']} | {r['processes']} | "
             f"{r['tokens_per_step'] // r['world_size']:,} | {fmt(r['tokens_per_second_per_gpu'], ',.0f')} | "
+            f"{fmt(r.get('step_ms_median'), '.1f')} / {fmt(r.get('step_ms_max'), '.1f')} | "
             f"{fmt(r['peak_memory_gib'], '.2f')} | "
             f"{fmt(r['fsdp_units'], 'd') if r['strategy'].startswith('fsdp') else ''} | "
             f"{fmt(r['scaling_efficiency'], '.3f')} |"
@@ -720,7 +728,8 @@ def markdown_table(rows: list[dict], title: str, concurrent: bool = False) -> st
             f"transformers {r['versions']['transformers']}.  Weak scaling: a recipe's tokens per GPU and step are the "
             "same at every process count; efficiency = tokens/s per GPU over the same recipe's single-GPU run"
             + ("; the last column over the same recipe and strategy launched on 1 process" if baselines else "")
-            + ".  Peak memory: "
+            + ".  Step ms: the measured steps' median and longest duration on rank 0 (a stall shows in the longest).  "
+            "Peak memory: "
             + ("torch.cuda.max_memory_allocated" if r["peak_memory_kind"] == "cuda" else "max resident set size")
             + ", largest over the processes.  FSDP units: modules sharded by fully_shard (the decoder layers and the "
             "root).",

@@ -85,43 +85,78 @@ class MetricsCallback(TrainerCallback):
 class ThroughputCallback(TrainerCallback):
     """Training tokens per second of the optimizer steps after ``warmup_steps`` (compilation, autotuning and allocator
     warm-up excluded), with evaluation and checkpoint saving excluded too: time is taken (CUDA-synchronised) only
-    where a measured stretch of steps starts or ends, around each evaluation / save, so steps run unsynchronised."""
+    where a measured stretch of steps starts or ends, around each evaluation / save, so steps run unsynchronised.
+
+    Each measured step's own duration is kept too, without a synchronisation: on a GPU a timing event is recorded on
+    the current stream where each step ends (the time between two such events is the step as the GPU lived it, host
+    stalls included) and read when the stretch ends; on the CPU the clock is read there.  A mean over a few steps hides
+    whether one step stalled or all ran slower: ``step_seconds_median`` and ``step_seconds_max`` tell them apart."""
 
     def __init__(self, tokens_per_step: int, warmup_steps: int = THROUGHPUT_WARMUP_STEPS):
         self.tokens_per_step = tokens_per_step
         self.warmup_steps = warmup_steps
         self.seconds = 0.0
         self.steps = 0
+        self.step_seconds: list[float] = []
         self._segment = None  # (start step, start time) of the stretch being measured
+        self._marks = []  # the stretch's step boundaries: CUDA events or perf_counter readings
 
     @staticmethod
-    def _now() -> float:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+    def _cuda() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    @classmethod
+    def _now(cls) -> float:
+        if cls._cuda():
             torch.cuda.synchronize()
         return time.perf_counter()
+
+    def _mark(self) -> None:
+        if self._cuda():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def _close_marks(self) -> None:
+        """Turn the stretch's boundaries into step durations (after the synchronisation that ends the stretch)."""
+        marks, self._marks = self._marks, []
+        for start, end in zip(marks, marks[1:]):
+            seconds = start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
+            self.step_seconds.append(seconds)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._segment is None and state.global_step >= self.warmup_steps:
             self._segment = (state.global_step, self._now())
+            self._mark()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._segment is None:
             return
+        self._mark()
         pausing = control.should_evaluate or control.should_save or control.should_training_stop
         if pausing or state.global_step >= state.max_steps:
             start_step, start_time = self._segment
             self.seconds += self._now() - start_time
             self.steps += state.global_step - start_step
             self._segment = None
+            self._close_marks()
 
     def result(self) -> dict:
         if self.steps == 0:
             return {"tokens_per_second": None, "measured_steps": 0}
+        steps = sorted(self.step_seconds)
+        median = (steps[(len(steps) - 1) // 2] + steps[len(steps) // 2]) / 2 if steps else None
         return {
             "tokens_per_second": self.steps * self.tokens_per_step / self.seconds,
             "measured_steps": self.steps,
             "measured_seconds": self.seconds,
             "warmup_steps": self.warmup_steps,
+            "step_seconds": self.step_seconds,
+            "step_seconds_median": median,
+            "step_seconds_max": steps[-1] if steps else None,
+            "tokens_per_second_median_step": self.tokens_per_step / median if median else None,
         }
 
 

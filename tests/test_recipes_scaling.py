@@ -381,6 +381,8 @@ def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
     ]
     for r in rows:
         assert r["steps"] == 8 and r["measured_steps"] == 3 and "error" not in r and r["launch_returncode"] == 0
+        # each measured step's duration (tests/test_recipes_throughput.py checks the values)
+        assert 0 < r["step_ms_median"] <= r["step_ms_max"]
         assert r["tokens_per_second_per_gpu"] == pytest.approx(r["tokens_per_second"] / r["processes"])
         assert (
             r["tokens_per_second_per_gpu"] > 0 and 0.05 < r["peak_memory_gib"] < 16 and r["peak_memory_kind"] == "rss"
@@ -410,7 +412,10 @@ def test_scaling_benchmark_dry_run_on_the_cpu(tmp_path):
     table = (out / "scaling.md").read_text()
     two = next(r for r in rows if r["family"] == "rbf" and r["processes"] == 2)
     per_gpu = two["tokens_per_step"] // 2
-    assert f"| cpu_test | rbf | 30,336 | ddp | 2 | {per_gpu:,} | {two['tokens_per_second_per_gpu']:,.0f} |" in table
+    assert (
+        f"| cpu_test | rbf | 30,336 | ddp | 2 | {per_gpu:,} | {two['tokens_per_second_per_gpu']:,.0f} | "
+        f"{two['step_ms_median']:.1f} / {two['step_ms_max']:.1f} |" in table
+    )
     assert (
         "## Per-step profile" in table and f"| cpu_test | ddp | 2 | {two['profile']['wall_ms_per_step']:.1f} |" in table
     )
