@@ -237,7 +237,10 @@ if HAS_TRITON:
                 kn = _row_sq_norms(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
                 s += (kn * kn_coef)[None, :]
             if SCALAR:
-                ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
+                if MODE == 0:  # whole tiles: every key of the tile exists
+                    ks = tl.load(KS_ptr + j * sksn).to(tl.float32)
+                else:
+                    ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
                 dd = qs_r[:, None] - ks[None, :]
                 s -= dd * dd * beta_r[:, None]
             if MODE == 1:
