@@ -193,6 +193,7 @@ if HAS_TRITON:
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
         SCALAR: tl.constexpr,
+        BETA_HEAD: tl.constexpr,
         NORMALIZE: tl.constexpr,
         KV_SAME: tl.constexpr,
         KNORM_INLINE: tl.constexpr,
@@ -207,6 +208,11 @@ if HAS_TRITON:
         tiles (only ``n < bound``).  TMA: the key / value tiles come through the tensor descriptors ``desc_k`` /
         ``desc_v`` (sequence key ``n`` at row ``n``; rows past the end and the padded head-dim columns read as zeros)
         instead of pointer loads, and the key norms from the loaded tile (see the kernel's comment).
+
+        BETA_HEAD (the scalar term with one ``beta`` per head): the tile's scores are ``s / beta`` (``a``,
+        ``kn_coef`` and the key bias divided by ``beta``, the scalar term ``-(qs_i - ks_j)^2`` with no product),
+        ``beta_r`` is that scalar ``beta``, and the row maximum and ``exp2``'s argument take it back:
+        ``exp2(s' beta - m)`` in one fma (see the kernel's comment).
         """
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
@@ -222,7 +228,10 @@ if HAS_TRITON:
                 k = _load_tile(K_ptr + j[:, None] * skn + offs_d[None, :], col_ok, offs_d, D, D_PAD, MODE != 0)
             s = _dot(q, tl.trans(k), None, DOT_PREC) * a
             if HAS_KB:
-                s += tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))[None, :]
+                kb = tl.load(KB_ptr + j, mask=col_ok, other=float("-inf"))
+                if BETA_HEAD:
+                    kb = kb * (1.0 / beta_r)
+                s += kb[None, :]
             if KNORM_INLINE and TMA:
                 # the descriptor's tile sits in shared memory: its norms need no second read.  Checked on an H100
                 # against the float64 reference for separate keys and values (rbf: kernelcheck and
@@ -242,7 +251,10 @@ if HAS_TRITON:
                 else:
                     ks = tl.load(KS_ptr + j * sksn, mask=col_ok, other=0.0).to(tl.float32)
                 dd = qs_r[:, None] - ks[None, :]
-                s -= dd * dd * beta_r[:, None]
+                if BETA_HEAD:
+                    s -= dd * dd
+                else:
+                    s -= dd * dd * beta_r[:, None]
             if MODE == 1:
                 ok = _allowed(t_r[:, None], offs_n[None, :], WINDOW, CAUSAL, HAS_WINDOW)
                 if not CAUSAL:
@@ -253,14 +265,22 @@ if HAS_TRITON:
             elif MODE == 2:
                 s = tl.where(col_ok[None, :], s, float("-inf"))
             if NORMALIZE:
-                m_new = tl.maximum(m_i, tl.max(s, 1))
+                if BETA_HEAD:
+                    m_new = tl.maximum(m_i, tl.max(s, 1) * beta_r)
+                else:
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
                 # A row that has seen no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(s - m_use[:, None])
+                if BETA_HEAD:
+                    p = tl.math.exp2(s * beta_r - m_use[:, None])
+                else:
+                    p = tl.math.exp2(s - m_use[:, None])
                 alpha = tl.math.exp2(m_i - m_use)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None]
                 m_i = m_new
+            elif BETA_HEAD:
+                p = tl.math.exp2(s * beta_r - m_i[:, None])
             else:
                 p = tl.math.exp2(s - m_i[:, None])
             if KV_SAME:
@@ -335,6 +355,7 @@ if HAS_TRITON:
         QNORM: tl.constexpr,
         SCALAR: tl.constexpr,
         TAU_IN: tl.constexpr,
+        BETA_HEAD: tl.constexpr,
         NORMALIZE: tl.constexpr,
         HAS_EPS: tl.constexpr,
         KV_SAME: tl.constexpr,
@@ -365,12 +386,19 @@ if HAS_TRITON:
         a = tl.load(A + h).to(tl.float32) * 1.4426950408889634
         if SCALAR:
             qs_r = tl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-            if TAU_IN:  # the scalar tensor holds tau: beta = 1 / tau, IEEE-rounded (torch's 1 / tau; `/` is div.full)
+            if BETA_HEAD:  # one tau for the head's queries (TAU_IN): loaded and inverted once, a scalar
+                tau_h = tl.load(BETA + b * sbb + h * sbh).to(tl.float32)
+                beta_r = tl.math.div_rn(1.0, tau_h) * 1.4426950408889634
+                # tau > 0 is the documented contract; a floor keeps tau = inf (beta 0) finite: a beta below 2^-60
+                # changes the score by less than 2^-60 (qs - ks)^2
+                beta_r = tl.maximum(beta_r, 8.673617379884035e-19)
+            elif TAU_IN:  # the scalar tensor holds tau: beta = 1 / tau, IEEE-rounded (torch's 1 / tau; `/` is div.full)
                 tau_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=1.0).to(tl.float32)
                 beta_r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tau_r)
             else:
                 beta_r = tl.load(BETA + b * sbb + h * sbh + offs_m * sbn, mask=row_ok, other=0.0).to(tl.float32)
-            beta_r = beta_r * 1.4426950408889634
+            if not BETA_HEAD:
+                beta_r = beta_r * 1.4426950408889634
         else:
             qs_r = tl.zeros([BLOCK_M], dtype=tl.float32)
             beta_r = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -386,6 +414,14 @@ if HAS_TRITON:
             r = tl.sum(qf * qf, 1) * kn_coef
         else:
             r = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if BETA_HEAD:
+            # One beta per head: the tiles compute s / beta = a / beta q.k + kb / beta - (qs - ks)^2 and take the
+            # row maximum and exp2's argument back as (s / beta) beta - m in one fma: per score element a subtract,
+            # a multiply and two fmas, against the subtract, three multiplies, an fma and an add of (qs - ks)^2 beta.
+            # The difference qs - ks stays exact (no pre-scaled or expanded scalars); each score takes the same
+            # number of roundings.  Needs beta > 0 (tau > 0: the contract; the floor above).
+            a = tl.math.div_rn(a, beta_r)
+            kn_coef = tl.math.div_rn(kn_coef, beta_r)
         if NORMALIZE:
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         else:
@@ -466,6 +502,7 @@ if HAS_TRITON:
                 HAS_WINDOW,
                 HAS_KB,
                 SCALAR,
+                BETA_HEAD,
                 NORMALIZE,
                 KV_SAME,
                 KNORM_INLINE,
@@ -522,6 +559,7 @@ if HAS_TRITON:
             HAS_WINDOW,
             HAS_KB,
             SCALAR,
+            BETA_HEAD,
             NORMALIZE,
             KV_SAME,
             KNORM_INLINE,
@@ -573,6 +611,7 @@ if HAS_TRITON:
             HAS_WINDOW,
             HAS_KB,
             SCALAR,
+            BETA_HEAD,
             NORMALIZE,
             KV_SAME,
             KNORM_INLINE,
@@ -738,7 +777,9 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
 
 
 def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in,
-           num_prefix_keys, tma=False, tma_out=False):
+           num_prefix_keys, tma=False, tma_out=False, beta_head=False):
+    """The forward kernel's constexprs; ``beta_head``: one ``tau`` per (batch, head) with ``tau_in`` (``BETA_HEAD``,
+    see ``_distance_fwd_kernel``; the decode launches leave it off)."""
     return dict(
         D=d,
         DV=dv,
@@ -750,6 +791,7 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
         QNORM=qnorm,
         SCALAR=qs is not None,
         TAU_IN=qs is not None and tau_in,
+        BETA_HEAD=qs is not None and tau_in and beta_head,
         NORMALIZE=normalize,
         HAS_EPS=normalize and eps > 0,
         KV_SAME=kv_same,
@@ -820,6 +862,7 @@ def distance_forward(
     flags = _flags(
         q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in,
         num_prefix_keys, tma, tma and (dv * out.element_size()) % 16 == 0,
+        beta_head=qs is not None and bcast_strides(beta, (bsz, heads, nq))[2] == 0,
     )
     if traced:
         wrap_triton(_distance_fwd)[grid](*args, SPLIT=False, **flags)
