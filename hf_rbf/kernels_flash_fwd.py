@@ -417,7 +417,7 @@ if HAS_TRITON:
         if BETA_HEAD:
             # One beta per head: the tiles compute s / beta = a / beta q.k + kb / beta - (qs - ks)^2 and take the
             # row maximum and exp2's argument back as (s / beta) beta - m in one fma: per score element a subtract,
-            # a multiply and two fmas, against the subtract, three multiplies, an fma and an add of (qs - ks)^2 beta.
+            # a multiply and two fmas, against a subtract, two multiplies, an fma and an add (SASS of the middle loop).
             # The difference qs - ks stays exact (no pre-scaled or expanded scalars); each score takes the same
             # number of roundings.  Needs beta > 0 (tau > 0: the contract; the floor above).
             a = tl.math.div_rn(a, beta_r)
