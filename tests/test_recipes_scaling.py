@@ -490,11 +490,14 @@ def test_scaling_benchmark_arguments(tmp_path):
     assert [r["strategy_efficiency"] for r in rows] == [1.0, None, 0.64, None, 1.0, 0.96]
     common = {"family": "x", "num_parameters": 10, "tokens_per_step": 8, "world_size": 1, "peak_memory_gib": 1.0,
               "fsdp_units": 3, "device": "cpu", "versions": {"torch": "t", "transformers": "x"},
-              "peak_memory_kind": "rss"}
+              "peak_memory_kind": "rss", "step_ms_median": 50.0, "step_ms_max": 61.3}
     table = bench_scaling.markdown_table([dict(common, **r) for r in rows if r["config"] == "a"], "T")
     assert "| efficiency | vs the strategy on 1 process |" in table
-    assert "| a | x | 10 | fsdp2 | 4 | 8 | 120 | 1.00 | 3 | 1.200 | 0.960 |" in table
-    assert "| a | x | 10 | single | 1 | 8 | 100 | 1.00 |  | 1.000 |  |" in table
+    assert "| a | x | 10 | fsdp2 | 4 | 8 | 120 | 50.0 / 61.3 | 1.00 | 3 | 1.200 | 0.960 |" in table
+    assert "| a | x | 10 | single | 1 | 8 | 100 | 50.0 / 61.3 | 1.00 |  | 1.000 |  |" in table
+    # a row of a run without per-step times (results of earlier versions)
+    old = {k: v for k, v in common.items() if not k.startswith("step_ms")}
+    assert "| 100 | n/a / n/a | 1.00 |" in bench_scaling.markdown_table([dict(old, **rows[0])], "T")
     assert "vs the strategy" not in bench_scaling.markdown_table([dict(common, **rows[0])], "T")
 
 
