@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -116,15 +117,25 @@ class ThroughputCallback(TrainerCallback):
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self._marks.append(event)
+            # a long stretch (no evaluation or save for many steps) must not keep an event per step: the steps whose
+            # end the GPU has passed are read now (``query`` does not synchronise)
+            done = 0
+            while done + 1 < len(self._marks) and self._marks[done + 1].query():
+                done += 1
+            if done >= 64:
+                self._close_marks(done)
         else:
             self._marks.append(time.perf_counter())
 
-    def _close_marks(self) -> None:
-        """Turn the stretch's boundaries into step durations (after the synchronisation that ends the stretch)."""
-        marks, self._marks = self._marks, []
+    def _close_marks(self, upto: int | None = None) -> None:
+        """Turn the stretch's boundaries up to mark ``upto`` (all: after the synchronisation that ends the stretch)
+        into step durations; mark ``upto`` stays as the start of the next step."""
+        upto = len(self._marks) - 1 if upto is None else upto
+        marks = self._marks[: upto + 1]
         for start, end in zip(marks, marks[1:]):
             seconds = start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
             self.step_seconds.append(seconds)
+        self._marks = self._marks[upto:] if self._segment is not None else []
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._segment is None and state.global_step >= self.warmup_steps:
@@ -146,16 +157,15 @@ class ThroughputCallback(TrainerCallback):
     def result(self) -> dict:
         if self.steps == 0:
             return {"tokens_per_second": None, "measured_steps": 0}
-        steps = sorted(self.step_seconds)
-        median = (steps[(len(steps) - 1) // 2] + steps[len(steps) // 2]) / 2 if steps else None
+        median = statistics.median(self.step_seconds) if self.step_seconds else None
         return {
             "tokens_per_second": self.steps * self.tokens_per_step / self.seconds,
             "measured_steps": self.steps,
             "measured_seconds": self.seconds,
             "warmup_steps": self.warmup_steps,
-            "step_seconds": self.step_seconds,
+            # the durations themselves stay on the callback (``step_seconds``): a long run's summary keeps the figures
             "step_seconds_median": median,
-            "step_seconds_max": steps[-1] if steps else None,
+            "step_seconds_max": max(self.step_seconds) if self.step_seconds else None,
             "tokens_per_second_median_step": self.tokens_per_step / median if median else None,
         }
 
