@@ -19,7 +19,8 @@ leaves the layer class to wrap to each model's ``_no_split_modules`` (``DecoderL
 row reports the FSDP units it found, so a model that was not sharded per layer shows.
 
 ``--concurrent`` runs launches on disjoint GPUs at once: the single-GPU runs spread over every GPU (one process per GPU,
-the recipes dealt round-robin), two 2-GPU launches (DDP and FSDP2) side by side on 4 GPUs.  It saves device time; the
+the recipes dealt round-robin); N-process launches fill the GPUs N at a time: two 2-GPU launches (DDP and FSDP2) side
+by side on 4 GPUs, or, with one strategy, its recipes dealt over two 2-GPU launches.  It saves device time; the
 host's CPUs are then shared, which the table states.  Results are written after every launch (a run cut by a time limit
 keeps what finished), to ``scaling.json`` and ``scaling.md``:
 
@@ -186,7 +187,7 @@ def plan_waves(
             launch["gpus"] = list(range(launch["processes"])) if gpus else None
         return [[launch] for launch in launches]
     waves = []
-    for launch in launches:
+    for index, launch in enumerate(launches):
         n = launch["processes"]
         if n > gpus:
             raise ValueError(f"--processes {n} needs {n} GPUs; this machine has {gpus}")
@@ -194,13 +195,20 @@ def plan_waves(
             shares = [launch["configs"][i::gpus] for i in range(gpus)]
             waves.append([dict(launch, gpus=[i], configs=share) for i, share in enumerate(shares) if share])
             continue
+        # N processes: one launch per block of N GPUs that the other strategies' launches of this N leave free, the
+        # recipes dealt round-robin over those launches (every recipe still runs once per strategy and N)
         wave = waves[-1] if waves and waves[-1][0]["processes"] == n else None
         used = sum(len(x["gpus"]) for x in wave) if wave else gpus
         if wave is None or used + n > gpus:
             wave = []
             waves.append(wave)
             used = 0
-        wave.append(dict(launch, gpus=list(range(used, used + n))))
+        sharing = sum(1 for x in launches[index:] if x["processes"] == n)  # this strategy and the ones after it
+        blocks = max(1, min((gpus - used) // n, gpus // n // sharing))
+        shares = [launch["configs"][i::blocks] for i in range(blocks)]
+        for share in (s for s in shares if s):
+            wave.append(dict(launch, gpus=list(range(used, used + n)), configs=share))
+            used += n
     return waves
 
 
@@ -737,7 +745,8 @@ def markdown_table(rows: list[dict], title: str, concurrent: bool = False) -> st
         if concurrent:
             lines.append(
                 "Launches on disjoint GPUs ran at the same time (--concurrent): the single-GPU runs one per GPU, the "
-                "2-process launches two at once; the host's CPUs were shared."
+                "N-process launches side by side where N GPUs were free (by strategy, then by recipe); the host's CPUs "
+                "were shared."
             )
     lines += profile_section(rows)
     return "\n".join(lines) + "\n"

@@ -503,7 +503,7 @@ def test_scaling_benchmark_arguments(tmp_path):
 
 def test_scaling_benchmark_waves():
     """Sequential: one launch per wave on the first GPUs.  Concurrent: the single-GPU runs dealt over every GPU, the
-    2-process launches side by side on 4 GPUs, never two launches on one GPU."""
+    2-process launches side by side on 4 GPUs (by strategy, else by recipe), never two launches on one GPU."""
     plan = _bench_module().plan_waves
     configs = [f"c{i}" for i in range(5)]
     waves = plan(configs, [1, 2, 4], ["ddp", "fsdp2"], 4, False)
@@ -535,6 +535,24 @@ def test_scaling_benchmark_waves():
     for wave in waves:
         used = [g for x in wave for g in x["gpus"]]
         assert len(used) == len(set(used))
+    # one strategy: its recipes dealt over the free blocks of N GPUs (each recipe once per strategy and N)
+    waves = plan(configs, [1, 2, 4], ["fsdp2"], 4, True, True)
+    assert [[(x["strategy"], x["processes"], x["gpus"], x["configs"]) for x in w] for w in waves[2:]] == [
+        [("fsdp2", 2, [0, 1], ["c0", "c2", "c4"]), ("fsdp2", 2, [2, 3], ["c1", "c3"])],
+        [("fsdp2", 4, [0, 1, 2, 3], configs)],
+    ]
+    # 8 GPUs, two strategies: two blocks of 2 GPUs each, side by side
+    waves = plan(configs, [2], ["ddp", "fsdp2"], 8, True)
+    assert [[(x["strategy"], x["gpus"], x["configs"]) for x in w] for w in waves] == [
+        [
+            ("ddp", [0, 1], ["c0", "c2", "c4"]),
+            ("ddp", [2, 3], ["c1", "c3"]),
+            ("fsdp2", [4, 5], ["c0", "c2", "c4"]),
+            ("fsdp2", [6, 7], ["c1", "c3"]),
+        ]
+    ]
+    # a single recipe is not split
+    assert [[x["gpus"] for x in w] for w in plan(["c0"], [2], ["fsdp2"], 4, True)] == [[[0, 1]]]
     # 2 GPUs: the 2-process launches one after the other; more processes than GPUs is an error
     waves = plan(configs, [1, 2], ["ddp", "fsdp2"], 2, True)
     assert [[(x["strategy"], x["gpus"]) for x in w] for w in waves] == [
