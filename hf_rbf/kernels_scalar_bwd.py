@@ -46,7 +46,16 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
-    from .kernels_scalar_fwd import SCALAR_KEY, _mma_anchor, _program_rows, _row_beta, _rows_of, _scores, _segment
+    from .kernels_scalar_fwd import (
+        SCALAR_KEY,
+        _log2_beta,
+        _mma_anchor,
+        _program_rows,
+        _row_beta,
+        _rows_of,
+        _scores,
+        _segment,
+    )
 
 
 # dV: BLOCK_N stationary keys x ROWS streamed query rows (HP heads x BLOCK_M queries, HP tuned as in the forward).
@@ -419,11 +428,13 @@ if HAS_TRITON:
         V_ptr = V + b * svb + g * svh
         KB_ptr = KB + (b * H + h0) * NK
         offs_h = tl.arange(0, HP)
-        beta2_r = beta_r * 1.4426950408889634  # log2 units for the scores; dqs below takes beta itself
+        beta2_r = _log2_beta(beta_r)  # log2 units for the scores; dqs below takes beta itself
+        inv_beta2_r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), beta2_r)  # for key weights (else unused)
         # the row vectors in the layout of the dP product's tile (see kernels_scalar_fwd._mma_anchor)
         anchor = _mma_anchor(ROWS, BLOCK_N)
         qs_r = _rows_of(anchor, qs_r)
         beta2_r = _rows_of(anchor, beta2_r)
+        inv_beta2_r = _rows_of(anchor, inv_beta2_r)
         lse = _rows_of(anchor, lse)
         t_r = _rows_of(anchor, t_r)
         # the forward's key segments and scores (see kernels_scalar_fwd._scalar_fwd_kernel)
@@ -448,7 +459,7 @@ if HAS_TRITON:
                     key_base,
                     bound,
                     qs_r,
-                    beta2_r,
+                    inv_beta2_r,
                     t_r,
                     offs_h,
                     KS_ptr,
@@ -465,7 +476,7 @@ if HAS_TRITON:
                     HAS_WINDOW,
                     HAS_KB,
                 )
-                p = tl.math.exp2(s - lse[:, None])
+                p = tl.math.exp2(s * beta2_r[:, None] - lse[:, None])  # s: the score over beta (see _scores)
                 v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, SEG != 2)
                 dp = _dot(do, tl.trans(v), None, DOT_PREC)
                 pd = p * dp

@@ -189,12 +189,19 @@ if HAS_TRITON:
         return beta
 
     @triton.jit
+    def _log2_beta(beta):
+        """``beta`` in log2 units (times ``log2(e)``), at least ``2^-60``: the kernels work with the scores over beta
+        and take beta back by a multiply, so beta must be positive.  ``tau = inf`` (beta 0, no scalar term) then keeps
+        ``-inf * beta = -inf`` for masked keys and changes a score by at most ``2^-60 (qs - ks)^2``."""
+        return tl.maximum(beta * 1.4426950408889634, 8.673617379884035e-19)
+
+    @triton.jit
     def _scores(
         start_n,
         key_base,
         bound,
         qs_r,
-        beta_r,
+        inv_beta_r,
         t_r,
         offs_h,
         KS_ptr,
@@ -212,19 +219,22 @@ if HAS_TRITON:
         HAS_KB: tl.constexpr,
     ):
         """The ``[ROWS, BLOCK_N]`` score tile of the stacked query rows against the key tile at ``start_n`` (keys
-        ``j = key_base + start_n + n``, valid where ``col_ok``; log2 units, ``beta_r`` already times ``log2(e)``),
-        masked as segment ``SEG`` requires, and ``dd = qs_i - ks_j`` (the dQ pass's gradient factor; the forward
-        drops it).  Returns ``(s, dd, j, col_ok)``.  Shared by the forward and dQ passes, which must see the same
-        scores.  ``offs_h``: ``tl.arange(0, HP)``, the program's heads (made once, outside the tile loop)."""
+        ``j = key_base + start_n + n``, valid where ``col_ok``), divided by the row's ``beta`` (log2 units, times
+        ``log2(e)``): ``s / beta = -(qs_i - ks_j)^2 + kb_j / beta`` (``inv_beta_r``: ``1 / beta``, read only with key
+        weights), masked as segment ``SEG`` requires, and ``dd = qs_i - ks_j`` (the dQ pass's gradient factor; the
+        forward drops it).  The callers take ``beta`` back in one fma per element, ``exp2(s' * beta - m)``, where the
+        score ``s' * beta`` used to cost a multiply of its own (``beta > 0``: the row maximum of ``s'`` times beta is
+        that of the scores).  Returns ``(s', dd, j, col_ok)``.  Shared by the forward and dQ passes, which must see
+        the same scores.  ``offs_h``: ``tl.arange(0, HP)``, the program's heads (made once, outside the tile loop)."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
         j = key_base + offs_n
         col_ok = offs_n < bound
         ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn, mask=col_ok[None, :], other=0.0)
         dd = qs_r[:, None] - _stacked(ks.to(tl.float32), HP, BLOCK_M, BLOCK_N)
-        s = -(dd * dd) * beta_r[:, None]
+        s = -(dd * dd)
         if HAS_KB:  # key log-weights / padding: one fp32 load per key (constexpr: no load without them)
             kb = tl.load(KB_ptr + offs_h[:, None] * NK + j[None, :], mask=col_ok[None, :], other=float("-inf"))
-            s += _stacked(kb, HP, BLOCK_M, BLOCK_N)
+            s += _stacked(kb, HP, BLOCK_M, BLOCK_N) * inv_beta_r[:, None]
         if SEG == 0:
             s = tl.where(col_ok[None, :], s, float("-inf"))
         elif SEG != 2:
@@ -280,13 +290,14 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr = ROWS // HP
         b, h0, g, S, t0, i, h_r, row_ok = _program_rows(H, HPG, NQ, NK, P, HP, BLOCK_M, ROWS)
         qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-        beta_r = _row_beta(TAU, BETA_VALUE, b, h_r, i, row_ok, stb, sth, stn, TAU_TENSOR, ROWS)
-        beta_r = beta_r * 1.4426950408889634
+        beta_r = _log2_beta(_row_beta(TAU, BETA_VALUE, b, h_r, i, row_ok, stb, sth, stn, TAU_TENSOR, ROWS))
+        inv_beta_r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), beta_r)  # for key weights (else unused)
         t_r = t0 + i
         # the row vectors in the score tile's tensor-core layout (see _mma_anchor)
         anchor = _mma_anchor(ROWS, BLOCK_N)
         qs_r = _rows_of(anchor, qs_r)
         beta_r = _rows_of(anchor, beta_r)
+        inv_beta_r = _rows_of(anchor, inv_beta_r)
         t_r = _rows_of(anchor, t_r)
         acc = tl.zeros([ROWS, DV_PAD], dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -317,7 +328,7 @@ if HAS_TRITON:
                     key_base,
                     bound,
                     qs_r,
-                    beta_r,
+                    inv_beta_r,
                     t_r,
                     offs_h,
                     KS_ptr,
@@ -334,10 +345,12 @@ if HAS_TRITON:
                     HAS_WINDOW,
                     HAS_KB,
                 )
-                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # s is the score over beta: the row maximum in score units is max(s) * beta (beta > 0), and the
+                # exponent s * beta - m one fma per element
+                m_new = tl.maximum(m_i, tl.max(s, 1) * beta_r)
                 # A row that has seen no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(s - m_use[:, None])
+                p = tl.math.exp2(s * beta_r[:, None] - m_use[:, None])
                 alpha = tl.math.exp2(m_i - m_use)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None]

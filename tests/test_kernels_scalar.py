@@ -5,8 +5,11 @@ The shared cases (where they run, shapes, dtypes, masks, tolerances) are describ
 ``tests/kernel_family_checks.py``; this file adds the family's own tests.
 """
 
+import math
+
 import pytest  # noqa: F401
 import torch  # noqa: F401
+from kernel_env import IN_PROCESS
 
 from kernel_family_checks import (  # noqa: F401 (the shared tests, collected here; imported before triton)
     DEVICE,
@@ -194,3 +197,57 @@ def test_prefix_values_alone_requiring_grad_take_the_training_kernels():
         out.square().sum().backward()
         grads.append(p.grad)
     assert grads[0] is not None and kc.rel_err(grads[0], grads[1]) <= kc.TOLERANCES[torch.float32][1]
+
+
+# measured under the interpreter (fp32 inputs, N 40, seeds 0-5, both tau forms): out and lse 1e-7 .. 4e-7 relative,
+# dqs 6e-7 .. 1.2e-5 (the same before the kernels took the scores over beta)
+SCALAR_TOL = {"out": 2e-6, "lse": 2e-6, "dqs": 2e-5}
+
+
+def _forward_and_query_grad_errors(tau_form: str, n: int = 40, dv: int = 16, seed: int = 3) -> dict:
+    """``scalar_forward`` / ``scalar_backward`` against float64: the output, ``lse`` (the true ``log2 sum_j 2^s``,
+    which the backward reads) and ``dqs`` (the dQ pass recomputes the scores the forward's way).  fp32 inputs; scalars
+    up to about 20 (score terms of hundreds beside small ones), a key bias (log2 units) on heads 0 and 2; head 1 with
+    ``tau = inf`` (no scalar term: uniform over the allowed keys), head 3 with every key masked (``lse = inf``, zero
+    output and gradient, no NaN).  ``tau_form``: one tau per head ``[1, H, 1]`` or per query ``[B, H, Nq]``."""
+    from hf_rbf.kernels_scalar_bwd import scalar_backward
+    from hf_rbf.kernels_scalar_fwd import scalar_forward
+
+    b, h = 2, 4
+    gen = torch.Generator().manual_seed(seed)
+    qs, ks = (10 * torch.randn(b, h, n, generator=gen) for _ in range(2))
+    v = torch.randn(b, 1, n, dv, generator=gen)
+    tau = torch.rand(1 if tau_form == "head" else b, h, 1 if tau_form == "head" else n, generator=gen) + 0.5
+    tau[:, 1] = float("inf")
+    kb = torch.randn(b, h, n, generator=gen)
+    kb[:, 1] = 0.0
+    kb[:, 3] = float("-inf")
+    dout = torch.randn(b, h, n, dv, generator=gen)
+    call = dict(causal=True, window=None, num_prefix_keys=0)
+    t = [x.to(DEVICE) for x in (qs, ks, v, kb, tau)]
+    out, lse = scalar_forward(*t, **call)
+    dqs = scalar_backward(dout.to(DEVICE), *t, lse, **call, need_dtau=False)[0]
+
+    leaf = qs.double().requires_grad_()
+    dd = leaf[..., :, None] - ks.double()[..., None, :]
+    s = -dd * dd / tau.double()[..., None] + math.log(2) * kb.double()[..., None, :]  # the kernels' bias: log2 units
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    lse_ref = torch.logsumexp(s, -1).detach() / math.log(2)
+    out_ref = torch.nan_to_num(torch.softmax(s, -1)) @ v.double()
+    out_ref.backward(dout.double())
+    out, lse, dqs = out.double().cpu(), lse.double().cpu(), dqs.double().cpu()
+    assert torch.isfinite(out).all() and torch.isfinite(dqs).all()
+    assert (out[:, 3] == 0).all() and (dqs[:, 3] == 0).all() and (lse[:, 3] == float("inf")).all()
+    live = [0, 1, 2]
+    return {
+        "out": ((out - out_ref)[:, live].norm() / out_ref[:, live].norm()).item(),
+        "lse": ((lse - lse_ref)[:, live].abs() / lse_ref[:, live].abs().clamp(min=1)).max().item(),
+        "dqs": ((dqs - leaf.grad)[:, live].norm() / leaf.grad[:, live].norm()).item(),
+    }
+
+
+@pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1 (run this file alone)")
+@pytest.mark.parametrize("tau_form", ["head", "query"])
+def test_forward_lse_and_query_gradient_match_float64(tau_form):
+    errors = _forward_and_query_grad_errors(tau_form)
+    assert all(errors[name] < tol for name, tol in SCALAR_TOL.items()), errors
