@@ -114,7 +114,8 @@ def scalar_attention(
         ks: scalar keys ``[B, H, Nk]``.
         v: grouped values ``[B, G, Nk, Dv]`` with G dividing H.
         tau: temperature: a positive float (global), a tensor ``[H]`` (per head) or a tensor broadcastable to
-            ``[B, H, Nq]`` (per query token); tensors may require grad.
+            ``[B, H, Nq]`` (per query token); tensors may require grad.  A float is checked; a tensor's values are
+            not (that would synchronise with the device), and a non-positive entry gives undefined results.
         causal, window, key_log_weights, attention_mask, num_prefix_keys: the shared mask arguments (see
             :mod:`hf_rbf.attention_utils`).
         backend: "auto", "naive", "sdpa", "flex" or "triton".

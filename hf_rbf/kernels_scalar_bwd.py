@@ -428,8 +428,7 @@ if HAS_TRITON:
         V_ptr = V + b * svb + g * svh
         KB_ptr = KB + (b * H + h0) * NK
         offs_h = tl.arange(0, HP)
-        beta2_r = _log2_beta(beta_r)  # log2 units for the scores; dqs below takes beta itself
-        inv_beta2_r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), beta2_r)  # for key weights (else unused)
+        beta2_r, inv_beta2_r = _log2_beta(beta_r, ROWS)  # log2 units for the scores; dqs below takes beta itself
         # the row vectors in the layout of the dP product's tile (see kernels_scalar_fwd._mma_anchor)
         anchor = _mma_anchor(ROWS, BLOCK_N)
         qs_r = _rows_of(anchor, qs_r)

@@ -189,11 +189,14 @@ if HAS_TRITON:
         return beta
 
     @triton.jit
-    def _log2_beta(beta):
-        """``beta`` in log2 units (times ``log2(e)``), at least ``2^-60``: the kernels work with the scores over beta
-        and take beta back by a multiply, so beta must be positive.  ``tau = inf`` (beta 0, no scalar term) then keeps
-        ``-inf * beta = -inf`` for masked keys and changes a score by at most ``2^-60 (qs - ks)^2``."""
-        return tl.maximum(beta * 1.4426950408889634, 8.673617379884035e-19)
+    def _log2_beta(beta, ROWS: tl.constexpr):
+        """``(beta, 1 / beta)`` with ``beta`` in log2 units (times ``log2(e)``), at least ``2^-60``: the kernels work
+        with the scores over beta (``_scores``) and take beta back by a multiply, so beta must be positive.
+        ``tau = inf`` (beta 0, no scalar term) then keeps ``-inf * beta = -inf`` for masked keys and changes a score
+        by at most ``2^-60 (qs - ks)^2`` (tau <= 0 is outside the contract and not checked on the device).
+        ``1 / beta`` (``div_rn``) scales the key bias; without one it is unused and compiled away."""
+        beta = tl.maximum(beta * 1.4426950408889634, 8.673617379884035e-19)
+        return beta, tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), beta)
 
     @triton.jit
     def _scores(
@@ -290,8 +293,8 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr = ROWS // HP
         b, h0, g, S, t0, i, h_r, row_ok = _program_rows(H, HPG, NQ, NK, P, HP, BLOCK_M, ROWS)
         qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-        beta_r = _log2_beta(_row_beta(TAU, BETA_VALUE, b, h_r, i, row_ok, stb, sth, stn, TAU_TENSOR, ROWS))
-        inv_beta_r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), beta_r)  # for key weights (else unused)
+        beta_r = _row_beta(TAU, BETA_VALUE, b, h_r, i, row_ok, stb, sth, stn, TAU_TENSOR, ROWS)
+        beta_r, inv_beta_r = _log2_beta(beta_r, ROWS)
         t_r = t0 + i
         # the row vectors in the score tile's tensor-core layout (see _mma_anchor)
         anchor = _mma_anchor(ROWS, BLOCK_N)
