@@ -209,11 +209,12 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
 
     out = {}
     for name in names:
-        if name in ("rbf", "gka", "hybrid", "hybrid_tau", "rbf_nonorm", "rbf_pass"):
+        if name in ("rbf", "gka", "gka_log", "hybrid", "hybrid_tau", "rbf_nonorm", "rbf_pass"):
             # prefix keys (registers, the sorted families' sink) sit before the text keys, as the models pass them
             nk = n + prefix_keys
             q, k = rnd(b, h, n, d), rnd(b, h, nk, d)
-            v = k if name == "gka" else rnd(b, h, nk, d)
+            gka = name in ("gka", "gka_log")  # gka_log: a learnable bandwidth in training (A_LOG in the backward)
+            v = k if gka else rnd(b, h, nk, d)
             qs = ks = beta = None
             hybrid = name in ("hybrid", "hybrid_tau")
             if hybrid:
@@ -227,9 +228,9 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
                 window=None,
                 num_prefix_keys=prefix_keys,
                 normalize=True,
-                qnorm=name == "gka",
-                kv_same=name == "gka",
-                eps=1e-6 if name == "gka" else 0.0,
+                qnorm=gka,
+                kv_same=gka,
+                eps=1e-6 if gka else 0.0,
                 tau_in=name == "hybrid_tau",
             )
             # rbf_nonorm: the same kernel without the key-norm term (a plain scaled softmax: the kernel's own shape);
@@ -244,7 +245,7 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
                     return
                 distance_backward(
                     o, q, k, v, kb, qs, ks, beta, a, bb, o, lse, knorm=knorm, knorm_inline=inline,
-                    need_dbeta=qs is not None, **flags
+                    need_dbeta=qs is not None, a_log=name == "gka_log", **flags
                 )
 
             out[name] = run
@@ -395,6 +396,7 @@ def main(argv=None) -> int:
         "rbf_nonorm",
         "rbf_pass",
         "gka",
+        "gka_log",
         "hybrid",
         "hybrid_tau",
         "scalar",

@@ -88,6 +88,15 @@ def attention_calls(b, h, n, d, dtype, grad):
     return calls
 
 
+def _custom_op_args(*args):
+    """``_DistanceFunction.apply``'s arguments as ``distance_fwd``'s: without the trailing ``a_log``, a log bandwidth
+    turned into ``c`` (recorded by autograd, as before the fused call took it)."""
+    *args, a_log = args
+    if a_log:
+        args[6] = 0.5 * torch.exp(-2.0 * args[6].float())
+    return args
+
+
 class _CustomOpPath:
     """Within the block the fused kernels run through their ``torch.library`` custom ops in eager mode too (the path
     before the eager ``autograd.Function`` went in), so both are timed in one process."""
@@ -97,7 +106,7 @@ class _CustomOpPath:
         from hf_rbf import attention_scalar_triton as ast
 
         self.saved = (adt._DistanceFunction.apply, ast._ScalarFunction.apply)
-        adt._DistanceFunction.apply = staticmethod(lambda *args: adt.distance_fwd(*args)[0])
+        adt._DistanceFunction.apply = staticmethod(lambda *args: adt.distance_fwd(*_custom_op_args(*args))[0])
         ast._ScalarFunction.apply = staticmethod(lambda *args: ast.scalar_fwd(*args)[0])
         return self
 

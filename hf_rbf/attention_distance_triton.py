@@ -311,8 +311,10 @@ def _backward_impl(
     need_dkb,
     tau_in,
     traced=False,
+    a_log=False,
 ):
-    """The backward kernels: ``(dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv)`` (see ``distance_backward``)."""
+    """The backward kernels: ``(dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv)`` (see ``distance_backward``;
+    ``a_log``: ``a`` holds ``c_h`` formed from a log bandwidth, whose gradient ``dab`` then is)."""
     return distance_backward(
         dout,
         q,
@@ -340,6 +342,7 @@ def _backward_impl(
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
         knorm_inline=_knorm_inline_backward(knorm, kb, prefix_k),
         tau_in=tau_in,
+        a_log=a_log,
         traced=traced,
     )
 
@@ -488,6 +491,8 @@ def _gradients(ctx, dout, run_backward):
     causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps, tau_in = ctx.flags
     need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
     need_ab = bool(need["a"] or need["b"])
+    # _DistanceFunction with a_log: `a` holds c_h = exp(-2 log sigma_h) / 2, formed from the input log sigma
+    a_log = getattr(ctx, "a_log", None)
     dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv = run_backward(
         dout,
         q,
@@ -515,6 +520,7 @@ def _gradients(ctx, dout, run_backward):
         need_ab,
         bool(need["key_log_weights"]),
         tau_in,
+        **({} if a_log is None else {"a_log": True}),
     )
     grads = {"q": dq, "k": dk, "v": None if kv_same else dv}
     if pk is not None:
@@ -524,7 +530,7 @@ def _gradients(ctx, dout, run_backward):
         # dab [2, H]: the per-head sums of the dot and norm terms, reduced by distance_backward ([1, H]: the
         # distance form's one coefficient)
         da_db = dab.unbind(0)
-        grads["a"] = da_db[0].to(a.dtype) if need["a"] else None
+        grads["a"] = da_db[0].to(a.dtype if a_log is None else a_log) if need["a"] else None
         grads["b"] = da_db[1].to(b.dtype) if need["b"] else None
     if need["key_log_weights"]:
         grads["key_log_weights"] = _reduce_to(dkb, ctx.klw_shape).to(ctx.klw_dtype)
@@ -701,7 +707,17 @@ class _DistanceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        """``args``: those of ``distance_fwd`` (tensors ``q .. prefix_v``, then the flags)."""
+        """``args``: those of ``distance_fwd`` (tensors ``q .. prefix_v``, then the flags), then ``a_log``: ``a``
+        holds per-head log bandwidths ``log sigma_h`` (the distance form, GKA): ``c_h = exp(-2 log sigma_h) / 2`` is
+        formed here, where no autograd graph is recorded, and the backward kernels write ``log sigma``'s gradient
+        (``dc / dlog sigma = -2 c_h`` applied per row).  Against the same three ops recorded by autograd in front of
+        the call, that leaves out three backward nodes and their ops per layer (host time; the values are the same:
+        the ops and their order are those of ``attention_gka._inverse_two_variances``)."""
+        *args, a_log = args
+        if a_log:
+            log_sigma = args[6]
+            args[6] = 0.5 * torch.exp(-2.0 * log_sigma.float())
+            ctx.a_log = log_sigma.dtype
         out, lse, kb = _forward_impl(*args)
         q, k, v, qs, ks, beta, a, b, klw, _am, pk, pv = args[:12]
         ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, pk, pv)
@@ -712,7 +728,7 @@ class _DistanceFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return _gradients(ctx, dout, _backward_impl)
+        return _gradients(ctx, dout, _backward_impl) + (None,)  # (a_log)
 
 
 def _decode_impl(
@@ -895,6 +911,7 @@ def distance_attention(
     prefix: tuple[Tensor, Tensor] | None = None,
     tau_in: bool = False,
     prefix_checked: bool = False,
+    a_log: bool = False,
 ) -> Tensor:
     """Run the fused op: the split-K decode kernel for a few query rows without gradients, else the flash op.
 
@@ -907,7 +924,13 @@ def distance_attention(
     ``prefix_checked``: the caller (a public attention function's triton backend) validated the prefix tensors' shapes,
     dtype and device against its inputs already; they are then only made last-dim contiguous here, not checked a
     second time in every layer and decode step.
+    ``a_log`` (the distance form, ``b`` None): ``a`` holds per-head log bandwidths ``log sigma_h`` and the kernels
+    use ``c_h = exp(-2 log sigma_h) / 2`` (GKA's learnable bandwidth).  In eager training the conversion and its
+    gradient happen inside the fused call (:class:`_DistanceFunction`), with no autograd ops in front of it; the
+    other paths form ``c`` first with the same ops.
     """
+    if a_log and b is not None:
+        raise ValueError("distance attention: `a_log` takes the distance form only (b = None)")
     q, k, a, b = _contig(q), _contig(k), _contig(a), _contig(b)
     v = k if kv_same else _contig(v)
     pk = pv = None
@@ -942,12 +965,14 @@ def distance_attention(
     differentiable = (q, k, v, qs, ks, beta, a, b, mask.key_log_weights, pk, pv)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
     compiling = torch.compiler.is_compiling()
+    if needs_grad and not compiling:
+        return _DistanceFunction.apply(*args, a_log)
+    if a_log:  # (traced, or no gradients) c_h formed first, as gka_attention_triton does without a_log
+        args = args[:6] + (0.5 * torch.exp(-2.0 * a.float()),) + args[7:]
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
         return distance_decode_op(*args) if compiling else _decode_impl(*args)
     if compiling:
         if use_triton_op():
             return distance_fwd_t(*args)[0]
         return distance_fwd(*args)[0]
-    if needs_grad:
-        return _DistanceFunction.apply(*args)
     return _forward_impl(*args)[0]

@@ -357,7 +357,12 @@ def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs, prefix
     """Fused GKA; same arguments and result as ``gka_attention_naive``; ``prefix``: None or the prefix features
     ``[B or 1, H, R, d]`` in front of ``x`` (read where they are: see ``distance_attention``)."""
     heads = x.shape[1]
-    if isinstance(log_sigma, torch.Tensor):
+    # a learnable bandwidth in training goes in as it is: the fused call forms c and writes log sigma's gradient,
+    # with no autograd ops in front of it (distance_attention's `a_log`)
+    a_log = isinstance(log_sigma, torch.Tensor) and log_sigma.requires_grad and torch.is_grad_enabled()
+    if a_log:
+        c = log_sigma
+    elif isinstance(log_sigma, torch.Tensor):
         c = _inverse_two_variances(log_sigma)
     else:
         c = 0.5 * torch.exp(-2.0 * constant_vector(float(log_sigma), (heads,), x.device))
@@ -378,6 +383,7 @@ def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs, prefix
         eps=eps,
         prefix=None if prefix is None else (prefix, prefix),
         prefix_checked=True,  # (validated by gka_attention: _check_prefix_features)
+        a_log=a_log,
     )
 
 

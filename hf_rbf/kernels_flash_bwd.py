@@ -362,6 +362,7 @@ if HAS_TRITON:
         KV_SAME: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
         TIED: tl.constexpr,
+        A_LOG: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -600,7 +601,10 @@ if HAS_TRITON:
             else:
                 ckn = tl.zeros([BLOCK_N], dtype=tl.float32)
             if TIED:  # one row: d/dc = 2 d/da - d/db
-                tl.store(W_keys, -ckn, mask=key_ok)
+                if A_LOG:  # the row in units of log sigma (A_LOG, see distance_backward): dc/dlog sigma = -2c = 2 b
+                    tl.store(W_keys, (-2.0 * b_nat) * ckn, mask=key_ok)
+                else:
+                    tl.store(W_keys, -ckn, mask=key_ok)
             else:
                 tl.store(W_keys, tl.zeros([BLOCK_N], dtype=tl.float32), mask=key_ok)
                 tl.store(W_keys + plane, ckn, mask=key_ok)
@@ -816,6 +820,7 @@ if HAS_TRITON:
         NEED_DBETA: tl.constexpr,
         SEP_PREFIX: tl.constexpr,
         TIED: tl.constexpr,
+        A_LOG: tl.constexpr,
         DOT_PREC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -1077,7 +1082,10 @@ if HAS_TRITON:
         else:
             rsq = tl.zeros([BLOCK_M], dtype=tl.float32)
         if TIED:  # one row: d/dc = 2 d/da - d/db
-            tl.store(W_rows, 2.0 * qr - rsq, mask=row_ok)
+            if A_LOG:  # the row in units of log sigma (A_LOG, see distance_backward): dc/dlog sigma = -2c = 2 b
+                tl.store(W_rows, (2.0 * b_nat) * (2.0 * qr - rsq), mask=row_ok)
+            else:
+                tl.store(W_rows, 2.0 * qr - rsq, mask=row_ok)
         else:
             tl.store(W_rows, qr, mask=row_ok)
             tl.store(W_rows + plane, rsq, mask=row_ok)
@@ -1148,6 +1156,7 @@ def distance_backward(
     prefix=None,
     knorm_inline=None,
     tau_in=False,
+    a_log=False,
     traced=False,
 ):
     """Gradients of :func:`kernels_flash_fwd.distance_forward`: two launches (dQ, then dK/dV) and one sum.
@@ -1156,7 +1165,10 @@ def distance_backward(
     None: then the key norms (``knorm``) are computed from the key tiles inside the kernels, as in the forward.
     ``prefix``: None or the separate prefix keys / values ``(pk, pv)`` of the forward (see ``distance_forward``);
     ``knorm_inline``: the forward's choice (default: ``knorm`` without ``kb``); ``tau_in``: ``beta`` holds the
-    temperature ``tau`` (the kernels take ``1 / tau``, and ``dbeta`` is then ``tau``'s gradient); ``traced``: called
+    temperature ``tau`` (the kernels take ``1 / tau``, and ``dbeta`` is then ``tau``'s gradient); ``a_log`` (the
+    distance form only): ``c_h`` is ``exp(-2 log sigma_h) / 2`` of a learnable log bandwidth (GKA), and ``dab`` is
+    then ``log sigma``'s gradient, each row's term multiplied by ``dc / dlog sigma = -2 c_h`` in the kernels (no
+    autograd ops for the conversion per call: see ``attention_distance_triton._DistanceFunction``); ``traced``: called
     from the ``triton_op`` that ``torch.compile`` traces (``attention_distance_triton.distance_bwd_t``): the launches
     go through ``wrap_triton`` (see ``distance_forward``).
 
@@ -1274,6 +1286,7 @@ def distance_backward(
         "KV_SAME": kv_same,
         "SEP_PREFIX": prefix is not None,
         "TIED": b is None,
+        "A_LOG": b is None and a_log,
         "DOT_PREC": dot_precision(q.dtype),
     }
     hpg = heads // groups

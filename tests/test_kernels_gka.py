@@ -63,3 +63,50 @@ def test_prefix_features_read_where_they_are(prefix_batch):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     for g, rg in zip(grads, ref_grads):
         torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-4 * rg.abs().max().item())
+
+
+def _graph_nodes(out):
+    """The names of every autograd node behind ``out``, and the nodes right behind its own."""
+    seen, stack, names = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names, [fn for fn, _ in out.grad_fn.next_functions if fn is not None]
+
+
+def test_learnable_bandwidth_enters_the_fused_call_without_autograd_ops():
+    """In eager training the learnable log-bandwidth goes into the fused call as it is: the call forms
+    ``c = exp(-2 log sigma) / 2`` and its backward kernels write ``log sigma``'s gradient, so the graph of a GKA call
+    holds the fused node and the leaves only (before: ``exp`` and two multiplications in front of it, three backward
+    nodes and their ops per layer and step on the host).  The gradients match the float64 reference; without
+    gradients (and under a ``query``-cache decode step) ``c`` is formed outside, as before."""
+    from hf_rbf.attention_gka import gka_attention
+
+    g = torch.Generator().manual_seed(3)
+    b, h, n, d = 2, 3, 29, 16
+    x64 = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    ls64 = 0.5 * torch.log(torch.tensor(float(d))) + 0.2 * torch.randn(h, generator=g, dtype=torch.float64)
+    upstream = torch.randn(b, h, n, d, generator=g, dtype=torch.float64).to(DEVICE)
+    results = {}
+    for backend, dtype in (("triton", torch.float32), ("naive", torch.float64)):
+        x = x64.to(DEVICE, dtype).requires_grad_()
+        log_sigma = ls64.to(DEVICE, torch.float32 if dtype == torch.float32 else dtype).requires_grad_()
+        out = gka_attention(x, log_sigma, causal=True, window=11, eps=1e-6, backend=backend)
+        if backend == "triton":
+            names, behind = _graph_nodes(out)
+            assert sorted(set(names)) == ["AccumulateGrad", "_DistanceFunctionBackward"], names
+            assert any(getattr(fn, "variable", None) is log_sigma for fn in behind)
+        (out.double() * upstream).sum().backward()
+        results[backend] = [out.detach().double().cpu(), x.grad.double().cpu(), log_sigma.grad.double().cpu()]
+        assert log_sigma.grad.dtype == log_sigma.dtype
+    for got, ref in zip(results["triton"], results["naive"]):
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+    with torch.no_grad():  # the no-gradient path forms c outside: the same output
+        x = x64.to(DEVICE, torch.float32)
+        log_sigma = ls64.to(DEVICE, torch.float32).requires_grad_()
+        out = gka_attention(x, log_sigma, causal=True, window=11, eps=1e-6, backend="triton")
+    torch.testing.assert_close(out.double().cpu(), results["triton"][0], rtol=0, atol=0)
