@@ -3,6 +3,7 @@ path, the autotuner fall-throughs, and torch.profiler's view of every autograd n
 fused family call at a tiny shape (B1 H4 N128 D64, bf16; the GPU idle, so the host is the whole cost), next to SDPA.
 
     PYTHONPATH=. python benchmarks/probe_backward_host.py --out DIR [--calls 300] [--only rbf,gka] [--direct-rounds 3]
+        [--shape B,H,N,D]
 
 Why: on an H100 host a fused forward+backward cost 0.97 ms of host time against SDPA's 0.16 ms (session 12,
 ``benchmarks/results/h100-2026-11-27i``), and the Python and aten work counted on the CPU explained only about half of
@@ -16,6 +17,9 @@ the saved tensors, checking every returned gradient).  This splits that time:
   config): each costs about 0.15 ms, and should be 0 after warm-up;
 * ``profiler``: ``torch.profiler`` (CPU activity, every thread) over ``--profile-calls`` calls, the top ops and
   autograd nodes by self CPU time.
+
+* ``synchronisations``: host-device synchronisations of one forward+backward (``torch.cuda.set_sync_debug_mode``),
+  which serialise the host's and the GPU's time (a call then costs their sum, not their maximum): 0 expected;
 
 * ``direct launches``: forward+backward host time with ``hf_rbf.kernels_launch``'s direct launches off (triton's
   ``JITFunction.run`` at every launch) and on, in interleaved rounds in this process (the host differs between
@@ -137,6 +141,28 @@ def _phases(fn, leaves, calls: int, timers: _Timers) -> dict:
     return row
 
 
+def _synchronisations(fn, leaves) -> int:
+    """Host-device synchronisations of one forward+backward, as ``torch.cuda.set_sync_debug_mode("warn")`` reports
+    them (CUDA only; -1 elsewhere)."""
+    import warnings
+
+    if not torch.cuda.is_available():
+        return -1
+    out = fn()
+    dout = torch.ones_like(out.detach())
+    _clear(leaves)
+    _sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn().backward(dout)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _clear(leaves)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _profile(fn, leaves, calls: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -159,6 +185,12 @@ def main(argv=None) -> int:
     p.add_argument("--profile-calls", type=int, default=50)
     p.add_argument("--only", default="", help="comma-separated substrings of the call names")
     p.add_argument(
+        "--shape",
+        default="1,4,128,64",
+        help="B,H,N,D (default: tiny, so that the GPU idles and the host is the whole cost; a benchmark shape shows "
+        "whether its calls are host-bound: compare the host ms with the kernels' time)",
+    )
+    p.add_argument(
         "--direct-rounds",
         type=int,
         default=3,
@@ -173,10 +205,11 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     timers = _Timers()
     _install(timers)
-    calls = make_calls(1, 4, 128, 64, torch.bfloat16 if cuda else torch.float32, "cuda" if cuda else "cpu")
+    b, h, n, d = (int(x) for x in args.shape.split(","))
+    calls = make_calls(b, h, n, d, torch.bfloat16 if cuda else torch.float32, "cuda" if cuda else "cpu")
     only = [s for s in args.only.split(",") if s]
     env = f"torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'cpu (TRITON_INTERPRET=1)'}"
-    md = [f"# Host time of a fused call's backward ({env}; B1 H4 N128 D64 bf16, {args.calls} calls)", ""]
+    md = [f"# Host time of a fused call's backward ({env}; B{b} H{h} N{n} D{d} bf16, {args.calls} calls)", ""]
     rows = {}
     for name in CALLS:
         if only and not any(s in name for s in only):
@@ -197,6 +230,7 @@ def main(argv=None) -> int:
         row["host ms forward"] = host_ms(fn, leaves, args.calls, backward=False)
         row["host ms forward+backward"] = host_ms(fn, leaves, args.calls, backward=True)
         row.update(_phases(fn, leaves, args.calls, timers))
+        row["synchronisations per forward+backward"] = float(_synchronisations(fn, leaves))
         rows[name] = row
         section = [f"## {name}", "", "| phase | ms per call |", "|---|---|"]
         section += [
