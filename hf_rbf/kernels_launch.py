@@ -139,11 +139,18 @@ def _layout(types: tuple, by_value: frozenset) -> tuple:
     tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
     others = [i for i, t in enumerate(types) if not issubclass(t, torch.Tensor) and t is not float]
     classed = tuple(j for j, i in enumerate(others) if types[i] is int and i not in by_value)
-    return _getter(tensors), _getter(others), tuple(tensors), classed
+    # the last item: this layout's memo of _classed (raw non-tensor values -> their key form)
+    return _getter(tensors), _getter(others), tuple(tensors), classed, {}
 
 
 _LAYOUTS: dict = {}  # (tuple of argument types, by-value positions) -> _layout(...)
 _I32, _I64 = range(-(2**31), 2**31), range(-(2**63), 2**63)
+# Entries per layout of the memo of integer classes: a training shape repeats its values at every step, a decode step
+# brings new lengths (one entry each); cleared when full, like the launch cache.
+CLASS_MEMO_LIMIT = 1024
+# the tensors' parts of a key, C-level maps over the call's tensors / pointers: (dtype, on a GPU), 16-byte alignment
+_DTYPE_CUDA = operator.attrgetter("dtype", "is_cuda")
+_ALIGNMENT = (15).__and__
 
 
 def _int_class(x: int) -> tuple:
@@ -156,27 +163,47 @@ def _int_class(x: int) -> tuple:
     return (x % 16 == 0, x in _I32, x in _I64)
 
 
+def _classed(others: tuple, classed: tuple, memo: dict) -> tuple:
+    """``others`` with the integers at the positions ``classed`` replaced by :func:`_int_class`, through ``memo``:
+    measured on this project's CPU, the 35-41 integers of a fused launch took 10-16 us to class one by one, a lookup of
+    the same values about 1 us."""
+    try:
+        hit = memo.get(others)
+    except TypeError:  # an unhashable argument: the key will not be usable either (launch_cached falls back)
+        hit = None
+        memo = None
+    if hit is not None:
+        return hit
+    out = list(others)
+    for j in classed:
+        out[j] = _int_class(out[j])
+    out = tuple(out)
+    if memo is not None:
+        if len(memo) >= CLASS_MEMO_LIMIT:
+            memo.clear()
+        memo[others] = out
+    return out
+
+
 def _key_and_pointers(args, kwargs, device: int, by_value: frozenset = frozenset()):
     """``(key, tensor positions, tensor data pointers)`` of a launch: see :func:`call_key`."""
     types = tuple(map(type, args))
     layout = _LAYOUTS.get((types, by_value))
     if layout is None:
         layout = _LAYOUTS[(types, by_value)] = _layout(types, by_value)
-    tensor_getter, other_getter, positions, classed = layout
+    tensor_getter, other_getter, positions, classed, memo = layout
     tensors = tensor_getter(args)
     pointers = [t.data_ptr() for t in tensors]
     others = other_getter(args)
     if classed:
-        others = list(others)
-        for j in classed:
-            others[j] = _int_class(others[j])
-        others = tuple(others)
+        others = _classed(others, classed, memo)
     key = (
         device,
         tuple(kwargs.items()),
         types,
         others,
-        *[(t.dtype, p & 15, t.is_cuda) for t, p in zip(tensors, pointers)],
+        tuple(map(_DTYPE_CUDA, tensors)),
+        tuple(map(_ALIGNMENT, pointers)),
     )
     return key, positions, pointers
 

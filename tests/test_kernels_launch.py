@@ -121,6 +121,35 @@ def test_call_key_is_at_least_as_fine_as_triton_specialisation():
     assert key((x, 17), {}, 0, frozenset({1})) == key((x, 17), {}, 0, frozenset({1}))
 
 
+def test_integer_classes_are_memoised_and_bounded(monkeypatch):
+    """The integer classes of a launch come from a per-layout memo of the raw values (a training shape repeats its
+    values at every step): a memoised key equals the key computed afresh, the memo holds at most
+    ``CLASS_MEMO_LIMIT`` entries, and an unhashable argument neither raises nor launches directly."""
+    monkeypatch.setattr(kernels_launch, "CLASS_MEMO_LIMIT", 4)
+    monkeypatch.setattr(kernels_launch, "_LAYOUTS", {})
+    x = torch.zeros(64)
+    values = [0, 1, 2, 3, 15, 16, 17, 32, -17, 2**31, 2**31 - 16, 2**63, 2**63 - 16]
+    memoised = {}
+    for _ in range(2):  # the second round reads the memo (or refills it after a clear)
+        for v in values:
+            memoised[v] = kernels_launch.call_key((x, v, 5), {}, 0)
+    (layout,) = kernels_launch._LAYOUTS.values()
+    assert 0 < len(layout[-1]) <= 4
+    for v in values:
+        kernels_launch._LAYOUTS.clear()
+        assert kernels_launch.call_key((x, v, 5), {}, 0) == memoised[v], v
+    assert memoised[17] == memoised[3]  # one class: neither 1 nor divisible by 16, i32
+    assert memoised[16] != memoised[17] and memoised[1] != memoised[16] and memoised[2**31] != memoised[2**31 - 16]
+
+
+def test_an_unhashable_argument_goes_through_run(jit):
+    fn, runs, launches = jit
+    x = torch.zeros(64)
+    for _ in range(2):
+        kernels_launch.launch_jit(fn, (1,), (x, 16, [0.5]), {"BLOCK": 32})
+    assert len(runs) == 2 and launches == []
+
+
 def test_call_key_classes_match_triton_specialisation():
     """:func:`kernels_launch._int_class` against triton's own specialisation of an integer argument: equal classes
     exactly where triton specialises equally."""
