@@ -752,15 +752,9 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
         pv,
     )
     strides = (
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
     )
     scalars = (
         heads,
@@ -858,7 +852,7 @@ def distance_forward(
     # (an allocator block's base), so every stride is a multiple of dv
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, 1)  # noqa: E731
     # LPART / EROW (split-K partials) are not written with SPLIT=False: lse stands in for them
-    args = (*tensors, out, lse, lse, lse, *strides, out.stride(0), out.stride(1), out.stride(2), *sstrides, *scalars)
+    args = (*tensors, out, lse, lse, lse, *strides, *out.stride()[:3], *sstrides, *scalars)
     flags = _flags(
         q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in,
         num_prefix_keys, tma, tma and (dv * out.element_size()) % 16 == 0,
@@ -1123,7 +1117,7 @@ def distance_decode(
     launch_jit(
         _decode_combine_kernel,
         (nq, bsz * heads),
-        (acc, mp, lp, erow, out, out.stride(0), out.stride(1), out.stride(2), heads, nq, n_split),
+        (acc, mp, lp, erow, out, *out.stride()[:3], heads, nq, n_split),
         {**combine, "SPLIT_PAD": max(2, next_pow2(n_split))},
     )
     return out
