@@ -1,0 +1,99 @@
+"""Host time of ``kernels_launch``'s launch key for the fused kernels' real arguments, on the CPU (no GPU needed).
+
+    PYTHONPATH=. python benchmarks/probe_launch_key.py [--call rbf_attention] [--reps 5000]
+
+``launch_tuned`` computes a key of every launch (``kernels_launch._key_and_pointers``: argument types, tensor dtypes,
+16-byte alignment and device, the specialisation class of each integer) to find the compiled kernel and launch it
+directly.  On the H200 host a whole ``launch_tuned`` took 0.07-0.14 ms, three per forward+backward
+(``benchmarks/results/h200-2026-11-29``, call 3).  This script runs one forward+backward of the call in Triton's
+interpreter, keeps the arguments of each ``launch_tuned``, then times the key alone (best of 7 rounds) and its
+dictionary lookup, per kernel.  The numbers scale with the host (the GPU machines' CPUs were 3-5x slower per
+operation than this project's), so compare them only within one run or against the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def captured_launches(call: str) -> list:
+    """``(kernel name, autotuned kernel, args, kwargs)`` of every ``launch_tuned`` in one forward+backward of ``call``
+    (a name of ``count_host_ops.make_calls``)."""
+    import torch
+
+    import count_host_ops
+    from hf_rbf import kernels_common, kernels_flash_bwd, kernels_flash_fwd, kernels_scalar_bwd, kernels_scalar_fwd
+
+    captured = []
+    original = kernels_common.launch_tuned
+
+    def keep(kernel, grid, *args, **kwargs):
+        fn = getattr(kernel, "fn", kernel)
+        captured.append((getattr(fn, "__name__", type(fn).__name__), kernel, args, kwargs))
+        return original(kernel, grid, *args, **kwargs)
+
+    modules = (kernels_flash_fwd, kernels_flash_bwd, kernels_scalar_fwd, kernels_scalar_bwd)
+    saved = [getattr(m, "launch_tuned", None) for m in modules]
+    for m in modules:
+        if hasattr(m, "launch_tuned"):
+            m.launch_tuned = keep
+    try:
+        fn, _ = count_host_ops.make_calls(1, 2, 20, 16, torch.float32, "cpu")[call]
+        out = fn()
+        out.backward(torch.ones_like(out))
+    finally:
+        for m, s in zip(modules, saved):
+            if s is not None:
+                m.launch_tuned = s
+    return captured
+
+
+def _by_value(kernel) -> frozenset:
+    """The positions of an autotuner's key arguments (keyed by value), as ``launch_cached`` computes them."""
+    names = set(getattr(kernel, "keys", ()) or ())
+    fn = getattr(kernel, "fn", kernel)
+    params = [p.name for p in getattr(fn, "params", [])] or list(inspect.signature(fn.fn).parameters)
+    return frozenset(i for i, name in enumerate(params) if name in names)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--call", default="rbf_attention", help="a count_host_ops.make_calls name")
+    p.add_argument("--reps", type=int, default=5000)
+    args = p.parse_args(argv)
+    from hf_rbf import kernels_launch
+
+    print(f"# Launch key per kernel ({args.call}; best of 7 rounds of {args.reps})")
+    print("| kernel | arguments | integers | keywords | key us | lookup us |")
+    print("|---|---|---|---|---|---|")
+    for name, kernel, a, kw in captured_launches(args.call):
+        by_value = _by_value(kernel)
+        key = kernels_launch._key_and_pointers(a, kw, 0, by_value)[0]
+        table = {key: None}
+        best_key = best_lookup = float("inf")
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(args.reps):
+                kernels_launch._key_and_pointers(a, kw, 0, by_value)
+            t1 = time.perf_counter()
+            for _ in range(args.reps):
+                table.get(key)
+            t2 = time.perf_counter()
+            best_key = min(best_key, (t1 - t0) / args.reps * 1e6)
+            best_lookup = min(best_lookup, (t2 - t1) / args.reps * 1e6)
+        ints = sum(type(x) is int for x in a)
+        print(f"| {name} | {len(a)} | {ints} | {len(kw)} | {best_key:.2f} | {best_lookup:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
