@@ -61,16 +61,13 @@ def main(argv=None) -> int:
 
     import profile_training as pt
 
-    hidden, layers, heads, inter, seq, batch = (int(x) for x in args.size.split(","))
-    size = dict(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=inter,
-        seq=seq,
-        batch=batch,
-    )
-    ids = torch.randint(0, 8192, (batch, seq), generator=torch.Generator().manual_seed(0)).to(args.device)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "seq", "batch")
+    values = [int(x) for x in args.size.split(",")]
+    if len(values) != len(keys):
+        p.error(f"--size takes {len(keys)} integers ({','.join(keys)}); got {args.size!r}")
+    size = dict(zip(keys, values))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 8192, (size["batch"], size["seq"]), generator=gen).to(args.device)
     mode = "compiled" if args.compile else "eager"
     print(f"# Saved for the backward: {mode}, size {size}, attention_backend {args.backend}, {args.device}")
     for variant in args.variants.split(";"):

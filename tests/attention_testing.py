@@ -43,6 +43,19 @@ GRAD_FLOOR = {torch.float64: 1e-10, torch.float32: 5e-5, torch.bfloat16: 64 * 2.
 LOW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def autograd_node_names(grad_fn) -> list[str]:
+    """The class names of ``grad_fn`` and every autograd node behind it (each node once)."""
+    seen, names, stack = set(), [], [grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return names
+
+
 def rel_err(got: torch.Tensor, ref: torch.Tensor, scale: float | None = None) -> float:
     """``||got - ref|| / max(||ref||, scale)`` in float64 (the plain difference norm when both are zero)."""
     got, ref = got.double(), ref.double()

@@ -65,25 +65,13 @@ def test_prefix_features_read_where_they_are(prefix_batch):
         torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-4 * rg.abs().max().item())
 
 
-def _graph_nodes(out):
-    """The names of every autograd node behind ``out``, and the nodes right behind its own."""
-    seen, stack, names = set(), [out.grad_fn], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(fn for fn, _ in node.next_functions)
-    return names, [fn for fn, _ in out.grad_fn.next_functions if fn is not None]
-
-
 def test_learnable_bandwidth_enters_the_fused_call_without_autograd_ops():
     """In eager training the learnable log-bandwidth goes into the fused call as it is: the call forms
     ``c = exp(-2 log sigma) / 2`` and its backward kernels write ``log sigma``'s gradient, so the graph of a GKA call
     holds the fused node and the leaves only (before: ``exp`` and two multiplications in front of it, three backward
     nodes and their ops per layer and step on the host).  The gradients match the float64 reference; without
     gradients (and under a ``query``-cache decode step) ``c`` is formed outside, as before."""
+    from attention_testing import autograd_node_names
     from hf_rbf.attention_gka import gka_attention
 
     g = torch.Generator().manual_seed(3)
@@ -97,8 +85,9 @@ def test_learnable_bandwidth_enters_the_fused_call_without_autograd_ops():
         log_sigma = ls64.to(DEVICE, torch.float32 if dtype == torch.float32 else dtype).requires_grad_()
         out = gka_attention(x, log_sigma, causal=True, window=11, eps=1e-6, backend=backend)
         if backend == "triton":
-            names, behind = _graph_nodes(out)
+            names = autograd_node_names(out.grad_fn)
             assert sorted(set(names)) == ["AccumulateGrad", "_DistanceFunctionBackward"], names
+            behind = [fn for fn, _ in out.grad_fn.next_functions if fn is not None]
             assert any(getattr(fn, "variable", None) is log_sigma for fn in behind)
         (out.double() * upstream).sum().backward()
         results[backend] = [out.detach().double().cpu(), x.grad.double().cpu(), log_sigma.grad.double().cpu()]

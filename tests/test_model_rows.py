@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_rbf
+from attention_testing import autograd_node_names
 from conftest import build_model
 from hf_rbf.modeling_decoder import DecoderRMSNorm, join_rows, split_rows
 
@@ -210,18 +211,6 @@ class _AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _graph_nodes(grad_fn) -> list[str]:
-    seen, names, stack = set(), [], [grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.append(type(fn).__name__)
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return names
-
-
 @pytest.mark.parametrize("family", ["rbf", "gka", "scalar_sort", "hybrid_sort"])
 def test_register_rows_split_off_and_joined_without_slices(family):
     """Text and register rows are split off the flat buffers (rows, head-major projections, norm variances) by one
@@ -231,7 +220,7 @@ def test_register_rows_split_off_and_joined_without_slices(family):
     model = build_model(family, {"num_register_tokens": 1}).train()  # a training step: no cache
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     loss = model(input_ids=ids, labels=ids).loss
-    nodes = _graph_nodes(loss.grad_fn)
+    nodes = autograd_node_names(loss.grad_fn)
     assert "SliceBackward0" not in nodes and "CopySlices" not in nodes, sorted(set(nodes))
     with _AtenOps() as ops:
         loss.backward()
