@@ -93,7 +93,9 @@ def _custom_op_args(*args):
     turned into ``c`` (recorded by autograd, as before the fused call took it)."""
     *args, a_log = args
     if a_log:
-        args[6] = 0.5 * torch.exp(-2.0 * args[6].float())
+        from hf_rbf.attention_distance_triton import inverse_two_variances
+
+        args[6] = inverse_two_variances(args[6])
     return args
 
 

@@ -119,6 +119,12 @@ def _contig(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def inverse_two_variances(log_sigma: Tensor) -> Tensor:
+    """``c_h = 1 / (2 sigma_h^2) = exp(-2 log sigma_h) / 2`` in float32: the distance form's coefficient of a per-head
+    log bandwidth (GKA), the same ops wherever it is formed (recorded by autograd or not), so the values agree."""
+    return 0.5 * torch.exp(-2.0 * log_sigma.float())
+
+
 def _forward_impl(
     q,
     k,
@@ -491,8 +497,8 @@ def _gradients(ctx, dout, run_backward):
     causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps, tau_in = ctx.flags
     need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
     need_ab = bool(need["a"] or need["b"])
-    # _DistanceFunction with a_log: `a` holds c_h = exp(-2 log sigma_h) / 2, formed from the input log sigma
-    a_log = getattr(ctx, "a_log", None)
+    # _DistanceFunction with a_log: `a` holds c_h, formed from the input log sigma, whose dtype this is
+    a_log_dtype = getattr(ctx, "a_log_dtype", None)
     dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv = run_backward(
         dout,
         q,
@@ -520,7 +526,7 @@ def _gradients(ctx, dout, run_backward):
         need_ab,
         bool(need["key_log_weights"]),
         tau_in,
-        **({} if a_log is None else {"a_log": True}),
+        **({} if a_log_dtype is None else {"a_log": True}),  # (the custom ops take no a_log)
     )
     grads = {"q": dq, "k": dk, "v": None if kv_same else dv}
     if pk is not None:
@@ -530,7 +536,7 @@ def _gradients(ctx, dout, run_backward):
         # dab [2, H]: the per-head sums of the dot and norm terms, reduced by distance_backward ([1, H]: the
         # distance form's one coefficient)
         da_db = dab.unbind(0)
-        grads["a"] = da_db[0].to(a.dtype if a_log is None else a_log) if need["a"] else None
+        grads["a"] = da_db[0].to(a.dtype if a_log_dtype is None else a_log_dtype) if need["a"] else None
         grads["b"] = da_db[1].to(b.dtype) if need["b"] else None
     if need["key_log_weights"]:
         grads["key_log_weights"] = _reduce_to(dkb, ctx.klw_shape).to(ctx.klw_dtype)
@@ -712,12 +718,12 @@ class _DistanceFunction(torch.autograd.Function):
         formed here, where no autograd graph is recorded, and the backward kernels write ``log sigma``'s gradient
         (``dc / dlog sigma = -2 c_h`` applied per row).  Against the same three ops recorded by autograd in front of
         the call, that leaves out three backward nodes and their ops per layer (host time; the values are the same:
-        the ops and their order are those of ``attention_gka._inverse_two_variances``)."""
+        the ops and their order are those of :func:`inverse_two_variances`)."""
         *args, a_log = args
         if a_log:
             log_sigma = args[6]
-            args[6] = 0.5 * torch.exp(-2.0 * log_sigma.float())
-            ctx.a_log = log_sigma.dtype
+            args[6] = inverse_two_variances(log_sigma)
+            ctx.a_log_dtype = log_sigma.dtype
         out, lse, kb = _forward_impl(*args)
         q, k, v, qs, ks, beta, a, b, klw, _am, pk, pv = args[:12]
         ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, pk, pv)
@@ -968,7 +974,7 @@ def distance_attention(
     if needs_grad and not compiling:
         return _DistanceFunction.apply(*args, a_log)
     if a_log:  # (traced, or no gradients) c_h formed first, as gka_attention_triton does without a_log
-        args = args[:6] + (0.5 * torch.exp(-2.0 * a.float()),) + args[7:]
+        args = args[:6] + (inverse_two_variances(a),) + args[7:]
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
         return distance_decode_op(*args) if compiling else _decode_impl(*args)
     if compiling:

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from .attention_distance_triton import distance_attention, distance_reason
+from .attention_distance_triton import distance_attention, distance_reason, inverse_two_variances
 from .attention_flex_utils import bias_score_mod, flex_reason, key_bias, run_flex_prepared, zero_rows_without_live_keys
 from .attention_sdpa_utils import ScoreFeatures, padded_sdpa, sdpa_reason
 from .attention_utils import (
@@ -341,13 +341,13 @@ def _inverse_two_variances(log_sigma: torch.Tensor) -> torch.Tensor:
     every in-place write: an optimiser step, ``load_state_dict``): a model passes its parameter, the same at every
     decode step, where the three ops per layer and step computed the same values again.  Only ever read."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or not parameter_values_keepable(log_sigma.device):
-        return 0.5 * torch.exp(-2.0 * log_sigma.float())
+        return inverse_two_variances(log_sigma)
     state = (log_sigma._version, log_sigma.data_ptr(), log_sigma.dtype, log_sigma.device, tuple(log_sigma.shape))
     kept = _INVERSE_TWO_VARIANCES.get(id(log_sigma))
     if kept is None or kept[0]() is not log_sigma or kept[1] != state:
         if len(_INVERSE_TWO_VARIANCES) >= 256:
             _INVERSE_TWO_VARIANCES.clear()
-        c = 0.5 * torch.exp(-2.0 * log_sigma.float())
+        c = inverse_two_variances(log_sigma)
         # (a weak reference: the entry neither keeps a deleted model's parameter alive nor outlives it by its id)
         kept = _INVERSE_TWO_VARIANCES[id(log_sigma)] = (weakref.ref(log_sigma), state, c)
     return kept[2]
@@ -365,7 +365,7 @@ def gka_attention_triton(query, x, log_sigma, eps: float, mask: MaskArgs, prefix
     elif isinstance(log_sigma, torch.Tensor):
         c = _inverse_two_variances(log_sigma)
     else:
-        c = 0.5 * torch.exp(-2.0 * constant_vector(float(log_sigma), (heads,), x.device))
+        c = inverse_two_variances(constant_vector(float(log_sigma), (heads,), x.device))
     return distance_attention(
         query,
         x,
