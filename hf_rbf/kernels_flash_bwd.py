@@ -44,7 +44,8 @@ from .kernels_common import (
     shared_memory_fits,
     wrap_triton,
 )
-from .kernels_flash_fwd import prefix_args
+from .kernels_flash_fwd import launch_inputs, prefix_args
+from .kernels_launch import direct_plan, keep_plan, launch_plan, plan_allowed, tensor_signature
 
 if HAS_TRITON:
     import triton
@@ -1128,6 +1129,15 @@ if HAS_TRITON:
     )
 
 
+def backward_plan_key(tensors, kb, qs, b, prefix, dbeta, device, *options):
+    """``(key, addresses)`` of a backward's two launches (see ``kernels_flash_fwd.forward_plan_key``): the signature
+    of every tensor either launch takes (inputs and fresh outputs), which are absent, the device, ``options`` (the
+    flags of :func:`distance_backward` the launches read) and tf32."""
+    signature, pointers = tensor_signature(tensors)
+    absent = (kb is None, qs is None, b is None, prefix is None, dbeta is None)
+    return (signature, device, absent, options, dot_precision(tensors[0].dtype)), pointers
+
+
 def distance_backward(
     dout,
     q,
@@ -1229,136 +1239,148 @@ def distance_backward(
             dpv = None if kv_same else torch.zeros_like(prefix[1])
         outs = (dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv)
         return tuple(None if t is None else t.zero_() for t in outs)
-    pk, pv, sprefix = prefix_args(prefix, k, v, bsz)
-    dummy = a
-    if scalar:
-        sqs = bcast_strides(qs, (bsz, heads, nq))
-        sks = bcast_strides(ks, (bsz, heads, nk))
-        sbeta = bcast_strides(beta, (bsz, heads, nq))
-    else:
-        sqs = sks = sbeta = (0, 0, 0)
-    ins = (
-        q,
-        k,
-        v,
-        kb if kb is not None else dummy,
-        qs if scalar else dummy,
-        ks if scalar else dummy,
-        beta if scalar else dummy,
-        a,
-        a if b is None else b,
-        pk,
-        pv,
-        dout,
-        lse,
-        work,
-    )
-    strides = (
-        (
-            *q.stride()[:3],
-            *k.stride()[:3],
-            *v.stride()[:3],
-            *dout.stride()[:3],
-        )
-        + sqs
-        + sks
-        + sbeta
-        + sprefix
-    )
-    common = {
-        "D_PAD": padded_dim(d),
-        "DV_PAD": padded_dim(dv_dim),
-        "CAUSAL": causal,
-        "HAS_WINDOW": window is not None,
-        "HAS_KB": kb is not None,
-        "KNORM_INLINE": (knorm and kb is None) if knorm_inline is None else knorm_inline,
-        "SCALAR": scalar,
-        "TAU_IN": scalar and tau_in,
-        "NORMALIZE": normalize,
-        "KV_SAME": kv_same,
-        "SEP_PREFIX": prefix is not None,
-        "TIED": b is None,
-        "A_LOG": b is None and a_log,
-        "DOT_PREC": dot_precision(q.dtype),
-    }
-    hpg = heads // groups
-    nb = n_bucket(max(nq, nk))
-    planes = planes_bucket(bsz * heads)
-    need_dbeta = dbeta is not None
-    grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
-    args_q = (
-        *ins,
-        out,
-        dq,
-        dqs if scalar else dummy,
-        dbeta if need_dbeta else dummy,
-        *strides,
-        *dq.stride()[:3],
-        *out.stride()[:3],
-        heads,
-        hpg,
-        nq,
-        nk,
-        num_prefix_keys,
-        window or 0,
-        math.log2(eps) if eps > 0 else 0.0,
-        nb,
-        planes,
-    )
-    kw_q = dict(
-        D=d,
-        DV=dv_dim,
-        QNORM=qnorm,
-        HAS_EPS=normalize and eps > 0,
-        NEED_DBETA=need_dbeta,
-        **common,
-    )
-    if traced:
-        wrap_triton(_distance_bwd_dq)[grid_q](*args_q, **kw_q)
-    else:
-        launch_tuned(_distance_bwd_dq, grid_q, *args_q, **kw_q)
-    grid_kv = lambda meta: (  # noqa: E731
-        triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
-        bsz * groups,
-    )
     dvt = dv if not kv_same else dk
-    args_kv = (
-        *ins,
+    ins = (*launch_inputs(q, k, v, kb, qs, ks, beta, a, b, prefix), dout, lse, work)
+    outs_q = (out, dq, dqs if scalar else a, dbeta if dbeta is not None else a)
+    outs_kv = (
         dk,
         dvt,
-        dkb if store_dkb else dummy,
-        dks if scalar else dummy,
-        dpk if dpk is not None else dummy,
-        dpv if dpv is not None else dummy,
-        *strides,
-        *dk.stride()[:3],
-        *dvt.stride()[:3],
-        heads,
-        hpg,
-        nq,
-        nk,
-        num_prefix_keys,
-        window or 0,
-        nb,
-        planes,
+        dkb if store_dkb else a,
+        dks if scalar else a,
+        dpk if dpk is not None else a,
+        dpv if dpv is not None else a,
     )
-    kw_kv = dict(
-        D=d,
-        DV_=dv_dim,
-        KNORM=knorm,
-        KEY_BIAS=kb is not None or knorm,  # a key-bias term in the scores (loaded, inline, or both)
-        STORE_DKB=store_dkb,
-        # a beta per query (else one per head, e.g. the hybrid's per-head tau: formed once per head, not per tile)
-        BETA_ROWS=bool(scalar and nq > 1 and sbeta[2] != 0),
-        **common,
-    )
-    if traced:
-        wrap_triton(_distance_bwd_dkdv)[grid_kv](*args_kv, **kw_kv)
+    args_q_t, args_kv_t = ins + outs_q, ins + outs_kv  # the tensors of each launch, in its order
+    plan_key = None
+    planned = None
+    if not traced:  # a call signature launched before: its plans (see kernels_launch.direct_plan; GPU only)
+        device = torch.cuda.current_device() if q.is_cuda else -1
+        plan_key, pointers = backward_plan_key(
+            ins + outs_q + outs_kv, kb, qs, b, prefix, dbeta, device,
+            causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps, store_dkb, knorm_inline, tau_in,
+            a_log,
+        )  # fmt: skip
+        planned = _BWD_PLANS.get(plan_key) if q.is_cuda else None
+        if planned is not None and not (plan_allowed(planned[0]) and plan_allowed(planned[1])):
+            planned = None
+    if planned is not None:
+        n_in = len(ins)
+        launch_plan(planned[0], pointers[: n_in + len(outs_q)], device)
+        launch_plan(planned[1], pointers[:n_in] + pointers[n_in + len(outs_q) :], device)
     else:
-        launch_tuned(_distance_bwd_dkdv, grid_kv, *args_kv, **kw_kv)
+        _, _, sprefix = prefix_args(prefix, k, v, bsz)
+        if scalar:
+            sqs = bcast_strides(qs, (bsz, heads, nq))
+            sks = bcast_strides(ks, (bsz, heads, nk))
+            sbeta = bcast_strides(beta, (bsz, heads, nq))
+        else:
+            sqs = sks = sbeta = (0, 0, 0)
+        strides = (
+            (
+                *q.stride()[:3],
+                *k.stride()[:3],
+                *v.stride()[:3],
+                *dout.stride()[:3],
+            )
+            + sqs
+            + sks
+            + sbeta
+            + sprefix
+        )
+        common = {
+            "D_PAD": padded_dim(d),
+            "DV_PAD": padded_dim(dv_dim),
+            "CAUSAL": causal,
+            "HAS_WINDOW": window is not None,
+            "HAS_KB": kb is not None,
+            "KNORM_INLINE": (knorm and kb is None) if knorm_inline is None else knorm_inline,
+            "SCALAR": scalar,
+            "TAU_IN": scalar and tau_in,
+            "NORMALIZE": normalize,
+            "KV_SAME": kv_same,
+            "SEP_PREFIX": prefix is not None,
+            "TIED": b is None,
+            "A_LOG": b is None and a_log,
+            "DOT_PREC": dot_precision(q.dtype),
+        }
+        hpg = heads // groups
+        nb = n_bucket(max(nq, nk))
+        planes = planes_bucket(bsz * heads)
+        grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
+        args_q = (
+            *ins,
+            *outs_q,
+            *strides,
+            *dq.stride()[:3],
+            *out.stride()[:3],
+            heads,
+            hpg,
+            nq,
+            nk,
+            num_prefix_keys,
+            window or 0,
+            math.log2(eps) if eps > 0 else 0.0,
+            nb,
+            planes,
+        )
+        kw_q = dict(
+            D=d,
+            DV=dv_dim,
+            QNORM=qnorm,
+            HAS_EPS=normalize and eps > 0,
+            NEED_DBETA=dbeta is not None,
+            **common,
+        )
+        if traced:
+            wrap_triton(_distance_bwd_dq)[grid_q](*args_q, **kw_q)
+        else:
+            launch_tuned(_distance_bwd_dq, grid_q, *args_q, **kw_q)
+            plan_q = None if plan_key is None else direct_plan(_distance_bwd_dq, grid_q, args_q, kw_q, len(args_q_t))
+        grid_kv = lambda meta: (  # noqa: E731
+            triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
+            bsz * groups,
+        )
+        args_kv = (
+            *ins,
+            *outs_kv,
+            *strides,
+            *dk.stride()[:3],
+            *dvt.stride()[:3],
+            heads,
+            hpg,
+            nq,
+            nk,
+            num_prefix_keys,
+            window or 0,
+            nb,
+            planes,
+        )
+        kw_kv = dict(
+            D=d,
+            DV_=dv_dim,
+            KNORM=knorm,
+            KEY_BIAS=kb is not None or knorm,  # a key-bias term in the scores (loaded, inline, or both)
+            STORE_DKB=store_dkb,
+            # a beta per query (else one per head, e.g. the hybrid's per-head tau: formed once per head, not per tile)
+            BETA_ROWS=bool(scalar and nq > 1 and sbeta[2] != 0),
+            **common,
+        )
+        if traced:
+            wrap_triton(_distance_bwd_dkdv)[grid_kv](*args_kv, **kw_kv)
+        else:
+            launch_tuned(_distance_bwd_dkdv, grid_kv, *args_kv, **kw_kv)
+            plan_kv = None
+            if plan_key is not None:
+                plan_kv = direct_plan(_distance_bwd_dkdv, grid_kv, args_kv, kw_kv, len(args_kv_t))
+            if plan_q is not None and plan_kv is not None:
+                keep_plan(_BWD_PLANS, plan_key, (plan_q, plan_kv))
     # the tied form (b None) has its one coefficient's terms in row 0 alone
     dab = work[: 1 if b is None else 2].sum(dim=(1, 3)) if need_ab else None
     if prefix is not None and shared:
         dpk = dpk.sum(0, keepdim=True).to(prefix[0].dtype)
         dpv = None if dpv is None else dpv.sum(0, keepdim=True).to(prefix[1].dtype)
     return dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv
+
+
+# call signature -> (kernels_launch.direct_plan of the dQ launch, of the dK/dV launch)
+_BWD_PLANS: dict = {}

@@ -51,7 +51,7 @@ from .kernels_common import (
     tma_unavailable_reason,
     wrap_triton,
 )
-from .kernels_launch import launch_jit
+from .kernels_launch import direct_plan, keep_plan, launch_jit, launch_plan, plan_allowed, tensor_signature
 
 logger = logging.getLogger(__name__)
 
@@ -724,33 +724,49 @@ def prefix_args(prefix, k, v, bsz: int):
     return pk, pv, spk + spv
 
 
+def launch_inputs(q, k, v, kb, qs, ks, beta, a, b, prefix) -> tuple:
+    """The input tensors of a forward or backward launch, in the kernels' order ``Q, K, V, KB, QS, KS, BETA, A, B,
+    PK, PV``: ``a`` stands in for an absent key bias, scalar term or ``b`` (the tied form reads only A), the sequence
+    keys / values for an absent separate prefix (unread placeholders)."""
+    pk, pv = (k, v) if prefix is None else prefix
+    return (
+        q,
+        k,
+        v,
+        kb if kb is not None else a,
+        qs if qs is not None else a,
+        ks if ks is not None else a,
+        beta if beta is not None else a,
+        a,
+        a if b is None else b,
+        pk,
+        pv,
+    )
+
+
+def forward_plan_key(q, k, v, kb, qs, ks, beta, a, b, prefix, device, *options):
+    """``(key, input addresses)`` of a training forward launch: the inputs' :func:`kernels_launch.tensor_signature`,
+    which of them are absent, the current device, ``options`` (every other argument of :func:`distance_forward` but
+    ``traced``), the TMA setting and tf32 (``dot_precision``): everything its launch is computed from but the
+    addresses (``tests/test_kernels_launch.py`` checks that equal keys mean equal launches)."""
+    signature, pointers = tensor_signature(launch_inputs(q, k, v, kb, qs, ks, beta, a, b, prefix))
+    absent = (kb is None, qs is None, ks is None, beta is None, b is None, prefix is None)
+    return (signature, device, absent, options, TMA_MODE, dot_precision(q.dtype)), pointers
+
+
 def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix=None):
     bsz, heads, nq, d = q.shape
     # with separate prefix tensors, k / v hold the sequence keys only
     nk = k.shape[2] + (num_prefix_keys if prefix is not None else 0)
     groups, dv = v.shape[1], v.shape[3]
-    dummy = a
-    pk, pv, sprefix = prefix_args(prefix, k, v, bsz)
-    b = a if b is None else b  # the tied form reads only A
+    _, _, sprefix = prefix_args(prefix, k, v, bsz)
     if qs is not None:
         sqs = bcast_strides(qs, (bsz, heads, nq))
         sks = bcast_strides(ks, (bsz, heads, nk))
         sbeta = bcast_strides(beta, (bsz, heads, nq))
     else:
         sqs = sks = sbeta = (0, 0, 0)
-    tensors = (
-        q,
-        k,
-        v,
-        kb if kb is not None else dummy,
-        qs if qs is not None else dummy,
-        ks if ks is not None else dummy,
-        beta if beta is not None else dummy,
-        a,
-        b,
-        pk,
-        pv,
-    )
+    tensors = launch_inputs(q, k, v, kb, qs, ks, beta, a, b, prefix)
     strides = (
         *q.stride()[:3],
         *k.stride()[:3],
@@ -840,6 +856,24 @@ def distance_forward(
     .distance_fwd_t``, fake tensors): the launch goes through ``wrap_triton`` (Inductor launches the kernel from its
     generated code) and the TMA check reads no data pointer.
     """
+    plan_key = None
+    if not traced:  # a call signature launched before: its plan (see kernels_launch.direct_plan; GPU only)
+        device = torch.cuda.current_device() if q.is_cuda else -1
+        plan_key, pointers = forward_plan_key(
+            q, k, v, kb, qs, ks, beta, a, b, prefix, device,
+            causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps, knorm_inline, tau_in, tma,
+        )  # fmt: skip
+        planned = _FWD_PLANS.get(plan_key) if q.is_cuda else None
+        if planned is not None and plan_allowed(planned[0]):
+            plan, uses_tma = planned
+            out = torch.empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3], device=q.device, dtype=q.dtype)
+            lse = torch.empty(q.shape[0], q.shape[1], q.shape[2], device=q.device, dtype=torch.float32)
+            p_out, p_lse = out.data_ptr(), lse.data_ptr()
+            if not (p_out | p_lse) & 15:  # (fresh blocks always are: the signature assumes it)
+                if uses_tma:
+                    ensure_tma_allocator()
+                launch_plan(plan, pointers + [p_out, p_lse, p_lse, p_lse], device)
+                return out, lse
     bsz, heads, nq, nk, d, dv, tensors, strides, sstrides, scalars = _launch_args(
         q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix
     )
@@ -858,11 +892,20 @@ def distance_forward(
         num_prefix_keys, tma, tma and (dv * out.element_size()) % 16 == 0,
         beta_head=qs is not None and bcast_strides(beta, (bsz, heads, nq))[2] == 0,
     )
+    kwargs = {"SPLIT": False, **flags}
     if traced:
-        wrap_triton(_distance_fwd)[grid](*args, SPLIT=False, **flags)
-    else:
-        launch_tuned(_distance_fwd, grid, *args, SPLIT=False, **flags)
+        wrap_triton(_distance_fwd)[grid](*args, **kwargs)
+        return out, lse
+    launch_tuned(_distance_fwd, grid, *args, **kwargs)
+    if plan_key is not None:
+        plan = direct_plan(_distance_fwd, grid, args, kwargs, len(tensors) + 4)  # the inputs, out, lse three times
+        if plan is not None:
+            keep_plan(_FWD_PLANS, plan_key, (plan, tma))
     return out, lse
+
+
+# call signature -> (kernels_launch.direct_plan, TMA descriptors used) of the training forward
+_FWD_PLANS: dict = {}
 
 
 def _tma_setting(value: str):
@@ -1070,8 +1113,7 @@ def distance_decode(
     out = torch.empty(bsz, heads, nq, dv, device=q.device, dtype=q.dtype)
     if nq == 0:
         return out
-    dummy = a
-    pk, pv, sprefix = prefix_args(prefix, k, v, bsz)
+    _, _, sprefix = prefix_args(prefix, k, v, bsz)
     if qs is not None:
         sscalar = bcast_strides(qs, (bsz, heads, nq)) + bcast_strides(ks, (bsz, heads, nk))
         sscalar += bcast_strides(beta, (bsz, heads, nq))
@@ -1084,17 +1126,7 @@ def distance_decode(
     launch_tuned(
         _distance_decode,
         grid,
-        q,
-        k,
-        v,
-        kb if kb is not None else dummy,
-        qs if qs is not None else dummy,
-        ks if ks is not None else dummy,
-        beta if beta is not None else dummy,
-        a,
-        a if b is None else b,  # the tied form reads only A
-        pk,
-        pv,
+        *launch_inputs(q, k, v, kb, qs, ks, beta, a, b, prefix),
         acc,
         mp,
         lp,

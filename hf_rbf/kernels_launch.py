@@ -298,3 +298,70 @@ def launch_cached(owner, fn, grid, args, kwargs, through_triton):
         *tail,
     )
     return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launch plans: a fused call's whole preparation, kept per call signature
+# --------------------------------------------------------------------------------------------------------------------
+# A direct launch still pays for the preparation in front of it at every call: the broadcast strides, the argument
+# tuples, the constexpr dict, the TMA check, then the launch key over 50-60 arguments (5-17 us on the H200 host,
+# ``benchmarks/probe_launch_key.py --device cuda``).  Everything but the tensors' addresses is a function of the
+# tensors' shapes, strides, dtypes and alignment and of the call's flags, so a caller keeps, per such signature
+# (``tensor_signature`` plus its flags), what :func:`direct_plan` takes from the launch it prepared the long way: the
+# compiled launcher, the grid and every non-tensor argument.  A call with a known signature then only reads its
+# tensors' addresses and launches (:func:`launch_plan`).  The signature is at least as fine as the launch key of
+# :func:`launch_cached` (the same dtypes, alignment and GPU flags, and the shapes and strides that every integer
+# argument is computed from), so a plan launches what the long way would launch.
+
+PLAN_LIMIT = 512  # signatures kept per dict of plans (a model has a few per kernel); emptied when full
+_DATA_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
+_META = operator.attrgetter("shape", "dtype", "is_cuda")
+
+
+def tensor_signature(tensors) -> tuple[tuple, list[int]]:
+    """``(signature, data pointers)`` of the tensors a launch takes: their shapes, dtypes, being on a GPU, strides
+    and 16-byte alignment (the part of a plan's key that the tensors give), and their addresses for the launch."""
+    pointers = list(map(_DATA_PTR, tensors))
+    return (tuple(map(_META, tensors)), tuple(map(_STRIDE, tensors)), tuple(map(_ALIGNMENT, pointers))), pointers
+
+
+def direct_plan(kernel, grid, args, kwargs, n_tensors: int):
+    """What :func:`launch_plan` needs to launch this call again with other tensors of the same signature: ``(JIT
+    function, launcher, CUDA function, packed metadata, grid x, y, z, every argument after the first n_tensors)``,
+    or None while the call has no direct-launch entry yet (its first launch through the autotuner, direct launches
+    off, a launch hook installed) or its first ``n_tensors`` arguments are not exactly its tensors.  Call it right
+    after launching ``kernel[grid](*args, **kwargs)`` through :func:`launch_jit` / ``launch_tuned``."""
+    fn = kernel if getattr(kernel, "configs", None) is None else kernel.fn  # an autotuner's JIT function
+    cache = kernel.__dict__.get("_hf_rbf_direct")
+    if not cache or not _enabled() or _hooks_installed(fn):
+        return None
+    by_value = kernel.__dict__.get("_hf_rbf_by_value") or frozenset()
+    key, positions, _ = _key_and_pointers(args, kwargs, torch.cuda.current_device(), by_value)
+    entry = cache.get(key)
+    if entry is None or positions != tuple(range(n_tensors)):
+        return None
+    launcher, function, packed_metadata, tail, launched_kwargs = entry
+    g = tuple(grid(launched_kwargs) if callable(grid) else grid) + (1, 1)
+    return (fn, launcher, function, packed_metadata, g[0], g[1], g[2], tuple(args[n_tensors:]) + tail)
+
+
+def plan_allowed(plan) -> bool:
+    """Whether a :func:`direct_plan` may be launched now: direct launches on and no launch hook installed (else the
+    caller takes the long way, which goes through triton)."""
+    return _enabled() and not _hooks_installed(plan[0])
+
+
+def launch_plan(plan, pointers, device: int) -> None:
+    """Launch a :func:`direct_plan` (:func:`plan_allowed` checked) with these tensor addresses, in the order of the
+    planned call's tensors, on the current stream of ``device``."""
+    _, launcher, function, packed_metadata, gx, gy, gz, fixed = plan
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    launcher(gx, gy, gz, stream, function, packed_metadata, None, None, None, *pointers, *fixed)
+
+
+def keep_plan(plans: dict, key, plan) -> None:
+    """``plans[key] = plan``, the dict emptied first when it holds ``PLAN_LIMIT`` plans."""
+    if len(plans) >= PLAN_LIMIT:
+        plans.clear()
+    plans[key] = plan

@@ -262,13 +262,152 @@ def test_tail_names_a_missing_parameter():
     assert inspect.Parameter.empty is not False
 
 
+def test_a_plan_launches_the_recorded_launch_with_other_addresses(jit):
+    """``direct_plan`` keeps what the repeat of a launch passes but the tensors' addresses; ``launch_plan`` calls the
+    launcher with the addresses of other tensors of the same signature and everything else as recorded."""
+    fn, runs, launches = jit
+    x, y = torch.zeros(64), torch.ones(64)
+    grid = lambda meta: (triton.cdiv(100, meta["BLOCK"]), 3)  # noqa: E731
+    kwargs = {"BLOCK": 32, "num_warps": 4}
+    assert kernels_launch.direct_plan(fn, grid, (x, 100, 0.5), kwargs, 1) is None  # never launched: no entry
+    kernels_launch.launch_jit(fn, grid, (x, 100, 0.5), kwargs)
+    plan = kernels_launch.direct_plan(fn, grid, (x, 100, 0.5), kwargs, 1)
+    assert plan is not None and kernels_launch.plan_allowed(plan)
+    assert kernels_launch.direct_plan(fn, grid, (x, 100, 0.5), kwargs, 2) is None  # argument 1 is no tensor
+    kernels_launch.launch_plan(plan, [y.data_ptr()], 0)
+    assert len(runs) == 1
+    assert launches == [(4, 3, 1, 77, 1234, ("meta",), None, None, None, y.data_ptr(), 100, 0.5, 32, False)]
+
+
+def test_plans_stay_out_of_the_way(jit, monkeypatch):
+    """No plan is launched with direct launches off or a launch hook installed, and none is made then; the dict of
+    plans is bounded."""
+    fn, runs, launches = jit
+    x = torch.zeros(64)
+    kernels_launch.launch_jit(fn, (1,), (x, 100, 0.5), {"BLOCK": 32})
+    plan = kernels_launch.direct_plan(fn, (1,), (x, 100, 0.5), {"BLOCK": 32}, 1)
+    assert plan[4:7] == (1, 1, 1)  # a tuple grid, padded
+    fn.pre_run_hooks = [lambda *a, **k: None]
+    assert not kernels_launch.plan_allowed(plan)
+    assert kernels_launch.direct_plan(fn, (1,), (x, 100, 0.5), {"BLOCK": 32}, 1) is None
+    fn.pre_run_hooks = []
+    monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", False)
+    monkeypatch.setattr(kernels_launch, "direct_launch_state", lambda: "off")
+    assert not kernels_launch.plan_allowed(plan)
+    assert kernels_launch.direct_plan(fn, (1,), (x, 100, 0.5), {"BLOCK": 32}, 1) is None
+    monkeypatch.setattr(kernels_launch, "PLAN_LIMIT", 3)
+    plans = {}
+    for i in range(7):
+        kernels_launch.keep_plan(plans, i, plan)
+    assert 0 < len(plans) <= 3 and 6 in plans
+
+
+def _launch_record(kernel, grid, args, kwargs, n_tensors):
+    """What a launch passes but the tensors' addresses: a stand-in for ``direct_plan`` on the CPU."""
+    tensors = args[:n_tensors]
+    assert all(isinstance(t, torch.Tensor) for t in tensors)
+    assert not any(isinstance(x, torch.Tensor) for x in args[n_tensors:])
+    meta = tuple((t.dtype, t.data_ptr() % 16) for t in tensors)
+    g = grid({"BLOCK_M": 16, "BLOCK_N": 32}) if callable(grid) else grid
+    return (kernel.fn.__name__, tuple(g), meta, args[n_tensors:], tuple(kwargs.items()))
+
+
+def _plan_cases():
+    """Calls of the fused forward that differ in one thing each (shape, stride, offset, dtype, flag, optional
+    input): ``name -> make()``, where ``make`` builds fresh random inputs and the keywords."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def make(n=20, d=16, dtype=torch.float32, qview=None, b=True, scalar=None, kb=False, prefix=False, **flags):
+        bsz, h = 2, 2
+        q = t(bsz, h, n, d, dtype=dtype)
+        if qview == "transposed":
+            q = t(bsz, n, h, d, dtype=dtype).transpose(1, 2)
+        elif qview == "offset":
+            q = t(bsz, h, n, d + 1, dtype=dtype)[..., 1:]
+        k, v = t(bsz, h, n, d, dtype=dtype), t(bsz, h, n, d, dtype=dtype)
+        if flags.get("kv_same"):
+            v = k
+        p = 2 if prefix else 0
+        args = dict(q=q, k=k, v=v, kb=t(bsz, h, n + p) if kb else None, qs=None, ks=None, beta=None)
+        if scalar is not None:
+            args.update(qs=t(bsz, h, n), ks=t(bsz, h, n + p), beta=t(bsz, h, n) if scalar == "rows" else t(1, h, 1))
+        args.update(a=t(h), b=t(h) if b else None)
+        kw = dict(causal=True, window=None, num_prefix_keys=p, normalize=True, qnorm=True, kv_same=False, eps=0.0)
+        kw.update(flags)
+        if prefix:
+            kw["prefix"] = (t(1, h, p, d, dtype=dtype), t(1, h, p, d, dtype=dtype))
+        return args, kw
+
+    cases = {
+        "base": {},
+        "n21": {"n": 21},
+        "d24": {"d": 24},
+        "bf16": {"dtype": torch.bfloat16},
+        "full": {"causal": False},
+        "window5": {"window": 5},
+        "window7": {"window": 7},
+        "eps-small": {"eps": 1e-6},
+        "eps-large": {"eps": 0.05},
+        "unnormalized": {"normalize": False},
+        "no-qnorm": {"qnorm": False},
+        "tied": {"b": False},
+        "kv-same": {"kv_same": True},
+        "transposed-q": {"qview": "transposed"},
+        "offset-q": {"qview": "offset"},
+        "scalar-head": {"scalar": "head"},
+        "scalar-rows": {"scalar": "rows"},
+        "scalar-tau": {"scalar": "head", "tau_in": True},
+        "key-bias": {"kb": True},
+        "key-bias-inline": {"kb": True, "knorm_inline": True},
+        "prefix": {"prefix": True},
+        "pointer-loads": {"tma": False},
+    }
+    return {name: (lambda c=c: make(**c)) for name, c in cases.items()}
+
+
+def test_equal_plan_keys_mean_equal_launches(monkeypatch):
+    """The plan key of the fused forward and backward (``forward_plan_key`` / ``backward_plan_key``) holds everything
+    the launches are computed from: over calls that differ in one shape, stride, offset, dtype, flag or optional
+    input each, and repeats of each with other tensors, every key maps to one launch (non-tensor arguments,
+    keywords, grid, tensor dtypes and alignment).  A key missing any of these maps two launches.  (CPU: the launches
+    are recorded, not run.)"""
+    from hf_rbf import kernels_flash_bwd, kernels_flash_fwd
+
+    recorded = []
+    for mod in (kernels_flash_fwd, kernels_flash_bwd):
+        monkeypatch.setattr(mod, "launch_tuned", lambda *a, **k: None)
+        monkeypatch.setattr(mod, "direct_plan", _launch_record)
+        monkeypatch.setattr(mod, "keep_plan", lambda plans, key, plan: recorded.append((key, plan)))
+    keys, forward_keys = {}, set()
+    for name, make in _plan_cases().items():
+        for _ in range(2):
+            args, kw = make()
+            out, lse = kernels_flash_fwd.distance_forward(**args, **kw)
+            backward_kw = {k: v for k, v in kw.items() if k != "tma"}  # (the backward reads pointers only)
+            kernels_flash_bwd.distance_backward(
+                torch.randn_like(out), **args, out=out, lse=lse, need_dbeta=args["qs"] is not None, knorm=True,
+                **backward_kw,
+            )
+            assert len(recorded) == 2, name  # the forward's plan, the backward's pair
+            for key, plan in recorded:
+                first, first_plan = keys.setdefault(key, (name, plan))
+                assert first_plan == plan, f"{name} and {first}: one key, two launches"
+            forward_keys.add(recorded[0][0])
+            recorded.clear()
+    # every case is its own forward signature (the backward has no TMA choice: pointer-loads shares base's)
+    assert len(forward_keys) == len(_plan_cases()) and len(keys) == 2 * len(_plan_cases()) - 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: compiled kernels")
 def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
     """rbf / GKA / hybrid / scalar forward+backward on the fused kernels: the first call goes through triton, the
     repeats through the direct path; results equal (bitwise) those with the direct path off."""
     from hf_rbf import gka_attention, hybrid_attention, rbf_attention, scalar_attention
-    from hf_rbf import kernels_common
+    from hf_rbf import kernels_common, kernels_flash_bwd, kernels_flash_fwd
 
     if kernels_launch.direct_launch_state() is not None:
         pytest.skip(f"direct launches not available: {kernels_launch.direct_launch_state()}")
@@ -276,28 +415,43 @@ def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
     b, h, n, d = 2, 4, 200, 64
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     qs, ks = (torch.randn(b, h, n, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    log_sigma = torch.zeros(h, device="cuda", requires_grad=True)
+    q_bnhd = q.detach().transpose(1, 2).contiguous().requires_grad_(True)  # [B, N, H, D]: the queries as a view
     calls = {
         "rbf": lambda: rbf_attention(q, k, v, backend="triton", window=64),
+        "rbf, prefix and key weights": lambda: rbf_attention(
+            q[:, :, 2:], k[:, :, 2:], v[:, :, 2:], backend="triton", prefix_keys=k[:1, :, :2],
+            prefix_values=v[:1, :, :2], num_prefix_keys=2, key_log_weights=qs[:, :, :].float().sigmoid().log(),
+        ),  # fmt: skip
+        "rbf, strided queries": lambda: rbf_attention(q_bnhd.transpose(1, 2), k, v, backend="triton"),
         "gka": lambda: gka_attention(q, 0.5, backend="triton"),
+        "gka, learnable bandwidth": lambda: gka_attention(q, log_sigma, backend="triton"),
         "hybrid": lambda: hybrid_attention(q, k, v, qs, ks, tau=2.0, backend="triton"),
         "scalar": lambda: scalar_attention(qs, ks, v, tau=2.0, backend="triton"),
     }
 
     def run(fn):
-        for t in (q, k, v, qs, ks):
+        for t in (q, k, v, qs, ks, log_sigma):
             t.grad = None
         out = fn()
         out.float().square().sum().backward()
-        return [out.detach().clone()] + [t.grad.clone() for t in (q, k, v, qs, ks) if t.grad is not None]
+        return [out.detach().clone()] + [t.grad.clone() for t in (q, k, v, qs, ks, log_sigma) if t.grad is not None]
 
+    planned = []  # launches of a kept plan (the distance kernels': kernels_launch.direct_plan)
+    for mod in (kernels_flash_fwd, kernels_flash_bwd):
+        monkeypatch.setattr(mod, "launch_plan", lambda *a, _launch=mod.launch_plan: (planned.append(a), _launch(*a)))
     for name, fn in calls.items():
         monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", False)
+        monkeypatch.setattr(kernels_launch, "_STATE", {})
         expected = run(fn)
         monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", True)
         run(fn)  # records the call signatures
+        planned.clear()
         got = run(fn)  # launched directly
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        if name != "scalar":  # forward, dQ, dK/dV of the distance kernels from their plans
+            assert len(planned) == 3, (name, len(planned))
     assert kernels_common.HAS_TRITON
     assert _recorded_signatures() > 0  # the repeats had something to launch directly
 
