@@ -213,7 +213,7 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
             # prefix keys (registers, the sorted families' sink) sit before the text keys, as the models pass them
             nk = n + prefix_keys
             q, k = rnd(b, h, n, d), rnd(b, h, nk, d)
-            gka = name in ("gka", "gka_log")  # gka_log: a learnable bandwidth in training (A_LOG in the backward)
+            gka = name in ("gka", "gka_log")  # gka_log: a learnable bandwidth in training (A_LOG: c formed in-kernel)
             v = k if gka else rnd(b, h, nk, d)
             qs = ks = beta = None
             hybrid = name in ("hybrid", "hybrid_tau")
@@ -239,13 +239,17 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
             inline = knorm and name != "rbf_pass"
             kb = key_bias(k, -a, None, None, h, nk, b, True)[0] if name == "rbf_pass" else None
 
-            def run(q=q, k=k, v=v, kb=kb, qs=qs, ks=ks, beta=beta, a=a, bb=bb, flags=flags, knorm=knorm, inline=inline):
-                o, lse = distance_forward(q, k, v, kb, qs, ks, beta, a, bb, knorm_inline=inline, **flags)
+            # (every value the body reads is bound here: the cases run after this loop, whose `name` is then the last)
+            def run(q=q, k=k, v=v, kb=kb, qs=qs, ks=ks, beta=beta, a=a, bb=bb, flags=flags, knorm=knorm, inline=inline,
+                    a_log=name == "gka_log"):  # fmt: skip
+                o, lse = distance_forward(
+                    q, k, v, kb, qs, ks, beta, a, bb, knorm_inline=inline, a_log=a_log, **flags
+                )
                 if forward_only:
                     return
                 distance_backward(
                     o, q, k, v, kb, qs, ks, beta, a, bb, o, lse, knorm=knorm, knorm_inline=inline,
-                    need_dbeta=qs is not None, a_log=name == "gka_log", **flags
+                    need_dbeta=qs is not None, a_log=a_log, **flags
                 )
 
             out[name] = run

@@ -148,19 +148,25 @@ def _forward_impl(
     eps,
     tau_in,
     traced=False,
+    a_log=False,
 ):
     """Launch the key-bias pass (key weights, padding, or the key norms: ``_knorm_pass``) and the flash forward:
     ``(out, lse, kb | None)``.  ``traced``: called from the triton_op ``distance_fwd_t`` while it is traced (the
-    launches go through ``wrap_triton``)."""
+    launches go through ``wrap_triton``); ``a_log``: ``a`` holds log bandwidths (see :func:`distance_attention`),
+    which the forward kernel turns into ``c_h`` itself."""
     kb = None
     d, nk_seq = k.shape[3], k.shape[2]
     inline = _knorm_inline(knorm, key_log_weights, attention_mask, prefix_k, d, nk_seq)
     if _knorm_pass(knorm, key_log_weights, attention_mask, prefix_k, d, nk_seq):
         bsz, heads, _, _ = q.shape
         nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
+        if b is not None:
+            norm_coef = b.float().contiguous()
+        else:  # the distance form: the norm coefficient is -c_h (formed here from log sigma with a_log)
+            norm_coef = -(inverse_two_variances(a) if a_log else a.float())
         kb, _ = key_bias(
             k,
-            (-a if b is None else b).float().contiguous(),
+            norm_coef,
             key_log_weights,
             attention_mask,
             heads,
@@ -190,6 +196,7 @@ def _forward_impl(
         knorm_inline=inline,
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
         tau_in=tau_in,
+        a_log=a_log,
         traced=traced,
     )
     return out, lse, kb
@@ -320,7 +327,7 @@ def _backward_impl(
     a_log=False,
 ):
     """The backward kernels: ``(dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv)`` (see ``distance_backward``;
-    ``a_log``: ``a`` holds ``c_h`` formed from a log bandwidth, whose gradient ``dab`` then is)."""
+    ``a_log``: ``a`` holds log bandwidths, from which the kernels form ``c_h``; ``dab`` is their gradient)."""
     return distance_backward(
         dout,
         q,
@@ -497,7 +504,7 @@ def _gradients(ctx, dout, run_backward):
     causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps, tau_in = ctx.flags
     need = dict(zip(_FWD_ARGS, ctx.needs_input_grad[: len(_FWD_ARGS)]))
     need_ab = bool(need["a"] or need["b"])
-    # _DistanceFunction with a_log: `a` holds c_h, formed from the input log sigma, whose dtype this is
+    # _DistanceFunction with a_log: `a` holds the input log sigma (the kernels form c_h), whose dtype this is
     a_log_dtype = getattr(ctx, "a_log_dtype", None)
     dq, dk, dv, dkb, dab, dqs, dks, dbeta, dpk, dpv = run_backward(
         dout,
@@ -714,17 +721,15 @@ class _DistanceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *args):
         """``args``: those of ``distance_fwd`` (tensors ``q .. prefix_v``, then the flags), then ``a_log``: ``a``
-        holds per-head log bandwidths ``log sigma_h`` (the distance form, GKA): ``c_h = exp(-2 log sigma_h) / 2`` is
-        formed here, where no autograd graph is recorded, and the backward kernels write ``log sigma``'s gradient
-        (``dc / dlog sigma = -2 c_h`` applied per row).  Against the same three ops recorded by autograd in front of
-        the call, that leaves out three backward nodes and their ops per layer (host time; the values are the same:
-        the ops and their order are those of :func:`inverse_two_variances`)."""
+        holds per-head log bandwidths ``log sigma_h`` (the distance form, GKA).  The kernels form ``c_h = exp(-2 log
+        sigma_h) / 2`` themselves, the forward's and the backward's alike, and the backward kernels write ``log
+        sigma``'s gradient (``dc / dlog sigma = -2 c_h`` applied per row): no autograd nodes and no torch ops for the
+        conversion per layer (before 2026-11-29 three ops here, and before that three recorded ops and their backward
+        nodes in front of the call)."""
         *args, a_log = args
         if a_log:
-            log_sigma = args[6]
-            args[6] = inverse_two_variances(log_sigma)
-            ctx.a_log_dtype = log_sigma.dtype
-        out, lse, kb = _forward_impl(*args)
+            ctx.a_log_dtype = args[6].dtype
+        out, lse, kb = _forward_impl(*args, a_log=a_log)
         q, k, v, qs, ks, beta, a, b, klw, _am, pk, pv = args[:12]
         ctx.save_for_backward(q, k, v, qs, ks, beta, a, b, out, lse, kb, pk, pv)
         ctx.flags = tuple(args[12:])  # causal .. eps, tau_in (as in _setup_context)
@@ -931,9 +936,10 @@ def distance_attention(
     dtype and device against its inputs already; they are then only made last-dim contiguous here, not checked a
     second time in every layer and decode step.
     ``a_log`` (the distance form, ``b`` None): ``a`` holds per-head log bandwidths ``log sigma_h`` and the kernels
-    use ``c_h = exp(-2 log sigma_h) / 2`` (GKA's learnable bandwidth).  In eager training the conversion and its
-    gradient happen inside the fused call (:class:`_DistanceFunction`), with no autograd ops in front of it; the
-    other paths form ``c`` first with the same ops.
+    use ``c_h = exp(-2 log sigma_h) / 2`` (GKA's learnable bandwidth).  In eager training and eager forwards of more
+    than ``DECODE_MAX_QUERIES`` rows the kernels form ``c`` and (training) write ``log sigma``'s gradient themselves
+    (:class:`_DistanceFunction`): no torch ops for it per call.  Traced calls and decode steps form ``c`` first with
+    :func:`inverse_two_variances` (the same value up to the last bit of ``exp``).
     """
     if a_log and b is not None:
         raise ValueError("distance attention: `a_log` takes the distance form only (b = None)")
@@ -973,7 +979,9 @@ def distance_attention(
     compiling = torch.compiler.is_compiling()
     if needs_grad and not compiling:
         return _DistanceFunction.apply(*args, a_log)
-    if a_log:  # (traced, or no gradients) c_h formed first, as gka_attention_triton does without a_log
+    if not compiling and mask.nq > DECODE_MAX_QUERIES:  # eager, no gradients: the training forward's kernel
+        return _forward_impl(*args, a_log=a_log)[0]
+    if a_log:  # (traced, or a decode step) c_h formed first, as gka_attention_triton does without a_log
         args = args[:6] + (inverse_two_variances(a),) + args[7:]
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
         return distance_decode_op(*args) if compiling else _decode_impl(*args)

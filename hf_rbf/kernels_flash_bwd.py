@@ -428,6 +428,8 @@ if HAS_TRITON:
             else:
                 vt = v
             a_nat = tl.load(A + h).to(tl.float32)  # natural-log units; the scores use base 2
+            if A_LOG:  # A holds log sigma_h: c_h = exp(-2 log sigma_h) / 2, as the forward forms it
+                a_nat = 0.5 * tl.exp(-2.0 * a_nat)
             if TIED:  # the distance form (see the forward kernel)
                 b_nat = -a_nat
                 a_nat = 2.0 * a_nat
@@ -853,6 +855,8 @@ if HAS_TRITON:
         plane = tl.num_programs(1).to(tl.int64) * (NQ + NK)
         W_rows = WORK + bh * (NQ + NK) + offs_m
         a_nat = tl.load(A + h).to(tl.float32)  # natural-log units; the scores use base 2
+        if A_LOG:  # A holds log sigma_h: c_h = exp(-2 log sigma_h) / 2, as the forward forms it
+            a_nat = 0.5 * tl.exp(-2.0 * a_nat)
         if TIED:  # the distance form (see the forward kernel)
             b_nat = -a_nat
             a_nat = 2.0 * a_nat
@@ -1176,9 +1180,10 @@ def distance_backward(
     ``prefix``: None or the separate prefix keys / values ``(pk, pv)`` of the forward (see ``distance_forward``);
     ``knorm_inline``: the forward's choice (default: ``knorm`` without ``kb``); ``tau_in``: ``beta`` holds the
     temperature ``tau`` (the kernels take ``1 / tau``, and ``dbeta`` is then ``tau``'s gradient); ``a_log`` (the
-    distance form only): ``c_h`` is ``exp(-2 log sigma_h) / 2`` of a learnable log bandwidth (GKA), and ``dab`` is
-    then ``log sigma``'s gradient, each row's term multiplied by ``dc / dlog sigma = -2 c_h`` in the kernels (no
-    autograd ops for the conversion per call: see ``attention_distance_triton._DistanceFunction``); ``traced``: called
+    distance form only): ``a`` holds the learnable log bandwidths ``log sigma_h`` (GKA), the kernels form ``c_h =
+    exp(-2 log sigma_h) / 2`` as the forward did, and ``dab`` is ``log sigma``'s gradient, each row's term multiplied
+    by ``dc / dlog sigma = -2 c_h`` in the kernels (no torch ops for the conversion per call: see
+    ``attention_distance_triton._DistanceFunction``); ``traced``: called
     from the ``triton_op`` that ``torch.compile`` traces (``attention_distance_triton.distance_bwd_t``): the launches
     go through ``wrap_triton`` (see ``distance_forward``).
 

@@ -364,6 +364,7 @@ if HAS_TRITON:
         SEP_PREFIX: tl.constexpr,
         HAS_PREFIX: tl.constexpr,
         TIED: tl.constexpr,
+        A_LOG: tl.constexpr,
         DOT_PREC: tl.constexpr,
         TMA: tl.constexpr,
         TMA_OUT: tl.constexpr,
@@ -383,7 +384,10 @@ if HAS_TRITON:
         offs_dv = tl.arange(0, DV_PAD)
         q = _load_tile(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], row_ok, offs_d, D, D_PAD, True)
         # the per-head coefficients (any float dtype, natural-log units) in the kernel's base-2 units
-        a = tl.load(A + h).to(tl.float32) * 1.4426950408889634
+        a = tl.load(A + h).to(tl.float32)
+        if A_LOG:  # A holds log sigma_h (the distance form, GKA's learnable bandwidth): c_h = exp(-2 log sigma_h) / 2
+            a = 0.5 * tl.exp(-2.0 * a)
+        a = a * 1.4426950408889634
         if SCALAR:
             qs_r = tl.load(QS + b * sqsb + h * sqsh + offs_m * sqsn, mask=row_ok, other=0.0).to(tl.float32)
             if BETA_HEAD:  # one tau for the head's queries (TAU_IN): loaded and inverted once, a scalar
@@ -787,9 +791,10 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
 
 
 def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in,
-           num_prefix_keys, tma=False, tma_out=False, beta_head=False):
+           num_prefix_keys, tma=False, tma_out=False, beta_head=False, a_log=False):
     """The forward kernel's constexprs; ``beta_head``: one ``tau`` per (batch, head) with ``tau_in`` (``BETA_HEAD``,
-    see ``_distance_fwd_kernel``; the decode launches leave it off)."""
+    see ``_distance_fwd_kernel``; the decode launches leave it off); ``a_log``: ``A`` holds log bandwidths (``A_LOG``,
+    the tied form only; the decode launches leave it off)."""
     return dict(
         D=d,
         DV=dv,
@@ -809,6 +814,7 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
         SEP_PREFIX=prefix is not None,
         HAS_PREFIX=num_prefix_keys > 0,
         TIED=tied,
+        A_LOG=tied and a_log,
         DOT_PREC=dot_precision(q.dtype),
         TMA=tma,
         TMA_OUT=tma_out,
@@ -837,6 +843,7 @@ def distance_forward(
     prefix=None,
     tau_in=False,
     tma=None,
+    a_log=False,
     traced=False,
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
@@ -851,7 +858,9 @@ def distance_forward(
     log-weights and padding); ``prefix``: None, or the ``num_prefix_keys`` prefix keys and values ``(pk [B|1, H, P,
     D], pv [B|1, G, P, Dv])`` as separate tensors (then ``k`` / ``v`` hold only the sequence keys; ``kb``, ``ks``
     and the masks still cover all ``P + N`` keys); ``tma``: read the sequence key / value tiles through TMA tensor
-    descriptors (True), pointer loads (False), or None: descriptors wherever :func:`tma_path` allows them;
+    descriptors (True), pointer loads (False), or None: descriptors wherever :func:`tma_path` allows them; ``a_log``
+    (the distance form, ``b`` None): ``a`` holds per-head log bandwidths ``log sigma_h``, and the kernel forms
+    ``c_h = exp(-2 log sigma_h) / 2`` itself (GKA's learnable bandwidth: no torch ops for it per call);
     ``traced``: called from the ``triton_op`` that ``torch.compile`` traces (``attention_distance_triton
     .distance_fwd_t``, fake tensors): the launch goes through ``wrap_triton`` (Inductor launches the kernel from its
     generated code) and the TMA check reads no data pointer.
@@ -861,7 +870,7 @@ def distance_forward(
         device = torch.cuda.current_device() if q.is_cuda else -1
         plan_key, pointers = forward_plan_key(
             q, k, v, kb, qs, ks, beta, a, b, prefix, device,
-            causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps, knorm_inline, tau_in, tma,
+            causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps, knorm_inline, tau_in, tma, a_log,
         )  # fmt: skip
         planned = _FWD_PLANS.get(plan_key) if q.is_cuda else None
         if planned is not None and plan_allowed(planned[0]):
@@ -891,6 +900,7 @@ def distance_forward(
         q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, b is None, tau_in,
         num_prefix_keys, tma, tma and (dv * out.element_size()) % 16 == 0,
         beta_head=qs is not None and bcast_strides(beta, (bsz, heads, nq))[2] == 0,
+        a_log=a_log,
     )
     kwargs = {"SPLIT": False, **flags}
     if traced:

@@ -69,8 +69,9 @@ def test_learnable_bandwidth_enters_the_fused_call_without_autograd_ops():
     """In eager training the learnable log-bandwidth goes into the fused call as it is: the call forms
     ``c = exp(-2 log sigma) / 2`` and its backward kernels write ``log sigma``'s gradient, so the graph of a GKA call
     holds the fused node and the leaves only (before: ``exp`` and two multiplications in front of it, three backward
-    nodes and their ops per layer and step on the host).  The gradients match the float64 reference; without
-    gradients (and under a ``query``-cache decode step) ``c`` is formed outside, as before."""
+    nodes and their ops per layer and step on the host; then three ops inside the call, now none: the kernels form
+    ``c``).  The gradients match the float64 reference; without gradients (and under a ``query``-cache decode step)
+    ``c`` is formed outside with torch's ``exp``, the same output to float32 rounding."""
     from attention_testing import autograd_node_names
     from hf_rbf.attention_gka import gka_attention
 
@@ -94,8 +95,10 @@ def test_learnable_bandwidth_enters_the_fused_call_without_autograd_ops():
         assert log_sigma.grad.dtype == log_sigma.dtype
     for got, ref in zip(results["triton"], results["naive"]):
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
-    with torch.no_grad():  # the no-gradient path forms c outside: the same output
-        x = x64.to(DEVICE, torch.float32)
+    with torch.no_grad():  # the no-gradient path forms c with torch's exp (kept for decode steps): the kernel's exp
+        x = x64.to(DEVICE, torch.float32)  # may differ in c's last bit, so the outputs agree to float32 rounding
         log_sigma = ls64.to(DEVICE, torch.float32).requires_grad_()
         out = gka_attention(x, log_sigma, causal=True, window=11, eps=1e-6, backend="triton")
-    torch.testing.assert_close(out.double().cpu(), results["triton"][0], rtol=0, atol=0)
+    ref = results["naive"][0]
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+    torch.testing.assert_close(out.double().cpu(), results["triton"][0], rtol=1e-6, atol=1e-6 * ref.abs().max().item())

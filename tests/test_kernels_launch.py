@@ -355,6 +355,8 @@ def _plan_cases():
         "no-qnorm": {"qnorm": False},
         "tied": {"b": False},
         "kv-same": {"kv_same": True},
+        "gka": {"b": False, "kv_same": True},
+        "gka-log-bandwidth": {"b": False, "kv_same": True, "a_log": True},
         "transposed-q": {"qview": "transposed"},
         "offset-q": {"qview": "offset"},
         "scalar-head": {"scalar": "head"},
