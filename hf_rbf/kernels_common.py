@@ -137,6 +137,13 @@ def n_bucket(n: int) -> int:
     return max(16, next_pow2(n))
 
 
+def key_block_grid(num_prefix_keys: int, nk: int, planes: int):
+    """The grid of a dK/dV launch (one program per key block and (batch, value group) plane): the prefix keys' blocks,
+    then the sequence keys' blocks, so that no block mixes the two."""
+    return lambda meta: (ceil_div(num_prefix_keys, meta["BLOCK_N"]) + ceil_div(nk - num_prefix_keys, meta["BLOCK_N"]),
+                         planes)  # fmt: skip
+
+
 def planes_bucket(planes: int) -> int:
     """The autotune key for how many (batch, head) planes one launch covers: 16, 64, 256 or 1024 (for 1024 and more).
 

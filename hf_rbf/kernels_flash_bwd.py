@@ -35,6 +35,7 @@ from .kernels_common import (
     autotune,
     autotune_subset,
     bcast_strides,
+    key_block_grid,
     dot_precision,
     launch_tuned,
     make_configs,
@@ -1308,7 +1309,7 @@ def distance_backward(
             "A_LOG": b is None and a_log,
             "DOT_PREC": dot_precision(q.dtype),
         }
-        hpg = heads // groups
+        sizes = (heads, heads // groups, nq, nk, num_prefix_keys, window or 0)  # both kernels' H .. WINDOW
         nb = n_bucket(max(nq, nk))
         planes = planes_bucket(bsz * heads)
         grid_q = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
@@ -1318,12 +1319,7 @@ def distance_backward(
             *strides,
             *dq.stride()[:3],
             *out.stride()[:3],
-            heads,
-            hpg,
-            nq,
-            nk,
-            num_prefix_keys,
-            window or 0,
+            *sizes,
             math.log2(eps) if eps > 0 else 0.0,
             nb,
             planes,
@@ -1341,22 +1337,14 @@ def distance_backward(
         else:
             launch_tuned(_distance_bwd_dq, grid_q, *args_q, **kw_q)
             plan_q = None if plan_key is None else direct_plan(_distance_bwd_dq, grid_q, args_q, kw_q, len(args_q_t))
-        grid_kv = lambda meta: (  # noqa: E731
-            triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
-            bsz * groups,
-        )
+        grid_kv = key_block_grid(num_prefix_keys, nk, bsz * groups)
         args_kv = (
             *ins,
             *outs_kv,
             *strides,
             *dk.stride()[:3],
             *dvt.stride()[:3],
-            heads,
-            hpg,
-            nq,
-            nk,
-            num_prefix_keys,
-            window or 0,
+            *sizes,
             nb,
             planes,
         )

@@ -31,6 +31,7 @@ from .kernels_common import (
     HAS_TRITON,
     autotune,
     bcast_strides,
+    key_block_grid,
     dot_precision,
     launch_tuned,
     make_configs,
@@ -575,10 +576,7 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
         wrap_triton(_scalar_bwd_dq)[grid_q](*args_q, **kwargs_q)
     else:
         launch_tuned(_scalar_bwd_dq, grid_q, *args_q, **kwargs_q)
-    grid_kv = lambda meta: (  # noqa: E731
-        triton.cdiv(num_prefix_keys, meta["BLOCK_N"]) + triton.cdiv(nk - num_prefix_keys, meta["BLOCK_N"]),
-        bsz * groups,
-    )
+    grid_kv = key_block_grid(num_prefix_keys, nk, bsz * groups)
     args_kv = (
         qs,
         ks,
