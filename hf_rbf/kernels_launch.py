@@ -328,10 +328,12 @@ def tensor_signature(tensors) -> tuple[tuple, list[int]]:
 
 def direct_plan(kernel, grid, args, kwargs, n_tensors: int):
     """What :func:`launch_plan` needs to launch this call again with other tensors of the same signature: ``(JIT
-    function, launcher, CUDA function, packed metadata, grid x, y, z, every argument after the first n_tensors)``,
-    or None while the call has no direct-launch entry yet (its first launch through the autotuner, direct launches
-    off, a launch hook installed) or its first ``n_tensors`` arguments are not exactly its tensors.  Call it right
-    after launching ``kernel[grid](*args, **kwargs)`` through :func:`launch_jit` / ``launch_tuned``."""
+    function, launcher, CUDA function, packed metadata, grid x, y, z, fixed arguments, tensor slots)``, or None while
+    the call has no direct-launch entry yet (its first launch through the autotuner, direct launches off, a launch
+    hook installed) or it does not pass exactly ``n_tensors`` tensors.  With the tensors first (slots None) the fixed
+    arguments are every argument after them; otherwise every argument with None in the tensors' slots (their
+    positions).  Call it right after launching ``kernel[grid](*args, **kwargs)`` through :func:`launch_jit` /
+    ``launch_tuned``."""
     fn = kernel if getattr(kernel, "configs", None) is None else kernel.fn  # an autotuner's JIT function
     cache = kernel.__dict__.get("_hf_rbf_direct")
     if not cache or not _enabled() or _hooks_installed(fn):
@@ -339,11 +341,16 @@ def direct_plan(kernel, grid, args, kwargs, n_tensors: int):
     by_value = kernel.__dict__.get("_hf_rbf_by_value") or frozenset()
     key, positions, _ = _key_and_pointers(args, kwargs, torch.cuda.current_device(), by_value)
     entry = cache.get(key)
-    if entry is None or positions != tuple(range(n_tensors)):
+    if entry is None or len(positions) != n_tensors:
         return None
     launcher, function, packed_metadata, tail, launched_kwargs = entry
     g = tuple(grid(launched_kwargs) if callable(grid) else grid) + (1, 1)
-    return (fn, launcher, function, packed_metadata, g[0], g[1], g[2], tuple(args[n_tensors:]) + tail)
+    if positions == tuple(range(n_tensors)):
+        fixed, slots = tuple(args[n_tensors:]) + tail, None
+    else:
+        taken = set(positions)
+        fixed, slots = tuple(None if i in taken else x for i, x in enumerate(args)) + tail, positions
+    return (fn, launcher, function, packed_metadata, g[0], g[1], g[2], fixed, slots)
 
 
 def plan_allowed(plan) -> bool:
@@ -355,9 +362,15 @@ def plan_allowed(plan) -> bool:
 def launch_plan(plan, pointers, device: int) -> None:
     """Launch a :func:`direct_plan` (:func:`plan_allowed` checked) with these tensor addresses, in the order of the
     planned call's tensors, on the current stream of ``device``."""
-    _, launcher, function, packed_metadata, gx, gy, gz, fixed = plan
+    _, launcher, function, packed_metadata, gx, gy, gz, fixed, slots = plan
     stream = torch._C._cuda_getCurrentRawStream(device)
-    launcher(gx, gy, gz, stream, function, packed_metadata, None, None, None, *pointers, *fixed)
+    if slots is None:
+        launcher(gx, gy, gz, stream, function, packed_metadata, None, None, None, *pointers, *fixed)
+        return
+    args = list(fixed)
+    for i, pointer in zip(slots, pointers):
+        args[i] = pointer
+    launcher(gx, gy, gz, stream, function, packed_metadata, None, None, None, *args)
 
 
 def keep_plan(plans: dict, key, plan) -> None:

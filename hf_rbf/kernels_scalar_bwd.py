@@ -31,8 +31,8 @@ from .kernels_common import (
     HAS_TRITON,
     autotune,
     bcast_strides,
-    key_block_grid,
     dot_precision,
+    key_block_grid,
     launch_tuned,
     make_configs,
     n_bucket,
@@ -40,7 +40,8 @@ from .kernels_common import (
     planes_bucket,
     wrap_triton,
 )
-from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, tau_args
+from .kernels_launch import direct_plan, keep_plan, launch_plan, plan_allowed
+from .kernels_scalar_fwd import INTERPRET_CONFIGS, prune_scalar, requested_heads_per_program, scalar_plan_key, tau_args
 
 if HAS_TRITON:
     import triton
@@ -538,6 +539,23 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
     # written by the dQ pass, read by the dK/dV pass: delta_i (exact, see the module docstring) and, for a tensor
     # tau, beta_i = 1 / tau_i
     work = torch.empty(2 if tau_tensor else 1, bsz, heads, nq, device=dev, dtype=torch.float32)
+    plan_key = None
+    if not traced:  # a call signature launched before: its plans (see kernels_launch.direct_plan; GPU only)
+        device = torch.cuda.current_device() if v.is_cuda else -1
+        signed = [qs, ks, v, dout, lse, work, dqs, dks, dv] + [t for t in (dtau, dkb) if t is not None]
+        plan_key, pointers = scalar_plan_key(signed, kb, tau, device, causal, window, num_prefix_keys, need_dtau)
+        plans = _BWD_PLANS.get(plan_key) if v.is_cuda else None
+        if plans is not None and plan_allowed(plans[0]) and plan_allowed(plans[1]):
+            p_qs, p_ks, p_v, p_dout, p_lse, p_work, p_dqs, p_dks, p_dv = pointers[:9]
+            rest = iter(pointers[9:])  # dtau, dkb, kb, tau: those present, in this order
+            p_dtau = next(rest) if dtau is not None else p_work
+            p_dkb = next(rest) if dkb is not None else p_dks
+            p_kb = next(rest) if kb is not None else p_lse
+            p_tau = next(rest) if tau_tensor else p_lse
+            head = [p_qs, p_ks, p_v, p_kb]
+            launch_plan(plans[0], head + [p_tau, p_dout, p_lse, p_work, p_dqs, p_dtau], device)
+            launch_plan(plans[1], head + [p_dout, p_lse, p_work, p_dv, p_dks, p_dkb], device)
+            return dqs, dks, dv, dkb, dtau
     common = dict(
         DV_PAD=padded_dim(dv_dim),
         CAUSAL=causal,
@@ -576,6 +594,7 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
         wrap_triton(_scalar_bwd_dq)[grid_q](*args_q, **kwargs_q)
     else:
         launch_tuned(_scalar_bwd_dq, grid_q, *args_q, **kwargs_q)
+        plan_q = None if plan_key is None else direct_plan(_scalar_bwd_dq, grid_q, args_q, kwargs_q, 10)
     grid_kv = key_block_grid(num_prefix_keys, nk, bsz * groups)
     args_kv = (
         qs,
@@ -599,4 +618,11 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
         wrap_triton(_scalar_bwd_dkv)[grid_kv](*args_kv, **kwargs_kv)
     else:
         launch_tuned(_scalar_bwd_dkv, grid_kv, *args_kv, **kwargs_kv)
+        plan_kv = None if plan_key is None else direct_plan(_scalar_bwd_dkv, grid_kv, args_kv, kwargs_kv, 10)
+        if plan_q is not None and plan_kv is not None:
+            keep_plan(_BWD_PLANS, plan_key, (plan_q, plan_kv))
     return dqs, dks, dv, dkb, dtau
+
+
+# call signature -> (kernels_launch.direct_plan of the dQ launch, of the dK/dV launch)
+_BWD_PLANS: dict = {}

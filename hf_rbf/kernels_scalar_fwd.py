@@ -34,6 +34,7 @@ from .kernels_common import (
     shared_memory_fits,
     wrap_triton,
 )
+from .kernels_launch import direct_plan, keep_plan, launch_plan, plan_allowed, tensor_signature
 
 if HAS_TRITON:
     import triton
@@ -402,6 +403,15 @@ def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys, trace
     lse = torch.empty(bsz, heads, nq, device=v.device, dtype=torch.float32)
     if nq == 0:
         return out, lse
+    plan_key = None
+    if not traced:  # a call signature launched before: its plan (see kernels_launch.direct_plan; GPU only)
+        device = torch.cuda.current_device() if v.is_cuda else -1
+        plan_key, pointers = scalar_plan_key([qs, ks, v], kb, tau, device, causal, window, num_prefix_keys)
+        plan = _FWD_PLANS.get(plan_key) if v.is_cuda else None
+        p_out, p_lse = out.data_ptr(), lse.data_ptr()
+        if plan is not None and plan_allowed(plan) and not (p_out | p_lse) & 15:  # (fresh blocks always are)
+            launch_plan(plan, placed_pointers(pointers, 3, kb, tau, p_lse) + [p_out, p_lse], device)
+            return out, lse
     tau_t, beta_value, stau, tau_tensor = tau_args(tau, bsz, heads, nq, lse)
     grid = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
     args = (
@@ -439,6 +449,40 @@ def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys, trace
     )
     if traced:
         wrap_triton(_scalar_fwd)[grid](*args, **kwargs)
-    else:
-        launch_tuned(_scalar_fwd, grid, *args, **kwargs)
+        return out, lse
+    launch_tuned(_scalar_fwd, grid, *args, **kwargs)
+    if plan_key is not None:
+        plan = direct_plan(_scalar_fwd, grid, args, kwargs, 7)  # QS, KS, V, KB, TAU, OUT, LSE
+        if plan is not None:
+            keep_plan(_FWD_PLANS, plan_key, plan)
     return out, lse
+
+
+# call signature -> kernels_launch.direct_plan of the scalar forward
+_FWD_PLANS: dict = {}
+
+
+def scalar_plan_key(tensors: list, kb, tau, device, *options):
+    """``(key, addresses)`` of a scalar launch (see ``kernels_flash_fwd.forward_plan_key``): the signature of
+    ``tensors`` plus the key bias and ``tau`` where they are tensors, which of the two are, a float ``tau``'s value
+    (the kernels take ``1 / tau``), the device, ``options`` (the call's other arguments), the heads-per-program
+    setting and tf32.  The addresses come in that order (``placed_pointers`` puts them in the kernels' slots)."""
+    tau_tensor = isinstance(tau, torch.Tensor)
+    signature, pointers = tensor_signature(tensors + ([kb] if kb is not None else []) + ([tau] if tau_tensor else []))
+    absent = (kb is None, None if tau_tensor else float(tau))
+    key = (signature, device, absent, options, requested_heads_per_program(), dot_precision(tensors[2].dtype))
+    return key, pointers
+
+
+def placed_pointers(pointers: list, n: int, kb, tau, placeholder: int) -> list:
+    """The addresses of :func:`scalar_plan_key` in the kernels' order ``<the first n>, KB, TAU``, the placeholder's
+    (``lse``) for an absent key bias or a float ``tau``."""
+    out = pointers[:n]
+    i = n
+    if kb is not None:
+        out.append(pointers[i])
+        i += 1
+    else:
+        out.append(placeholder)
+    out.append(pointers[i] if isinstance(tau, torch.Tensor) else placeholder)
+    return out

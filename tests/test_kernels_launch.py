@@ -279,6 +279,25 @@ def test_a_plan_launches_the_recorded_launch_with_other_addresses(jit):
     assert launches == [(4, 3, 1, 77, 1234, ("meta",), None, None, None, y.data_ptr(), 100, 0.5, 32, False)]
 
 
+def _kernel_tensors_later(n, x_ptr, scale, y_ptr, BLOCK: "tl.constexpr"):  # noqa: F821
+    pass  # never compiled
+
+
+def test_a_plan_puts_tensors_between_other_arguments_in_their_slots(jit):
+    """A kernel whose tensors are not its first arguments (the scalar kernels: a float between them): the plan keeps
+    every other argument in place and the new addresses go to the tensors' slots."""
+    _, runs, launches = jit
+    fn = JITFunction(_kernel_tensors_later)
+    fn.run = lambda *args, grid, warmup, **kwargs: (runs.append(args), _Compiled(launches))[1]
+    x, y = torch.zeros(64), torch.zeros(32)
+    kernels_launch.launch_jit(fn, (2,), (7, x, 0.5, y), {"BLOCK": 16})
+    plan = kernels_launch.direct_plan(fn, (2,), (7, x, 0.5, y), {"BLOCK": 16}, 2)
+    assert plan[-1] == (1, 3)
+    x2, y2 = torch.ones(64), torch.ones(32)
+    kernels_launch.launch_plan(plan, [x2.data_ptr(), y2.data_ptr()], 0)
+    assert launches == [(2, 1, 1, 77, 1234, ("meta",), None, None, None, 7, x2.data_ptr(), 0.5, y2.data_ptr(), 16)]
+
+
 def test_plans_stay_out_of_the_way(jit, monkeypatch):
     """No plan is launched with direct launches off or a launch hook installed, and none is made then; the dict of
     plans is bounded."""
@@ -304,12 +323,12 @@ def test_plans_stay_out_of_the_way(jit, monkeypatch):
 
 def _launch_record(kernel, grid, args, kwargs, n_tensors):
     """What a launch passes but the tensors' addresses: a stand-in for ``direct_plan`` on the CPU."""
-    tensors = args[:n_tensors]
-    assert all(isinstance(t, torch.Tensor) for t in tensors)
-    assert not any(isinstance(x, torch.Tensor) for x in args[n_tensors:])
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    assert len(tensors) == n_tensors
     meta = tuple((t.dtype, t.data_ptr() % 16) for t in tensors)
-    g = grid({"BLOCK_M": 16, "BLOCK_N": 32}) if callable(grid) else grid
-    return (kernel.fn.__name__, tuple(g), meta, args[n_tensors:], tuple(kwargs.items()))
+    others = tuple(None if isinstance(x, torch.Tensor) else x for x in args)
+    g = grid({"BLOCK_M": 16, "BLOCK_N": 32, "ROWS": 32, "HP": 2}) if callable(grid) else grid
+    return (kernel.fn.__name__, tuple(g), meta, others, tuple(kwargs.items()))
 
 
 def _plan_cases():
@@ -403,13 +422,84 @@ def test_equal_plan_keys_mean_equal_launches(monkeypatch):
     assert len(forward_keys) == len(_plan_cases()) and len(keys) == 2 * len(_plan_cases()) - 1
 
 
+def _scalar_plan_cases():
+    """Calls of the scalar forward that differ in one thing each: ``name -> make()`` (fresh inputs, keywords)."""
+    g = torch.Generator().manual_seed(1)
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def make(n=20, dv=16, groups=2, dtype=torch.float32, tau=2.0, kb=False, qs_view=None, need_dtau=False, **kw):
+        bsz, h = 2, 4
+        qs = t(bsz, h, n, dtype=dtype)
+        if qs_view == "transposed":
+            qs = t(bsz, n, h, dtype=dtype).transpose(1, 2)
+        if tau == "head":
+            tau = t(1, h, 1).exp()
+        elif tau == "rows":
+            tau = t(bsz, h, n).exp()
+        flags = dict(causal=True, window=None, num_prefix_keys=0)
+        flags.update(kw)
+        args = dict(qs=qs, ks=t(bsz, h, n, dtype=dtype), v=t(bsz, groups, n, dv, dtype=dtype),
+                    kb=t(bsz, h, n) if kb else None, tau=tau)  # fmt: skip
+        return args, flags, need_dtau
+
+    cases = {
+        "base": {},
+        "n21": {"n": 21},
+        "dv24": {"dv": 24},
+        "groups4": {"groups": 4},
+        "bf16": {"dtype": torch.bfloat16},
+        "full": {"causal": False},
+        "window5": {"window": 5},
+        "prefix2": {"num_prefix_keys": 2},
+        "tau3": {"tau": 3.0},
+        "tau-head": {"tau": "head"},
+        "tau-rows": {"tau": "rows"},
+        "tau-rows-grad": {"tau": "rows", "need_dtau": True},
+        "key-bias": {"kb": True},
+        "transposed-qs": {"qs_view": "transposed"},
+    }
+    return {name: (lambda c=c: make(**c)) for name, c in cases.items()}
+
+
+def test_equal_scalar_plan_keys_mean_equal_launches(monkeypatch):
+    """The scalar kernels' plan key (``scalar_plan_key``) as the distance kernels' (see the test above): one launch per
+    key over calls that differ in one shape, stride, dtype, flag, temperature form or value each, forward and
+    backward; the heads-per-program setting is part of it."""
+    from hf_rbf import kernels_scalar_bwd, kernels_scalar_fwd
+
+    recorded = []
+    for mod in (kernels_scalar_fwd, kernels_scalar_bwd):
+        monkeypatch.setattr(mod, "launch_tuned", lambda *a, **k: None)
+        monkeypatch.setattr(mod, "direct_plan", _launch_record)
+        monkeypatch.setattr(mod, "keep_plan", lambda plans, key, plan: recorded.append((key, plan)))
+    keys, forward_keys = {}, set()
+    cases = _scalar_plan_cases()
+    for hp in ("0", "2"):
+        monkeypatch.setenv("HF_RBF_SCALAR_HEADS_PER_PROGRAM", hp)
+        for name, make in cases.items():
+            for _ in range(2):
+                args, flags, need_dtau = make()
+                out, lse = kernels_scalar_fwd.scalar_forward(**args, **flags)
+                kernels_scalar_bwd.scalar_backward(torch.randn_like(out), **args, lse=lse, need_dtau=need_dtau, **flags)
+                assert len(recorded) == 2, name
+                for key, plan in recorded:
+                    first, first_plan = keys.setdefault(key, (f"{name}, HP {hp}", plan))
+                    assert first_plan == plan, f"{name}, HP {hp} and {first}: one key, two launches"
+                forward_keys.add(recorded[0][0])
+                recorded.clear()
+    # every case is its own forward signature but tau-rows-grad (need_dtau is the backward's alone), at each HP
+    assert len(forward_keys) == 2 * (len(cases) - 1) and len(keys) == 2 * (2 * len(cases) - 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: compiled kernels")
 def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
     """rbf / GKA / hybrid / scalar forward+backward on the fused kernels: the first call goes through triton, the
     repeats through the direct path; results equal (bitwise) those with the direct path off."""
     from hf_rbf import gka_attention, hybrid_attention, rbf_attention, scalar_attention
-    from hf_rbf import kernels_common, kernels_flash_bwd, kernels_flash_fwd
+    from hf_rbf import kernels_common, kernels_flash_bwd, kernels_flash_fwd, kernels_scalar_bwd, kernels_scalar_fwd
 
     if kernels_launch.direct_launch_state() is not None:
         pytest.skip(f"direct launches not available: {kernels_launch.direct_launch_state()}")
@@ -418,6 +508,7 @@ def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     qs, ks = (torch.randn(b, h, n, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     log_sigma = torch.zeros(h, device="cuda", requires_grad=True)
+    tau_h = torch.full((h,), 2.0, device="cuda", requires_grad=True)
     q_bnhd = q.detach().transpose(1, 2).contiguous().requires_grad_(True)  # [B, N, H, D]: the queries as a view
     calls = {
         "rbf": lambda: rbf_attention(q, k, v, backend="triton", window=64),
@@ -430,17 +521,19 @@ def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
         "gka, learnable bandwidth": lambda: gka_attention(q, log_sigma, backend="triton"),
         "hybrid": lambda: hybrid_attention(q, k, v, qs, ks, tau=2.0, backend="triton"),
         "scalar": lambda: scalar_attention(qs, ks, v, tau=2.0, backend="triton"),
+        "scalar, learnable tau per head": lambda: scalar_attention(qs, ks, v, tau=tau_h, backend="triton"),
     }
 
     def run(fn):
-        for t in (q, k, v, qs, ks, log_sigma):
+        leaves = (q, k, v, qs, ks, log_sigma, tau_h, q_bnhd)
+        for t in leaves:
             t.grad = None
         out = fn()
         out.float().square().sum().backward()
-        return [out.detach().clone()] + [t.grad.clone() for t in (q, k, v, qs, ks, log_sigma) if t.grad is not None]
+        return [out.detach().clone()] + [t.grad.clone() for t in leaves if t.grad is not None]
 
     planned = []  # launches of a kept plan (the distance kernels': kernels_launch.direct_plan)
-    for mod in (kernels_flash_fwd, kernels_flash_bwd):
+    for mod in (kernels_flash_fwd, kernels_flash_bwd, kernels_scalar_fwd, kernels_scalar_bwd):
         monkeypatch.setattr(mod, "launch_plan", lambda *a, _launch=mod.launch_plan: (planned.append(a), _launch(*a)))
     for name, fn in calls.items():
         monkeypatch.setattr(kernels_launch, "DIRECT_LAUNCH", False)
@@ -452,8 +545,7 @@ def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
         got = run(fn)  # launched directly
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-        if name != "scalar":  # forward, dQ, dK/dV of the distance kernels from their plans
-            assert len(planned) == 3, (name, len(planned))
+        assert len(planned) == 3, (name, len(planned))  # forward, dQ, dK/dV from their plans
     assert kernels_common.HAS_TRITON
     assert _recorded_signatures() > 0  # the repeats had something to launch directly
 
