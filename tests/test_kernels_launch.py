@@ -331,6 +331,33 @@ def _launch_record(kernel, grid, args, kwargs, n_tensors):
     return (kernel.fn.__name__, tuple(g), meta, others, tuple(kwargs.items()))
 
 
+def _recorded_plans(monkeypatch, *modules) -> list:
+    """Launches in ``modules`` recorded, not run: the list receives ``(plan key, _launch_record)`` of each kept plan
+    (a backward's pair as two records)."""
+    recorded = []
+
+    def keep(plans, key, plan):  # a record, or a tuple holding records (a pair; the distance forward's (plan, TMA))
+        recorded.extend((key, p) for p in ((plan,) if isinstance(plan[0], str) else plan) if isinstance(p, tuple))
+
+    for mod in modules:
+        monkeypatch.setattr(mod, "launch_tuned", lambda *a, **k: None)
+        monkeypatch.setattr(mod, "direct_plan", _launch_record)
+        monkeypatch.setattr(mod, "keep_plan", keep)
+    return recorded
+
+
+def _one_launch_per_key(keys: dict, recorded: list, label: str):
+    """Check one forward+backward's records against ``keys`` (key -> first label and launch) and clear them; returns
+    the forward's key."""
+    assert len(recorded) == 3, label  # the forward, the backward's dQ and dK/dV launches
+    for key, plan in recorded:
+        first, first_plan = keys.setdefault((key, plan[0]), (label, plan))
+        assert first_plan == plan, f"{label} and {first}: one key, two launches"
+    forward = recorded[0][0]
+    recorded.clear()
+    return forward
+
+
 def _plan_cases():
     """Calls of the fused forward that differ in one thing each (shape, stride, offset, dtype, flag, optional
     input): ``name -> make()``, where ``make`` builds fresh random inputs and the keywords."""
@@ -397,11 +424,7 @@ def test_equal_plan_keys_mean_equal_launches(monkeypatch):
     are recorded, not run.)"""
     from hf_rbf import kernels_flash_bwd, kernels_flash_fwd
 
-    recorded = []
-    for mod in (kernels_flash_fwd, kernels_flash_bwd):
-        monkeypatch.setattr(mod, "launch_tuned", lambda *a, **k: None)
-        monkeypatch.setattr(mod, "direct_plan", _launch_record)
-        monkeypatch.setattr(mod, "keep_plan", lambda plans, key, plan: recorded.append((key, plan)))
+    recorded = _recorded_plans(monkeypatch, kernels_flash_fwd, kernels_flash_bwd)
     keys, forward_keys = {}, set()
     for name, make in _plan_cases().items():
         for _ in range(2):
@@ -412,14 +435,10 @@ def test_equal_plan_keys_mean_equal_launches(monkeypatch):
                 torch.randn_like(out), **args, out=out, lse=lse, need_dbeta=args["qs"] is not None, knorm=True,
                 **backward_kw,
             )
-            assert len(recorded) == 2, name  # the forward's plan, the backward's pair
-            for key, plan in recorded:
-                first, first_plan = keys.setdefault(key, (name, plan))
-                assert first_plan == plan, f"{name} and {first}: one key, two launches"
-            forward_keys.add(recorded[0][0])
-            recorded.clear()
-    # every case is its own forward signature (the backward has no TMA choice: pointer-loads shares base's)
-    assert len(forward_keys) == len(_plan_cases()) and len(keys) == 2 * len(_plan_cases()) - 1
+            forward_keys.add(_one_launch_per_key(keys, recorded, name))
+    # every case is its own forward signature; (key, kernel) entries: one per forward, two per backward signature
+    # (the backward has no TMA choice: pointer-loads shares base's)
+    assert len(forward_keys) == len(_plan_cases()) and len(keys) == 3 * len(_plan_cases()) - 2
 
 
 def _scalar_plan_cases():
@@ -469,11 +488,7 @@ def test_equal_scalar_plan_keys_mean_equal_launches(monkeypatch):
     backward; the heads-per-program setting is part of it."""
     from hf_rbf import kernels_scalar_bwd, kernels_scalar_fwd
 
-    recorded = []
-    for mod in (kernels_scalar_fwd, kernels_scalar_bwd):
-        monkeypatch.setattr(mod, "launch_tuned", lambda *a, **k: None)
-        monkeypatch.setattr(mod, "direct_plan", _launch_record)
-        monkeypatch.setattr(mod, "keep_plan", lambda plans, key, plan: recorded.append((key, plan)))
+    recorded = _recorded_plans(monkeypatch, kernels_scalar_fwd, kernels_scalar_bwd)
     keys, forward_keys = {}, set()
     cases = _scalar_plan_cases()
     for hp in ("0", "2"):
@@ -483,14 +498,9 @@ def test_equal_scalar_plan_keys_mean_equal_launches(monkeypatch):
                 args, flags, need_dtau = make()
                 out, lse = kernels_scalar_fwd.scalar_forward(**args, **flags)
                 kernels_scalar_bwd.scalar_backward(torch.randn_like(out), **args, lse=lse, need_dtau=need_dtau, **flags)
-                assert len(recorded) == 2, name
-                for key, plan in recorded:
-                    first, first_plan = keys.setdefault(key, (f"{name}, HP {hp}", plan))
-                    assert first_plan == plan, f"{name}, HP {hp} and {first}: one key, two launches"
-                forward_keys.add(recorded[0][0])
-                recorded.clear()
+                forward_keys.add(_one_launch_per_key(keys, recorded, f"{name}, HP {hp}"))
     # every case is its own forward signature but tau-rows-grad (need_dtau is the backward's alone), at each HP
-    assert len(forward_keys) == 2 * (len(cases) - 1) and len(keys) == 2 * (2 * len(cases) - 1)
+    assert len(forward_keys) == 2 * (len(cases) - 1) and len(keys) == 2 * (3 * len(cases) - 1)
 
 
 @pytest.mark.gpu
