@@ -985,8 +985,7 @@ def distance_attention(
         args = args[:6] + (inverse_two_variances(a),) + args[7:]
     if mask.nq <= DECODE_MAX_QUERIES and not needs_grad:
         return distance_decode_op(*args) if compiling else _decode_impl(*args)
-    if compiling:
-        if use_triton_op():
-            return distance_fwd_t(*args)[0]
-        return distance_fwd(*args)[0]
-    return _forward_impl(*args)[0]
+    # (traced: every eager call returned above)
+    if use_triton_op():
+        return distance_fwd_t(*args)[0]
+    return distance_fwd(*args)[0]

@@ -35,8 +35,8 @@ from .kernels_common import (
     autotune,
     autotune_subset,
     bcast_strides,
-    key_block_grid,
     dot_precision,
+    key_block_grid,
     launch_tuned,
     make_configs,
     n_bucket,
@@ -1266,7 +1266,7 @@ def distance_backward(
             causal, window, num_prefix_keys, normalize, qnorm, knorm, kv_same, eps, store_dkb, knorm_inline, tau_in,
             a_log,
         )  # fmt: skip
-        planned = _BWD_PLANS.get(plan_key) if q.is_cuda else None
+        planned = _BWD_PLANS.get(plan_key)  # (none on the CPU: direct_plan makes none there)
         if planned is not None and not (plan_allowed(planned[0]) and plan_allowed(planned[1])):
             planned = None
     if planned is not None:

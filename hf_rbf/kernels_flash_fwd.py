@@ -872,7 +872,7 @@ def distance_forward(
             q, k, v, kb, qs, ks, beta, a, b, prefix, device,
             causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps, knorm_inline, tau_in, tma, a_log,
         )  # fmt: skip
-        planned = _FWD_PLANS.get(plan_key) if q.is_cuda else None
+        planned = _FWD_PLANS.get(plan_key)  # (none on the CPU: direct_plan makes none there)
         if planned is not None and plan_allowed(planned[0]):
             plan, uses_tma = planned
             out = torch.empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3], device=q.device, dtype=q.dtype)

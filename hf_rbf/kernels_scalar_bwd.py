@@ -544,7 +544,7 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
         device = torch.cuda.current_device() if v.is_cuda else -1
         signed = [qs, ks, v, dout, lse, work, dqs, dks, dv] + [t for t in (dtau, dkb) if t is not None]
         plan_key, pointers = scalar_plan_key(signed, kb, tau, device, causal, window, num_prefix_keys, need_dtau)
-        plans = _BWD_PLANS.get(plan_key) if v.is_cuda else None
+        plans = _BWD_PLANS.get(plan_key)  # (none on the CPU: direct_plan makes none there)
         if plans is not None and plan_allowed(plans[0]) and plan_allowed(plans[1]):
             p_qs, p_ks, p_v, p_dout, p_lse, p_work, p_dqs, p_dks, p_dv = pointers[:9]
             rest = iter(pointers[9:])  # dtau, dkb, kb, tau: those present, in this order

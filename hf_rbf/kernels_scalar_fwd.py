@@ -407,10 +407,13 @@ def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys, trace
     if not traced:  # a call signature launched before: its plan (see kernels_launch.direct_plan; GPU only)
         device = torch.cuda.current_device() if v.is_cuda else -1
         plan_key, pointers = scalar_plan_key([qs, ks, v], kb, tau, device, causal, window, num_prefix_keys)
-        plan = _FWD_PLANS.get(plan_key) if v.is_cuda else None
+        plan = _FWD_PLANS.get(plan_key)  # (none on the CPU: direct_plan makes none there)
         p_out, p_lse = out.data_ptr(), lse.data_ptr()
         if plan is not None and plan_allowed(plan) and not (p_out | p_lse) & 15:  # (fresh blocks always are)
-            launch_plan(plan, placed_pointers(pointers, 3, kb, tau, p_lse) + [p_out, p_lse], device)
+            rest = iter(pointers[3:])  # kb, tau: those that are tensors, in this order; else lse stands in
+            p_kb = next(rest) if kb is not None else p_lse
+            p_tau = next(rest) if isinstance(tau, torch.Tensor) else p_lse
+            launch_plan(plan, pointers[:3] + [p_kb, p_tau, p_out, p_lse], device)
             return out, lse
     tau_t, beta_value, stau, tau_tensor = tau_args(tau, bsz, heads, nq, lse)
     grid = lambda meta: (triton.cdiv(nq, meta["ROWS"] // meta["HP"]), bsz * (heads // meta["HP"]))  # noqa: E731
@@ -466,23 +469,10 @@ def scalar_plan_key(tensors: list, kb, tau, device, *options):
     """``(key, addresses)`` of a scalar launch (see ``kernels_flash_fwd.forward_plan_key``): the signature of
     ``tensors`` plus the key bias and ``tau`` where they are tensors, which of the two are, a float ``tau``'s value
     (the kernels take ``1 / tau``), the device, ``options`` (the call's other arguments), the heads-per-program
-    setting and tf32.  The addresses come in that order (``placed_pointers`` puts them in the kernels' slots)."""
+    setting and tf32.  The addresses come in that order (the caller puts them in the kernels' slots)."""
     tau_tensor = isinstance(tau, torch.Tensor)
     signature, pointers = tensor_signature(tensors + ([kb] if kb is not None else []) + ([tau] if tau_tensor else []))
     absent = (kb is None, None if tau_tensor else float(tau))
     key = (signature, device, absent, options, requested_heads_per_program(), dot_precision(tensors[2].dtype))
     return key, pointers
 
-
-def placed_pointers(pointers: list, n: int, kb, tau, placeholder: int) -> list:
-    """The addresses of :func:`scalar_plan_key` in the kernels' order ``<the first n>, KB, TAU``, the placeholder's
-    (``lse``) for an absent key bias or a float ``tau``."""
-    out = pointers[:n]
-    i = n
-    if kb is not None:
-        out.append(pointers[i])
-        i += 1
-    else:
-        out.append(placeholder)
-    out.append(pointers[i] if isinstance(tau, torch.Tensor) else placeholder)
-    return out

@@ -503,6 +503,72 @@ def test_equal_scalar_plan_keys_mean_equal_launches(monkeypatch):
     assert len(forward_keys) == 2 * (len(cases) - 1) and len(keys) == 2 * (3 * len(cases) - 1)
 
 
+def _addresses(args) -> list:
+    return [x.data_ptr() for x in args if isinstance(x, torch.Tensor)]
+
+
+def _labels(pointers, named: dict) -> list:
+    """Each address as the name of the tensor at it (``?`` for a buffer the call keeps to itself, e.g. ``work``)."""
+    by_address = {t.data_ptr(): name for name, t in named.items() if isinstance(t, torch.Tensor)}
+    return [by_address.get(p, "?") for p in pointers]
+
+
+def _call_family(family: str, make, fwd, bwd) -> dict:
+    """One forward+backward of a case of ``_plan_cases`` / ``_scalar_plan_cases``; every tensor of it by name."""
+    if family == "distance":
+        args, kw = make()
+        out, lse = fwd.distance_forward(**args, **kw)
+        dout = torch.randn_like(out)
+        backward_kw = {k: v for k, v in kw.items() if k != "tma"}
+        grads = bwd.distance_backward(
+            dout, **args, out=out, lse=lse, need_dbeta=args["qs"] is not None, knorm=True, **backward_kw
+        )
+        named = {**args, **dict(zip(("pk", "pv"), kw.get("prefix", ())))}
+        names = ("dq", "dk", "dv", "dkb", "dab", "dqs", "dks", "dbeta", "dpk", "dpv")
+    else:
+        args, flags, need_dtau = make()
+        out, lse = fwd.scalar_forward(**args, **flags)
+        dout = torch.randn_like(out)
+        grads = bwd.scalar_backward(dout, **args, lse=lse, need_dtau=need_dtau, **flags)
+        named = dict(args)
+        names = ("dqs", "dks", "dv_grad", "dkb", "dtau")
+    named.update(out=out, lse=lse, dout=dout)
+    named.update(zip(names, grads))
+    return named
+
+
+@pytest.mark.parametrize("family", ["distance", "scalar"])
+def test_a_planned_call_puts_each_tensor_in_the_slot_of_the_long_way(monkeypatch, family):
+    """The hit path of every planned launch (the distance and scalar forward, dQ and dK/dV): the addresses it passes
+    name, slot by slot, the tensors the long way passes for a call of the same signature (placeholders included).
+    (CPU: the launches are recorded, not run; on the GPU the planned results are compared bitwise.)"""
+    from hf_rbf import kernels_flash_bwd, kernels_flash_fwd, kernels_scalar_bwd, kernels_scalar_fwd
+
+    fwd, bwd = (kernels_flash_fwd, kernels_flash_bwd)
+    if family == "scalar":
+        fwd, bwd = kernels_scalar_fwd, kernels_scalar_bwd
+    long_way, planned = [], []  # per launch: its tensors' addresses, in argument order
+    for mod in (fwd, bwd):
+        monkeypatch.setattr(mod, "launch_tuned", lambda kernel, grid, *a, **k: long_way.append(_addresses(a)))
+        monkeypatch.setattr(mod, "direct_plan", lambda kernel, grid, args, kwargs, n: (kernel.fn.__name__,))
+        monkeypatch.setattr(mod, "plan_allowed", lambda plan: True)
+        monkeypatch.setattr(mod, "launch_plan", lambda plan, pointers, device: planned.append(list(pointers)))
+    cases = _plan_cases() if family == "distance" else _scalar_plan_cases()
+    for name, make in cases.items():
+        fwd._FWD_PLANS.clear()
+        bwd._BWD_PLANS.clear()
+        named = _call_family(family, make, fwd, bwd)  # the long way; its plans kept
+        expected = [_labels(p, named) for p in long_way]
+        named = _call_family(family, make, fwd, bwd)  # the same signature, other tensors: from the plans
+        got = [_labels(p, named) for p in planned]
+        assert len(expected) == 3 and len(planned) == 3 and not long_way[3:], name
+        assert got == expected, name
+        long_way.clear()
+        planned.clear()
+    fwd._FWD_PLANS.clear()
+    bwd._BWD_PLANS.clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: compiled kernels")
 def test_direct_launches_compute_what_triton_launches_compute(monkeypatch):
