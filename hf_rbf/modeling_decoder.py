@@ -92,6 +92,8 @@ class DecoderRMSNorm(nn.Module):
         if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
             if not num_register_rows:
                 return F.rms_norm(hidden_states, shape, self.weight, eps)
+            if torch.compiler.is_compiling():
+                return self.weight * self._rows_with_registers(hidden_states, num_register_rows)
             # one split and one cat (their backwards are a cat and views): no slice, whose backward zero-fills a
             # full-size gradient
             text, registers = hidden_states.split([hidden_states.shape[0] - num_register_rows, num_register_rows])
@@ -120,6 +122,22 @@ class DecoderRMSNorm(nn.Module):
             variance = variance + self.variance_epsilon
         hidden_states = hidden_states * torch.rsqrt(variance)
         return self.weight * hidden_states.to(input_dtype)
+
+    def _rows_with_registers(self, hidden_states: torch.Tensor, num_register_rows: int) -> torch.Tensor:
+        """The float32 forward's normalised rows (before the scale) as one elementwise expression over all rows, a
+        row mask choosing each row's variance term: what a traced model runs.
+
+        Inductor keeps what the backward needs as cheaply as it can only through elementwise ops.  The eager form
+        (a split, ``F.rms_norm`` of the text rows, the capped register rows, a cat) made a compiled step keep, per
+        norm, the text rows' normalised values as a float32 ``[tokens, D]`` buffer *and*, through the register
+        rows (a view), the whole input: 48 MiB more per norm, 1.15 GiB of a d768 L12 B16 T1024 step on an H200
+        (benchmarks/results/h200-2026-11-29c, ``probe_compiled_memory.py``).  This form keeps the input, a float per
+        row and the mask, as Llama's RMSNorm does; the values are the chain's."""
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        rows = hidden_states.shape[0]
+        is_register = torch.arange(rows, device=hidden_states.device).unsqueeze(-1) >= rows - num_register_rows
+        variance = torch.where(is_register, variance.clamp(min=1.0), variance + self.variance_epsilon)
+        return hidden_states * torch.rsqrt(variance)
 
     def capped(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The register rows' norm (see ``DecoderLayer``): rows whose RMS exceeds 1 are scaled to RMS 1, smaller ones

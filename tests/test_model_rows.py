@@ -275,3 +275,71 @@ def test_half_precision_norm_is_one_rms_norm_with_the_chains_bits(dtype, weight_
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
     with torch.autocast("cpu", dtype=other):
         assert torch.equal(norm(x, registers), ref.detach())
+
+
+def _saved_for_backward(fn, *inputs):
+    """``(shape, dtype)`` of what AOTAutograd's min-cut partition (Inductor's: its decompositions and partitioner) keeps
+    from ``fn``'s forward for its backward, with ``fn``'s output."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    saved = []
+
+    def forward_compiler(gm, example_inputs):
+        (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        vals = [o.meta["val"] for o in outputs if hasattr(o, "meta") and "val" in o.meta]
+        saved[:] = [(tuple(v.shape), v.dtype) for v in vals]
+        return make_boxed_func(gm)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=forward_compiler,
+            bw_compiler=lambda gm, _: make_boxed_func(gm),
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table(),
+        )
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    return out, saved
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_traced_norm_with_registers_keeps_its_input_and_a_float_per_row(device):
+    """Under torch.compile a float32 norm over text and register rows (the residual stream of autocast training) keeps
+    for its backward the input and per-row values only, as Llama's RMSNorm: not a second ``[rows, D]`` float32
+    buffer of normalised rows, which a compiled d768 step kept for every norm (1.15 GiB, H200; the eager form's split,
+    cat and register view), and its values and gradients are the eager form's."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    rows, width, registers = 131, 64, 3
+    norm = DecoderRMSNorm(width).to(device)
+    linear = torch.nn.Linear(width, 96, bias=False).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, width))
+    g = torch.Generator().manual_seed(0)
+    a, b = (3 * torch.randn(rows, width, generator=g) for _ in range(2))
+    a[-1] *= 0.01  # one register row below RMS 1: passes unnormalised
+    b[-1] *= 0.01
+
+    def step(a, b):
+        x = a + b  # the residual stream: an activation, not an input of the graph
+        with torch.autocast(device, dtype=torch.bfloat16):
+            h = linear(norm(x, registers))
+        return h.float().pow(2).sum()
+
+    leaves = [t.to(device).requires_grad_(True) for t in (a, b)]
+    out, saved = _saved_for_backward(step, *leaves)
+    grads = torch.autograd.grad(out, [leaves[0], norm.weight])
+    full = [s for s in saved if s[1] == torch.float32 and torch.Size(s[0]).numel() >= (rows - registers) * width]
+    assert full == [((rows, width), torch.float32)], saved  # the input alone
+    ref_leaves = [t.to(device).requires_grad_(True) for t in (a, b)]
+    ref = step(*ref_leaves)  # eager: F.rms_norm of the text rows, the capped register rows
+    ref_grads = torch.autograd.grad(ref, [ref_leaves[0], norm.weight])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=0)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
