@@ -6,10 +6,14 @@
 
 Why: under ``torch.compile`` the d768 models of rbf and hybrid_sort peaked at 1.11-1.12x Llama's activation memory on an
 H200 (``benchmarks/results/h200-2026-11-29``, call 5), against 0.80x in eager mode.  Saved tensors are the part of
-the peak that a model's code decides (the rest is the backward's transients), and counting them needs no GPU: the
-models are built by ``profile_training.build`` (the benchmark's configs) at a small size, run once under bf16
-autocast, and ``torch.autograd.graph.saved_tensors_hooks`` records what is packed.  On a CPU the fused kernels run in
-Triton's interpreter (``--backend triton``, slow: keep the size small) or through the padding trick (``sdpa``).
+the peak that a model's code decides (the rest is the backward's transients): the models are built by
+``profile_training.build`` (the benchmark's configs), run under bf16 autocast, and
+``torch.autograd.graph.saved_tensors_hooks`` records what is packed, with the bytes of each tensor's whole storage (a
+saved view keeps its base alive).  On a CPU the fused kernels run in Triton's interpreter (``--backend triton``, slow:
+keep the size small) or through the padding trick (``sdpa``); but what Inductor keeps can differ between devices
+(``F.rms_norm`` is one fused op on CUDA and a chain on the CPU), so the GPU is the measurement: the 1.11x came from
+every norm's normalised rows kept beside the residual, which ``benchmarks/probe_compiled_memory.py`` found by the
+allocating lines (``benchmarks/results/h200-2026-11-29c``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ def saved_tensors(model, ids, device_type: str, compile_model: bool) -> list[tup
     saved: list[tuple] = []
 
     def pack(t):
-        saved.append((tuple(t.shape), t.dtype, t.numel() * t.element_size(), t.untyped_storage().data_ptr()))
+        # the storage's bytes, not the view's: a saved view keeps its whole base alive (a compiled d768 step kept
+        # every layer's float32 residual through a one-row view of it, which the view's own bytes hid)
+        storage = t.untyped_storage()
+        saved.append((tuple(t.shape), t.dtype, storage.nbytes(), storage.data_ptr()))
         return t
 
     for _ in range(2):
@@ -80,7 +87,7 @@ def main(argv=None) -> int:
         for _, _, nbytes, ptr in saved:
             storages[ptr] = max(storages.get(ptr, 0), nbytes)
         total = sum(storages.values()) / 2**20
-        print(f"\n## {variant}: {len(saved)} saved tensors, {len(storages)} storages, {total:.2f} MiB")
+        print(f"\n## {variant}: {len(saved)} saved tensors, {len(storages)} storages, {total:.2f} MiB of storage")
         counts = collections.Counter((shape, str(dtype)) for shape, dtype, _, _ in saved)
         for (shape, dtype), n in counts.most_common(args.top):
             print(f"- {n} x {list(shape)} {dtype}")

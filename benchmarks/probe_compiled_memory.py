@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import collections
 import linecache
+import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -69,6 +71,33 @@ def replay(events: list[dict]):
         elif e["action"] == "free_requested":
             alive.pop(e["addr"], None)
     return peak, at, alive
+
+
+_BUFFER = re.compile(r"(buf\d+) = empty_strided_cuda\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)\)")
+
+
+def kept_by_forward_graph(source: str) -> dict:
+    """What an Inductor forward graph (its generated code) keeps for the backward: the buffers it allocates that its
+    ``call`` returns, whole (a returned view keeps its buffer alive), as ``{(shape, dtype): [count, bytes]}``.  The
+    graph's inputs (``primals_*``: weights, ids) are not counted.  Empty for a backward graph (its inputs include
+    ``tangents_*``; it returns gradients) and for code without such a return."""
+    start = source.find("    def call(self, args):")
+    if start < 0 or "return (" not in source[start:] or "tangents_" in source[start:]:
+        return {}
+    body = source[start:]
+    sizes = {}
+    for name, shape, _, dtype in _BUFFER.findall(body):
+        dims = tuple(int(x) for x in shape.split(",") if x.strip())
+        sizes[name] = (dims, dtype, math.prod(dims) * getattr(torch, dtype).itemsize)
+    ret = body[body.rindex("return ("):]
+    ret = ret[: ret.index(")\n")]
+    kept: dict = collections.defaultdict(lambda: [0, 0])
+    for name in set(re.findall(r"\b(buf\d+)\b", ret)):
+        if name in sizes:
+            dims, dtype, nbytes = sizes[name]
+            kept[(dims, dtype)][0] += 1
+            kept[(dims, dtype)][1] += nbytes
+    return dict(kept)
 
 
 def source_context(filename: str, line: int, after: int = 3) -> str:
@@ -149,6 +178,23 @@ def probe(variant: str, size: dict, compile_model: bool, top: int, code_dir: Pat
             if not dest.exists() and os.path.exists(filename):
                 shutil.copy(filename, dest)
     lines.append("")
+    for path in sorted({site[0] for _, site in alive.values()}):
+        if not os.path.exists(path):
+            continue
+        kept = kept_by_forward_graph(Path(path).read_text())
+        if not kept:
+            continue
+        total = sum(v[1] for v in kept.values())
+        lines += [
+            f"Kept for the backward by the forward graph `{os.path.basename(path)}`: {total / 2**20:,.0f} MiB in "
+            f"{sum(v[0] for v in kept.values())} buffers; the largest kinds:",
+            "",
+            "| buffers | shape | dtype | MiB |",
+            "|---|---|---|---|",
+        ]
+        for (dims, dtype), (count, nbytes) in sorted(kept.items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"| {count} | {list(dims)} | {dtype} | {nbytes / 2**20:,.1f} |")
+        lines.append("")
     return lines
 
 
