@@ -119,11 +119,10 @@ def sass_text(cubin: bytes) -> str:
 _SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?(.*)")
 
 
-def sass_loops(text: str) -> str:
-    """The loop bodies of a SASS listing, in program order, as ``instructions/MMAs/local loads+stores`` each: a
-    loop is a backward branch before the kernel's last ``EXIT`` (the retry loops of barrier waits, placed after it,
-    are left out), its body the instructions from the branch target to the branch.  Spills outside the loops cost
-    little; in a tile loop they cost every tile."""
+def sass_loop_bodies(text: str) -> list:
+    """The loop bodies of a SASS listing, in program order, as a Counter of instruction names each: a loop is a
+    backward branch before the kernel's last ``EXIT`` (the retry loops of barrier waits, placed after it, are left
+    out), its body the instructions from the branch target to the branch."""
     ops, labels = [], {}
     for line in text.splitlines():
         m = re.match(r"\s*(\.L_x_\d+):", line)
@@ -134,14 +133,35 @@ def sass_loops(text: str) -> str:
         if m:
             ops.append((m.group(1), m.group(2)))
     exits = [i for i, (op, _) in enumerate(ops) if op == "EXIT"]
-    loops = []
+    bodies = []
     for i, (op, rest) in enumerate(ops[: exits[-1] if exits else len(ops)]):
         target = re.search(r"(\.L_x_\d+)", rest) if op == "BRA" else None
         if target and labels.get(target.group(1), i + 1) <= i:
-            body = collections.Counter(o for o, _ in ops[labels[target.group(1)] : i + 1])
-            mma = sum(body[o] for o in ("HGMMA", "HMMA", "WGMMA"))
-            loops.append(f"{i + 1 - labels[target.group(1)]}/{mma}/{body['LDL'] + body['STL']}")
+            bodies.append(collections.Counter(o for o, _ in ops[labels[target.group(1)] : i + 1]))
+    return bodies
+
+
+def sass_loops(text: str) -> str:
+    """The loop bodies (:func:`sass_loop_bodies`) as ``instructions/MMAs/local loads+stores`` each.  Spills outside
+    the loops cost little; in a tile loop they cost every tile."""
+    loops = []
+    for body in sass_loop_bodies(text):
+        mma = sum(body[o] for o in ("HGMMA", "HMMA", "WGMMA"))
+        loops.append(f"{sum(body.values())}/{mma}/{body['LDL'] + body['STL']}")
     return " ".join(loops)
+
+
+# the per-element work of a tile loop: fp32 arithmetic, exponentials, the casts of P to 16 bits
+_LOOP_MIX_OPS = ("FADD", "FMUL", "FFMA", "FMNMX", "MUFU", "F2FP", "FSEL", "ISETP")
+
+
+def sass_loop_mix(text: str) -> str:
+    """Each loop body's count of the instructions a score element costs (``_LOOP_MIX_OPS``), as
+    ``total: FADD a FMUL b ...`` per loop, separated by ``; ``."""
+    return "; ".join(
+        f"{sum(body.values())}: " + " ".join(f"{o} {body[o]}" for o in _LOOP_MIX_OPS if body[o])
+        for body in sass_loop_bodies(text)
+    )
 
 
 def sass_mix(cubin: bytes) -> dict:
@@ -165,6 +185,7 @@ def sass_mix(cubin: bytes) -> dict:
     out = {name: sum(ops[o] for o in names) for name, names in groups.items()}
     out["total"] = sum(ops.values())
     out["loops"] = sass_loops(text)
+    out["loop_mix"] = sass_loop_mix(text)
     return out
 
 
@@ -464,6 +485,8 @@ def main(argv=None) -> int:
             lines.append(f"| {r['case']} | error: {r['error']} |")
             continue
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    lines += ["", "Each loop body's instructions of the per-element kinds (`sass_loop_mix`):", ""]
+    lines += [f"- {r['case']} `{r['kernel']}`: {r['loop_mix']}" for r in rows if r.get("loop_mix")]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -6,16 +6,18 @@ Inductor's generated code, followed by the lines that use the buffer), and the p
         [--variants "llama;rbf (1 register, SuSiE)"] [--eager] [--top 20] [--time-steps 20]
 
 Why: under ``torch.compile`` the d768 rbf and hybrid_sort models peaked at 1.11-1.12x Llama's activation memory on an
-H200 (``benchmarks/results/h200-2026-11-29``, call 5), while what they save for the backward is smaller than Llama's
-(``count_saved_tensors.py --device cuda --compile``: 5,217 against 5,705 MiB, ``benchmarks/results/h200-2026-11-29c``).
-So the difference is in the backward's transients, which only a trace of the allocations shows.
+H200 (``benchmarks/results/h200-2026-11-29``, call 5), while a count of the tensors packed for their backward said
+they saved less than Llama.  That count summed the saved views' own bytes; what stays alive is decided by the buffers
+behind them, which only the allocator's trace and the generated code show.  This probe found the cause: every norm
+kept its normalised rows beside the whole residual (``benchmarks/results/h200-2026-11-29c``).
 
-The step is ``profile_training``'s (bf16 autocast, fused AdamW, random tokens, the benchmark's configs), the fourth of
-the model's steps (three before compile and warm the caches).  ``torch.cuda.memory._record_memory_history`` records
-every allocation of that step with its Python stack; the trace is replayed to find the peak of what the step
-allocated (what was resident before it is not counted: weights, optimizer state), and the blocks alive then are
-summed per allocating line.  Writes ``DIR/compiled_memory.md`` and copies the generated code the lines point into
-(``DIR/code/``).
+The step is ``profile_training``'s (bf16 autocast, fused AdamW, random tokens, the benchmark's configs).  Three steps
+compile and warm the caches; the fourth gives each phase's peak (forward, backward, optimizer step); in the fifth
+``torch.cuda.memory._record_memory_history`` records every allocation with its Python stack, and the trace is
+replayed to find the peak of what the step allocated (what was resident before it is not counted: weights, optimizer
+state).  The blocks alive then are summed per allocating line, and each forward graph among those lines is read for
+what it keeps for the backward (:func:`kept_by_forward_graph`).  ``--time-steps`` more steps give a rough step time.
+Writes ``DIR/compiled_memory.md`` and copies the generated code the lines point into (``DIR/code/``).
 """
 
 from __future__ import annotations

@@ -127,12 +127,12 @@ class DecoderRMSNorm(nn.Module):
         """The float32 forward's normalised rows (before the scale) as one elementwise expression over all rows, a
         row mask choosing each row's variance term: what a traced model runs.
 
-        Inductor keeps what the backward needs as cheaply as it can only through elementwise ops.  The eager form
-        (a split, ``F.rms_norm`` of the text rows, the capped register rows, a cat) made a compiled step keep, per
-        norm, the text rows' normalised values as a float32 ``[tokens, D]`` buffer *and*, through the register
-        rows (a view), the whole input: 48 MiB more per norm, 1.15 GiB of a d768 L12 B16 T1024 step on an H200
-        (benchmarks/results/h200-2026-11-29c, ``probe_compiled_memory.py``).  This form keeps the input, a float per
-        row and the mask, as Llama's RMSNorm does; the values are the chain's."""
+        Inductor's partitioner recomputes elementwise ops in the backward instead of keeping their results.  The
+        eager form (a split, ``F.rms_norm`` of the text rows, the capped register rows, a cat) made a compiled step
+        keep, per norm, the text rows' normalised values as a float32 ``[tokens, D]`` buffer *and*, through the
+        register rows (a view), the whole input: 48 MiB more per norm, 1.15 GiB of a d768 L12 B16 T1024 step on an
+        H200 (benchmarks/results/h200-2026-11-29c, ``probe_compiled_memory.py``).  This form keeps the input, a float
+        per row and the mask, as Llama's RMSNorm does; the values are the chain's."""
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         rows = hidden_states.shape[0]
         is_register = torch.arange(rows, device=hidden_states.device).unsqueeze(-1) >= rows - num_register_rows
