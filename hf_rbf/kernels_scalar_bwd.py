@@ -186,20 +186,24 @@ if HAS_TRITON:
                     DV_PAD,
                     SEG != 2,
                 )
-                dd = qs[None, :] - ksT
-                sT = -(dd * dd) * (beta * 1.4426950408889634)[None, :]
+                # ddn = -beta' dd (beta' = beta log2(e)): the exponent is one fma from it, -beta' dd^2 - lse, and
+                # the key gradient's sum takes it as it is (dks_j = sum_i dS_ij beta_i dd_ij = -sum_i dS_ij ddn_ij
+                # / log2(e), the factor applied once after the loops)
+                ddn = (qs[None, :] - ksT) * (beta * -1.4426950408889634)[None, :]
                 if HAS_KB:
-                    sT += kbT
+                    sT = (qs[None, :] - ksT) * ddn + (kbT - lse[None, :])
+                else:
+                    sT = (qs[None, :] - ksT) * ddn - lse[None, :]
                 if SEG != 2:  # edge tiles: rows out of range or position (prefix key blocks: range only)
                     ok = row_ok[None, :] & (
                         _allowed((t0 + i)[None, :], s_k[:, None], WINDOW, CAUSAL, HAS_WINDOW) | is_prefix
                     )
                     sT = tl.where(ok, sT, float("-inf"))
-                pT = tl.math.exp2(sT - lse[None, :])
+                pT = tl.math.exp2(sT)
                 dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
                 dpT = _dot(v, tl.trans(do), None, DOT_PREC)
                 dsT = pT * (dpT - delta[None, :])
-                dks += _per_head_colsum(dsT * dd * beta[None, :], HP, BLOCK_M, BLOCK_N)
+                dks += _per_head_colsum(dsT * ddn, HP, BLOCK_M, BLOCK_N)
                 if HAS_KB:
                     dkb += _per_head_colsum(dsT, HP, BLOCK_M, BLOCK_N)
         return dv, dks, dkb
@@ -347,7 +351,8 @@ if HAS_TRITON:
                 DOT_PREC,
             )
             out_ptrs = (b * H + h0 + offs_h)[None, :] * NK + j[:, None]
-            tl.store(DKS + out_ptrs, (2.0 * dks).to(DKS.dtype.element_ty), mask=key_ok[:, None])
+            # 2 sum_i dS_ij beta_i dd_ij, from the loop's sums of dS ddn (ddn = -beta log2(e) dd)
+            tl.store(DKS + out_ptrs, (dks * -1.3862943611198906).to(DKS.dtype.element_ty), mask=key_ok[:, None])
             if HAS_KB:
                 tl.store(DKB + out_ptrs, dkb, mask=key_ok[:, None])
         tl.store(
@@ -485,9 +490,13 @@ if HAS_TRITON:
                 a1 += tl.sum(pd * dd, 1)
                 b1 += tl.sum(p * dd, 1)
                 if NEED_DTAU:  # only when tau requires grad: two more row sums per tile
-                    dd2 = dd * dd
-                    a2 += tl.sum(pd * dd2, 1)
-                    b2 += tl.sum(p * dd2, 1)
+                    if SEG == 2 and not HAS_KB:  # unmasked scores without a key bias are -dd^2: no multiply
+                        a2 -= tl.sum(pd * s, 1)
+                        b2 -= tl.sum(p * s, 1)
+                    else:  # (a masked score is -inf, and 0 * -inf would poison the sums)
+                        dd2 = dd * dd
+                        a2 += tl.sum(pd * dd2, 1)
+                        b2 += tl.sum(p * dd2, 1)
         # sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j with the exact delta_i = sum_j W_ij dP_ij
         out_rows = (b * H + h_r) * NQ + i
         dqs = -2.0 * beta_r * (a1 - dacc * b1)

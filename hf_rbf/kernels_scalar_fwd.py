@@ -246,69 +246,68 @@ if HAS_TRITON:
             s = tl.where(ok, s, float("-inf"))
         return s, dd, j, col_ok
 
+    # A fixed reference m may stand in for the row maximum as long as every exponent s - m stays in [-60, 60]
+    # (log2 units) for the keys that matter: no overflow, and the largest term at least 2^-60, so the terms that
+    # underflow (below 2^-126) change the sum by less than 2^-66 each.
+    FIXED_REFERENCE_SPAN = tl.constexpr(60.0)
+
     @triton.jit
-    def _scalar_fwd_kernel(
-        QS,
-        KS,
-        V,
-        KB,
-        TAU,
-        BETA_VALUE,
-        OUT,
-        LSE,
-        sqsb,
-        sqsh,
-        sqsn,
-        sksb,
+    def _fixed_reference(qs, beta, t, h_r, row_ok, KS_b, sksh, sksn, P, S, WINDOW, CAUSAL: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr):  # fmt: skip
+        """Each row's fixed reference for the forward's loop without a maximum, or ``-inf`` where it has none.
+
+        Without a key bias every score ``-beta (qs - ks)^2`` is at most 0, and the row's own key (the diagonal,
+        allowed under every mask) gives a lower bound ``L`` on its maximum.  So ``m = L / 2`` keeps every exponent
+        ``s - m`` within ``[L / 2, -L / 2]`` for the row's largest score, which is in range while ``L >= -2 *
+        FIXED_REFERENCE_SPAN``.  Rows past the end take 0.  A row whose own key is far (``L`` below that), masked or
+        absent gets ``-inf``: then the program runs the online maximum instead.
+
+        Why: with a rank-1 score the row maximum and the rescale of the accumulator cost two of the loop's eight
+        instructions per score element, in a loop bound by issuing them (offline sm_90 SASS).  The bound costs an
+        exponent's rounding at most ``ulp(60)`` (2.6e-6 relative), far below the bfloat16 rounding of the weights
+        before the value product, which is why only bfloat16 values take this path."""
+        has = row_ok & (t >= 0) & (t < S) & _allowed(t, t, WINDOW, CAUSAL, HAS_WINDOW)
+        ks = tl.load(KS_b + h_r * sksh + (P + t) * sksn, mask=has, other=0.0).to(tl.float32)
+        d = qs - ks
+        half = -0.5 * (d * d) * beta
+        m = tl.where(has & (half >= -FIXED_REFERENCE_SPAN), half, float("-inf"))
+        return tl.where(row_ok, m, 0.0)
+
+    @triton.jit
+    def _fwd_tiles(
+        acc,
+        l_i,
+        m_i,
+        qs_r,
+        beta_r,
+        inv_beta_r,
+        t_r,
+        t0,
+        KS_ptr,
+        V_ptr,
+        KB_ptr,
         sksh,
         sksn,
-        svb,
-        svh,
         svn,
-        sob,
-        soh,
-        son,
-        stb,
-        sth,
-        stn,
-        H,
-        HPG,
         NQ,
         NK,
         P,
+        S,
         WINDOW,
-        N_BUCKET,
-        PLANES,
-        HP_REQ,
+        FIXED_MAX: tl.constexpr,
         DV: tl.constexpr,
         DV_PAD: tl.constexpr,
         CAUSAL: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
-        TAU_TENSOR: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        ROWS: tl.constexpr,
-        BLOCK_N: tl.constexpr,
         HP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
-        BLOCK_M: tl.constexpr = ROWS // HP
-        b, h0, g, S, t0, i, h_r, row_ok = _program_rows(H, HPG, NQ, NK, P, HP, BLOCK_M, ROWS)
-        qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-        beta_r = _row_beta(TAU, BETA_VALUE, b, h_r, i, row_ok, stb, sth, stn, TAU_TENSOR, ROWS)
-        beta_r, inv_beta_r = _log2_beta(beta_r, ROWS)
-        t_r = t0 + i
-        # the row vectors in the score tile's tensor-core layout (see _mma_anchor)
-        anchor = _mma_anchor(ROWS, BLOCK_N)
-        qs_r = _rows_of(anchor, qs_r)
-        beta_r = _rows_of(anchor, beta_r)
-        inv_beta_r = _rows_of(anchor, inv_beta_r)
-        t_r = _rows_of(anchor, t_r)
-        acc = tl.zeros([ROWS, DV_PAD], dtype=tl.float32)
-        l_i = tl.zeros([ROWS], dtype=tl.float32)
-        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        KS_ptr = KS + b * sksb + h0 * sksh
-        V_ptr = V + b * svb + g * svh
-        KB_ptr = KB + (b * H + h0) * NK
+        """The forward's tile loop over the prefix and the sequence keys (segments, see ``_segment``), accumulating
+        ``acc = sum_j 2^(s_ij - m_i) v_j`` and ``l_i = sum_j 2^(s_ij - m_i)``.  FIXED_MAX (constexpr): ``m_i`` is a
+        fixed reference chosen by the caller (see ``_fixed_reference``), else the online maximum (flash's rescale)."""
         offs_h = tl.arange(0, HP)
         offs_dv = tl.arange(0, DV_PAD)
         for SEG in tl.static_range(4):
@@ -349,20 +348,113 @@ if HAS_TRITON:
                     HAS_WINDOW,
                     HAS_KB,
                 )
-                # s is the score over beta: the row maximum in score units is max(s) * beta (beta > 0), and the
-                # exponent s * beta - m one fma per element
-                m_new = tl.maximum(m_i, tl.max(s, 1) * beta_r)
-                # A row that has seen no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(s * beta_r[:, None] - m_use[:, None])
-                alpha = tl.math.exp2(m_i - m_use)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-                m_i = m_new
+                if FIXED_MAX:  # m_i is the row's fixed reference: no maximum, no rescale of l_i and acc
+                    p = tl.math.exp2(s * beta_r[:, None] - m_i[:, None])
+                    l_i += tl.sum(p, 1)
+                else:
+                    # s is the score over beta: the row maximum in score units is max(s) * beta (beta > 0), and
+                    # the exponent s * beta - m one fma per element
+                    m_new = tl.maximum(m_i, tl.max(s, 1) * beta_r)
+                    # A row that has seen no allowed key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.math.exp2(s * beta_r[:, None] - m_use[:, None])
+                    alpha = tl.math.exp2(m_i - m_use)
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None]
+                    m_i = m_new
                 # the full middle range needs no row mask on the value tile (SEG is a constant: no code for it)
                 v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, SEG != 2)
                 acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
 
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _scalar_fwd_kernel(
+        QS,
+        KS,
+        V,
+        KB,
+        TAU,
+        BETA_VALUE,
+        OUT,
+        LSE,
+        sqsb,
+        sqsh,
+        sqsn,
+        sksb,
+        sksh,
+        sksn,
+        svb,
+        svh,
+        svn,
+        sob,
+        soh,
+        son,
+        stb,
+        sth,
+        stn,
+        H,
+        HPG,
+        NQ,
+        NK,
+        P,
+        WINDOW,
+        N_BUCKET,
+        PLANES,
+        HP_REQ,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_KB: tl.constexpr,
+        TAU_TENSOR: tl.constexpr,
+        FIXED_OK: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HP: tl.constexpr,
+    ):
+        BLOCK_M: tl.constexpr = ROWS // HP
+        b, h0, g, S, t0, i, h_r, row_ok = _program_rows(H, HPG, NQ, NK, P, HP, BLOCK_M, ROWS)
+        qs_r = tl.load(QS + b * sqsb + h_r * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
+        beta_r = _row_beta(TAU, BETA_VALUE, b, h_r, i, row_ok, stb, sth, stn, TAU_TENSOR, ROWS)
+        beta_r, inv_beta_r = _log2_beta(beta_r, ROWS)
+        t_r = t0 + i
+        if FIXED_OK:
+            m_fix = _fixed_reference(
+                qs_r, beta_r, t_r, h_r, row_ok, KS + b * sksb, sksh, sksn, P, S, WINDOW, CAUSAL, HAS_WINDOW
+            )
+        # the row vectors in the score tile's tensor-core layout (see _mma_anchor)
+        anchor = _mma_anchor(ROWS, BLOCK_N)
+        qs_r = _rows_of(anchor, qs_r)
+        beta_r = _rows_of(anchor, beta_r)
+        inv_beta_r = _rows_of(anchor, inv_beta_r)
+        t_r = _rows_of(anchor, t_r)
+        acc = tl.zeros([ROWS, DV_PAD], dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        KS_ptr = KS + b * sksb + h0 * sksh
+        V_ptr = V + b * svb + g * svh
+        KB_ptr = KB + (b * H + h0) * NK
+        if FIXED_OK:  # bfloat16 values, no key bias: the loop without a maximum where every row has a reference
+            m_fix = _rows_of(anchor, m_fix)
+            if tl.min(m_fix, 0) > float("-inf"):
+                acc, l_i, m_i = _fwd_tiles(
+                    acc, l_i, m_fix, qs_r, beta_r, inv_beta_r, t_r, t0, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn,
+                    NQ, NK, P, S, WINDOW, True, DV, DV_PAD, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC, HP, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+            else:
+                acc, l_i, m_i = _fwd_tiles(
+                    acc, l_i, m_i, qs_r, beta_r, inv_beta_r, t_r, t0, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn,
+                    NQ, NK, P, S, WINDOW, False, DV, DV_PAD, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC, HP, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+        else:
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, qs_r, beta_r, inv_beta_r, t_r, t0, KS_ptr, V_ptr, KB_ptr, sksh, sksn, svn,
+                NQ, NK, P, S, WINDOW, False, DV, DV_PAD, CAUSAL, HAS_WINDOW, HAS_KB, DOT_PREC, HP, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+
+        offs_dv = tl.arange(0, DV_PAD)
         m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
         lse = tl.where(l_i > 0, m_use + tl.math.log2(l_i), float("inf"))
         out = acc * tl.math.exp2(m_i - lse)[:, None]
@@ -448,6 +540,7 @@ def scalar_forward(qs, ks, v, kb, tau, *, causal, window, num_prefix_keys, trace
         HAS_WINDOW=window is not None,
         HAS_KB=kb is not None,
         TAU_TENSOR=tau_tensor,
+        FIXED_OK=kb is None and v.dtype == torch.bfloat16,
         DOT_PREC=dot_precision(v.dtype),
     )
     if traced:
@@ -475,4 +568,3 @@ def scalar_plan_key(tensors: list, kb, tau, device, *options):
     absent = (kb is None, None if tau_tensor else float(tau))
     key = (signature, device, absent, options, requested_heads_per_program(), dot_precision(tensors[2].dtype))
     return key, pointers
-

@@ -251,3 +251,75 @@ def _forward_and_query_grad_errors(tau_form: str, n: int = 40, dv: int = 16, see
 def test_forward_lse_and_query_gradient_match_float64(tau_form):
     errors = _forward_and_query_grad_errors(tau_form)
     assert all(errors[name] < tol for name, tol in SCALAR_TOL.items()), errors
+
+
+def _fixed_reference_case(offset: float, seed: int = 5, n: int = 37, dv: int = 16, **call):
+    """bfloat16 values, no key bias: heads 0 and 2 with small scalars (every row's own key near it; head 2 with
+    ``tau = inf``), heads 1 and 3 where every key ``j`` sits on query ``j + 1`` (each row's nearest key is its
+    predecessor) and row ``i``'s own key lies ``offset`` away: ``offset 40`` puts the own key's score near -2,300
+    (log2 units), far past the fixed reference's span, ``offset 7.3`` at about -77 (inside it, the largest weight
+    near ``2^38``).  Returns the kernel's ``(out, lse)`` and float64's."""
+    from hf_rbf.kernels_scalar_fwd import scalar_forward
+
+    b, h = 2, 4
+    gen = torch.Generator().manual_seed(seed)
+    qs, ks = torch.randn(b, h, n, generator=gen), torch.randn(b, h, n, generator=gen)
+    for head in (1, 3):
+        qs[:, head] = torch.linspace(-3, 3, n)
+        ks[:, head, :-1] = qs[:, head, 1:]
+        ks[:, head, -1] = qs[:, head, -1] + offset
+        ks[:, head, :-1] += offset * (torch.arange(n - 1) % 2 == 0)  # every other key far from both queries
+    v = torch.randn(b, 2, n, dv, generator=gen).to(torch.bfloat16)
+    tau = torch.ones(1, h, 1)
+    tau[:, 2] = float("inf")
+    out, lse = scalar_forward(*(x.to(DEVICE) for x in (qs, ks, v)), None, tau.to(DEVICE), **call)
+    window, causal = call["window"], call["causal"]
+    dd = qs.double()[..., :, None] - ks.double()[..., None, :]
+    s = -dd * dd / tau.double()[..., None]
+    pos = torch.arange(n)
+    allowed = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        allowed &= pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= (pos[:, None] - pos[None, :]).abs() < window
+    s = s.masked_fill(~allowed, float("-inf"))
+    vv = v.double().repeat_interleave(2, dim=1)
+    return out.double().cpu(), lse.double().cpu(), torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1) / math.log(2)
+
+
+@pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1 (run this file alone)")
+@pytest.mark.parametrize(
+    "call", [dict(causal=True, window=None), dict(causal=True, window=9), dict(causal=False, window=None)]
+)
+@pytest.mark.parametrize("offset", [40.0, 7.3])
+def test_forward_without_a_maximum_matches_float64_and_falls_back_where_it_must(offset, call, monkeypatch):
+    """The forward's loop without a row maximum (bfloat16 values, no key bias; ``_fixed_reference``) against
+    float64, beside programs that must fall back to the online maximum.  Which loop each program ran is recorded
+    (the interpreter calls ``_fwd_tiles`` through the module): every program of the small-scalar heads takes the
+    fixed reference; with ``offset 40`` a reference of half the own key's score would overflow (``2^1150``), so the
+    far heads' programs must take the online loop, and the output stays finite and right; with ``offset 7.3`` they
+    take the fixed one with weights up to about ``2^38``."""
+    import hf_rbf.kernels_scalar_fwd as fwd
+
+    if ON_GPU:
+        pytest.skip("records the interpreter's calls of the tile loop")
+    taken = []
+    tiles = fwd._fwd_tiles
+
+    def recording(*args):
+        taken.append(bool(args[-10]))  # FIXED_MAX
+        return tiles(*args)
+
+    monkeypatch.setattr(fwd, "_fwd_tiles", recording)
+    out, lse, out_ref, lse_ref = _fixed_reference_case(offset, num_prefix_keys=0, **call)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    # out: the bfloat16 output's rounding; lse (fp32): the fixed reference's exponent rounding, at most ulp(60)
+    assert kc.rel_err(out, out_ref) <= kc.TOLERANCES[torch.bfloat16][0], kc.rel_err(out, out_ref)
+    assert ((lse - lse_ref).abs() / lse_ref.abs().clamp(min=1)).max() <= 1e-5
+    # the interpreter runs the grid (query blocks, batch x head) with the query block outermost
+    per_head = torch.tensor(taken).view(-1, 2, 4).permute(1, 2, 0)  # [batch, head, query block]
+    assert per_head[:, [0, 2]].all(), per_head
+    if offset > 20:
+        assert not per_head[:, [1, 3]].any(), per_head
+    else:
+        assert per_head[:, [1, 3]].all(), per_head
