@@ -128,6 +128,7 @@ if HAS_TRITON:
         v,
         ksT,
         kbT,
+        beta_h,
         s_k,
         is_prefix,
         QS_ptr,
@@ -156,6 +157,7 @@ if HAS_TRITON:
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
         TAU_TENSOR: tl.constexpr,
+        BETA_ROWS: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         """The query tiles of segments 1-3 (``_segment``) against a program's stationary key tile: transposed scores
@@ -171,13 +173,21 @@ if HAS_TRITON:
             for start_m in range(lo, hi, BLOCK_M):
                 i = start_m + offs_r % BLOCK_M
                 row_ok = i < NQ
-                qs = tl.load(QS_ptr + hh * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
-                if TAU_TENSOR:  # beta_i as the dQ pass wrote it: no reciprocal in this loop
+                # The row vectors are loaded by every thread that holds a column of the tile: each costs a dozen
+                # instructions per tile, so the middle range (rows all in range) loads them without a mask, and a
+                # temperature that does not vary along the rows comes in once per head (beta_h), not per tile.
+                if SEG == 2:
+                    qs = tl.load(QS_ptr + hh * sqsh + i * sqsn).to(tl.float32)
+                    lse = tl.load(LSE_ptr + hh * NQ + i)
+                    delta = tl.load(DELTA_ptr + hh * NQ + i)
+                else:
+                    qs = tl.load(QS_ptr + hh * sqsh + i * sqsn, mask=row_ok, other=0.0).to(tl.float32)
+                    lse = tl.load(LSE_ptr + hh * NQ + i, mask=row_ok, other=float("inf"))
+                    delta = tl.load(DELTA_ptr + hh * NQ + i, mask=row_ok, other=0.0)
+                if BETA_ROWS:  # beta_i as the dQ pass wrote it: no reciprocal in this loop
                     beta = tl.load(BETA_ptr + hh * NQ + i, mask=row_ok, other=0.0)
-                else:  # a global temperature: a constant, no load
-                    beta = tl.full([ROWS], BETA_VALUE, tl.float32)
-                lse = tl.load(LSE_ptr + hh * NQ + i, mask=row_ok, other=float("inf"))
-                delta = tl.load(DELTA_ptr + hh * NQ + i, mask=row_ok, other=0.0)
+                else:  # one temperature per head (beta_h) or a global one: no load here
+                    beta = beta_h
                 do = _load_tile(
                     DO_ptr + hh[:, None] * sdoh + i[:, None] * sdon + offs_dv[None, :],
                     row_ok,
@@ -251,6 +261,7 @@ if HAS_TRITON:
         HAS_WINDOW: tl.constexpr,
         HAS_KB: tl.constexpr,
         TAU_TENSOR: tl.constexpr,
+        BETA_ROWS: tl.constexpr,
         DOT_PREC: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -313,6 +324,11 @@ if HAS_TRITON:
             LSE_ptr = LSE + (b * H + h0) * NQ
             DELTA_ptr = WORK + (b * H + h0) * NQ  # the dQ pass's work rows: delta_i, then beta_i
             BETA_ptr = DELTA_ptr + tl.num_programs(1).to(tl.int64) * HPG * NQ
+            hh = tl.arange(0, ROWS) // (ROWS // HP)
+            if TAU_TENSOR and not BETA_ROWS:  # one temperature per head: row 0's beta, as the dQ pass wrote it
+                beta_h = tl.load(BETA_ptr + hh * NQ)
+            else:  # a global temperature (or per row: loaded in the loop)
+                beta_h = tl.full([ROWS], BETA_VALUE, tl.float32)
             dv, dks, dkb = _scalar_dkv_tiles(
                 dv,
                 dks,
@@ -320,6 +336,7 @@ if HAS_TRITON:
                 v,
                 ksT,
                 kbT,
+                beta_h,
                 s_k,
                 is_prefix,
                 QS_ptr,
@@ -348,6 +365,7 @@ if HAS_TRITON:
                 HAS_WINDOW,
                 HAS_KB,
                 TAU_TENSOR,
+                BETA_ROWS,
                 DOT_PREC,
             )
             out_ptrs = (b * H + h0 + offs_h)[None, :] * NK + j[:, None]
@@ -622,7 +640,8 @@ def scalar_backward(dout, qs, ks, v, kb, tau, lse, *, causal, window, num_prefix
         *dv.stride()[:3],
         *sizes,
     )
-    kwargs_kv = dict(DV_=dv_dim, **common)
+    # BETA_ROWS: the temperature varies along the query rows (else the dK/dV pass reads it once per head)
+    kwargs_kv = dict(DV_=dv_dim, BETA_ROWS=tau_tensor and stau[2] != 0 and nq > 1, **common)
     if traced:
         wrap_triton(_scalar_bwd_dkv)[grid_kv](*args_kv, **kwargs_kv)
     else:

@@ -233,7 +233,10 @@ if HAS_TRITON:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         j = key_base + offs_n
         col_ok = offs_n < bound
-        ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn, mask=col_ok[None, :], other=0.0)
+        if SEG == 2:  # the full middle range: every key exists, no mask (it costs a select per loaded pair)
+            ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn)
+        else:
+            ks = tl.load(KS_ptr + offs_h[:, None] * sksh + j[None, :] * sksn, mask=col_ok[None, :], other=0.0)
         dd = qs_r[:, None] - _stacked(ks.to(tl.float32), HP, BLOCK_M, BLOCK_N)
         s = -(dd * dd)
         if HAS_KB:  # key log-weights / padding: one fp32 load per key (constexpr: no load without them)
