@@ -48,6 +48,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
+    from .kernels_flash_bwd import _lane_rowsum
     from .kernels_scalar_fwd import (
         SCALAR_KEY,
         _log2_beta,
@@ -213,7 +214,10 @@ if HAS_TRITON:
                 dv = _dot(pT.to(do.dtype), do, dv, DOT_PREC)
                 dpT = _dot(v, tl.trans(do), None, DOT_PREC)
                 dsT = pT * (dpT - delta[None, :])
-                dks += _per_head_colsum(dsT * ddn, HP, BLOCK_M, BLOCK_N)
+                if HP == 1:  # per lane of the column's quad (see _lane_rowsum): no shuffles per tile
+                    dks += _lane_rowsum(dsT * ddn)
+                else:
+                    dks += _per_head_colsum(dsT * ddn, HP, BLOCK_M, BLOCK_N)
                 if HAS_KB:
                     dkb += _per_head_colsum(dsT, HP, BLOCK_M, BLOCK_N)
         return dv, dks, dkb
@@ -317,7 +321,10 @@ if HAS_TRITON:
                     kbT = _rows_of(anchor, tl.sum(kb, 0))[:, None]
             else:
                 kbT = ksT
-            dks = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
+            if HP == 1:  # the four lane sums of each key's quad, added after the loop
+                dks = tl.zeros([BLOCK_N, 4], dtype=tl.float32)
+            else:
+                dks = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
             dkb = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
             QS_ptr = QS + b * sqsb + h0 * sqsh
             DO_ptr = DO + b * sdob + h0 * sdoh
@@ -369,6 +376,8 @@ if HAS_TRITON:
                 DOT_PREC,
             )
             out_ptrs = (b * H + h0 + offs_h)[None, :] * NK + j[:, None]
+            if HP == 1:
+                dks = tl.sum(dks, 1)[:, None]
             # 2 sum_i dS_ij beta_i dd_ij, from the loop's sums of dS ddn (ddn = -beta log2(e) dd)
             tl.store(DKS + out_ptrs, (dks * -1.3862943611198906).to(DKS.dtype.element_ty), mask=key_ok[:, None])
             if HAS_KB:
@@ -444,11 +453,12 @@ if HAS_TRITON:
         )
         t_r = t0 + i
         # the row sums of W dP (delta) and of W dP f, W f for f = dd and (with NEED_DTAU) dd^2
-        dacc = tl.zeros([ROWS], dtype=tl.float32)
-        a1 = tl.zeros([ROWS], dtype=tl.float32)
-        b1 = tl.zeros([ROWS], dtype=tl.float32)
-        a2 = tl.zeros([ROWS], dtype=tl.float32)
-        b2 = tl.zeros([ROWS], dtype=tl.float32)
+        # (per lane of the row's quad, see kernels_flash_bwd._lane_rowsum: no shuffles per tile; added after the loops)
+        dacc = tl.zeros([ROWS, 4], dtype=tl.float32)
+        a1 = tl.zeros([ROWS, 4], dtype=tl.float32)
+        b1 = tl.zeros([ROWS, 4], dtype=tl.float32)
+        a2 = tl.zeros([ROWS, 4], dtype=tl.float32)
+        b2 = tl.zeros([ROWS, 4], dtype=tl.float32)
         KS_ptr = KS + b * sksb + h0 * sksh
         V_ptr = V + b * svb + g * svh
         KB_ptr = KB + (b * H + h0) * NK
@@ -504,19 +514,20 @@ if HAS_TRITON:
                 v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, SEG != 2)
                 dp = _dot(do, tl.trans(v), None, DOT_PREC)
                 pd = p * dp
-                dacc += tl.sum(pd, 1)
-                a1 += tl.sum(pd * dd, 1)
-                b1 += tl.sum(p * dd, 1)
+                dacc += _lane_rowsum(pd)
+                a1 += _lane_rowsum(pd * dd)
+                b1 += _lane_rowsum(p * dd)
                 if NEED_DTAU:  # only when tau requires grad: two more row sums per tile
                     if SEG == 2 and not HAS_KB:  # unmasked scores without a key bias are -dd^2: no multiply
-                        a2 -= tl.sum(pd * s, 1)
-                        b2 -= tl.sum(p * s, 1)
+                        a2 -= _lane_rowsum(pd * s)
+                        b2 -= _lane_rowsum(p * s)
                     else:  # (a masked score is -inf, and 0 * -inf would poison the sums)
                         dd2 = dd * dd
-                        a2 += tl.sum(pd * dd2, 1)
-                        b2 += tl.sum(p * dd2, 1)
+                        a2 += _lane_rowsum(pd * dd2)
+                        b2 += _lane_rowsum(p * dd2)
         # sum_j dS_ij f_j = sum_j W_ij dP_ij f_j - delta_i sum_j W_ij f_j with the exact delta_i = sum_j W_ij dP_ij
         out_rows = (b * H + h_r) * NQ + i
+        dacc, a1, b1, a2, b2 = tl.sum(dacc, 1), tl.sum(a1, 1), tl.sum(b1, 1), tl.sum(a2, 1), tl.sum(b2, 1)
         dqs = -2.0 * beta_r * (a1 - dacc * b1)
         tl.store(DQS + out_rows, dqs.to(DQS.dtype.element_ty), mask=row_ok)  # in qs's dtype: no cast op after
         if NEED_DTAU:
