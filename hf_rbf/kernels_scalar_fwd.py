@@ -12,6 +12,12 @@ autotuned like a tile size (1, 2 or 4, dividing the group size): the first H200 
 times slower than the flash forward, which points at the reshape's layout conversions; ``HP = 1`` is a plain
 two-dimensional tile whose values come from L2 for the group's other heads.  Masks, prefix and the online softmax
 follow ``kernels_flash_fwd.py``.
+
+Row maximum: with bfloat16 values and no key bias every score is at most 0 and the row's own key bounds the maximum
+from below, so a program whose rows all have their own key near enough runs its tile loop with a fixed reference
+instead of the online maximum (no maximum, no rescale per tile: ``_fixed_reference``); the others run the online
+loop.  The loop is bound by issuing instructions (offline sm_90: 630 -> 471 per 128 x 64 tile, the exponentials'
+own 512 cycles now the bound; ``benchmarks/results/offline-sm90-2026-11-29c``).
 """
 
 from __future__ import annotations
