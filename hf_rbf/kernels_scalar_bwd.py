@@ -47,7 +47,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .kernels_common import _allowed, _dot, _key_range, _load_tile, _query_range, _tile_range
+    from .kernels_common import _allowed, _dot, _load_tile, _query_range, _tile_range
     from .kernels_flash_bwd import _lane_rowsum
     from .kernels_scalar_fwd import (
         SCALAR_KEY,
@@ -58,6 +58,7 @@ if HAS_TRITON:
         _rows_of,
         _scores,
         _segment,
+        _segment_keys,
     )
 
 
@@ -473,20 +474,7 @@ if HAS_TRITON:
         t_r = _rows_of(anchor, t_r)
         # the forward's key segments and scores (see kernels_scalar_fwd._scalar_fwd_kernel)
         for SEG in tl.static_range(4):
-            if SEG == 0:  # the prefix: keys 0 .. P
-                lo = 0
-                hi = P
-                key_base = 0
-                bound = P
-            else:  # the sequence: keys P + 0 .. P + S, the tiles this block of rows may see
-                if SEG == 1:  # (computed after the prefix loop, as the variants did: the same instruction stream)
-                    pid_m = tl.program_id(0)
-                    t_first = t0 + pid_m * BLOCK_M
-                    t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
-                    start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
-                lo, hi = _segment(SEG, start, full_lo, full_hi, end)
-                key_base = P
-                bound = S
+            lo, hi, key_base, bound = _segment_keys(SEG, t0, NQ, P, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
             for start_n in range(lo, hi, BLOCK_N):
                 s, dd, j, col_ok = _scores(
                     start_n,

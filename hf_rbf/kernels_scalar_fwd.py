@@ -162,6 +162,28 @@ if HAS_TRITON:
         return lo, hi
 
     @triton.jit
+    def _segment_keys(SEG: tl.constexpr, t0, NQ, P, S, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        """Key tiles ``[lo, hi)`` of segment ``SEG`` for the forward's and dQ pass's block of query rows, with the
+        keys' base index and bound: SEG 0 the ``P`` prefix keys (``0 .. P``), SEG 1-3 the sequence keys ``P + 0 ..
+        P + S`` this block may see (``_segment``; the range is recomputed per segment, integer work once per
+        program)."""
+        if SEG == 0:
+            lo = 0
+            hi = P
+            key_base = 0
+            bound = P
+        else:
+            pid_m = tl.program_id(0)
+            t_first = t0 + pid_m * BLOCK_M
+            t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
+            start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
+            lo, hi = _segment(SEG, start, full_lo, full_hi, end)
+            key_base = P
+            bound = S
+        return lo, hi, key_base, bound
+
+    @triton.jit
     def _program_rows(H, HPG, NQ, NK, P, HP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
         """The stacked query rows of a forward / dQ program (grid ``(query blocks, B * H / HP)``): batch ``b``, first
         head ``h0``, value group ``g``, the sequence length ``S`` and query row 0's position ``t0``, and per row
@@ -320,20 +342,7 @@ if HAS_TRITON:
         offs_h = tl.arange(0, HP)
         offs_dv = tl.arange(0, DV_PAD)
         for SEG in tl.static_range(4):
-            if SEG == 0:  # the prefix: keys 0 .. P
-                lo = 0
-                hi = P
-                key_base = 0
-                bound = P
-            else:  # the sequence: keys P + 0 .. P + S, the tiles this block of rows may see
-                if SEG == 1:  # (computed after the prefix loop, as the variants did: the same instruction stream)
-                    pid_m = tl.program_id(0)
-                    t_first = t0 + pid_m * BLOCK_M
-                    t_last = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
-                    start, full_lo, full_hi, end = _key_range(t_first, t_last, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_N)
-                lo, hi = _segment(SEG, start, full_lo, full_hi, end)
-                key_base = P
-                bound = S
+            lo, hi, key_base, bound = _segment_keys(SEG, t0, NQ, P, S, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
             for start_n in range(lo, hi, BLOCK_N):
                 s, _, j, col_ok = _scores(
                     start_n,
