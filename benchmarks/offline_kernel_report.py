@@ -20,6 +20,9 @@ body of the SASS (instructions / MMAs / local loads and stores), where a spill c
 head dims, masks, prefix, padding, key weights, decode) launch, at shortened lengths, and reports each kernel's
 spills: a kernel change that no longer compiles for the GPU shows here, without one.
 
+A kernel that does not compile is a row of the report with its error's first 300 characters (``OFFLINE_FULL_ERRORS=1``:
+the whole message).
+
 Autotuning is off (each kernel's first fitting config, or the one ``--config`` names, applied to every kernel whose
 parameters it names).  Run it with the triton version of the GPU machines (3.6) for numbers that match them.
 """

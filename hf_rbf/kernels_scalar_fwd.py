@@ -454,7 +454,10 @@ if HAS_TRITON:
         KS_ptr = KS + b * sksb + h0 * sksh
         V_ptr = V + b * svb + g * svh
         KB_ptr = KB + (b * H + h0) * NK
-        if FIXED_OK:  # bfloat16 values, no key bias: the loop without a maximum where every row has a reference
+        # bfloat16 values, no key bias: the loop without a maximum where every row has a reference.  Three calls, not
+        # two: triton compiles both arms of a runtime branch, and a Python default for the choice is not folded, so
+        # without FIXED_OK only the online loop may appear (fp32 / fp16 would otherwise compile the fixed one too).
+        if FIXED_OK:
             m_fix = _rows_of(anchor, m_fix)
             if tl.min(m_fix, 0) > float("-inf"):
                 acc, l_i, m_i = _fwd_tiles(
