@@ -465,7 +465,10 @@ def main(argv=None) -> int:
             run()
         except Exception as exc:  # noqa: BLE001 (a kernel that does not compile is a row, not the end of the report)
             limit = None if os.environ.get("OFFLINE_FULL_ERRORS") else 300  # the whole message where asked for
-            rows.append({"case": name, "error": f"{type(exc).__name__}: {str(exc)[:limit]}"})
+            message = f"{type(exc).__name__}: {exc}"
+            if limit is None and exc.__cause__ is not None:  # triton's CompilationError keeps the reason there
+                message += f"\ncaused by {type(exc.__cause__).__name__}: {exc.__cause__}"
+            rows.append({"case": name, "error": message[:limit]})
         for kname, constexprs, kernel in COMPILED:
             if kname.startswith("_key_bias"):
                 continue
