@@ -152,7 +152,8 @@ def naive_fits(b, h, n) -> bool:
 
 def bench_family(family, impl, b, h, n, d, causal, window, dtype):
     """One family's row.  ``impl`` "triton-online": the triton backend with the distance forward's fixed reference
-    turned off (``kernels_flash_fwd.FIXED_REFERENCE``: the online maximum in every tile), the A/B of that change."""
+    turned off (``kernels_flash_fwd.FIXED_REFERENCE``: the online maximum in every tile), the A/B of that change;
+    "triton-edge": with the reference's lower bound from the edge tiles, run first (``FIXED_EDGE_FIRST``)."""
     import torch
 
     import hf_rbf.kernels_flash_fwd as flash_fwd
@@ -161,7 +162,7 @@ def bench_family(family, impl, b, h, n, d, causal, window, dtype):
     leaves = [t for t in leaves_t.values() if t.requires_grad]
     gen = torch.Generator(device="cpu").manual_seed(1)
     dout = torch.randn(b, h, n, d, generator=gen).to(device="cuda", dtype=dtype)
-    backend = "triton" if impl == "triton-online" else impl
+    backend = "triton" if impl in ("triton-online", "triton-edge") else impl
 
     def fwd():
         return call(family, leaves_t, extra, backend, causal, window)
@@ -169,12 +170,13 @@ def bench_family(family, impl, b, h, n, d, causal, window, dtype):
     def fwdbwd():
         fwd().backward(dout)
 
-    fixed = flash_fwd.FIXED_REFERENCE
+    fixed, edge_first = flash_fwd.FIXED_REFERENCE, flash_fwd.FIXED_EDGE_FIRST
     flash_fwd.FIXED_REFERENCE = fixed and impl != "triton-online"
+    flash_fwd.FIXED_EDGE_FIRST = edge_first or impl == "triton-edge"
     try:
         res = measure(fwd, fwdbwd, leaves)
     finally:
-        flash_fwd.FIXED_REFERENCE = fixed
+        flash_fwd.FIXED_REFERENCE, flash_fwd.FIXED_EDGE_FIRST = fixed, edge_first
     res["backend"] = __import__("hf_rbf").last_backend(OPS[family])
     return res
 

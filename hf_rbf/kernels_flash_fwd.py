@@ -335,6 +335,27 @@ if HAS_TRITON:
         return tl.where(row_ok, m, tl.where(m_lower > float("-inf"), m_lower, 0.0))
 
     @triton.jit
+    def _diagonal_score(qf, qs_r, beta_r, t_r, row_ok, K_seq, KB_ptr, KS_ptr, skn, sksn, P, S, a, kn_coef,
+                        D: tl.constexpr, D_PAD: tl.constexpr, TIED: tl.constexpr, SCALAR: tl.constexpr,
+                        HAS_KB: tl.constexpr):  # fmt: skip
+        """Each row's score with its own key (sequence key ``t_i``, allowed under every mask), in score units (``a``,
+        ``kn_coef``, ``beta_r`` not divided by ``beta``): a lower bound on the row's maximum; ``-inf`` for a row
+        without one (past the end, or before the first key).  One ``[rows, D]`` key load per program."""
+        offs_d = tl.arange(0, D_PAD)
+        has = row_ok & (t_r >= 0) & (t_r < S)
+        j = P + t_r
+        kd = _load_tile(K_seq + j[:, None] * skn + offs_d[None, :], has, offs_d, D, D_PAD, True).to(tl.float32)
+        s = a * tl.sum(qf * kd, 1)
+        if HAS_KB:  # (with FIXED_OK: the key norms alone)
+            s += tl.load(KB_ptr + j, mask=has, other=0.0)
+        elif TIED:
+            s += kn_coef * tl.sum(kd * kd, 1)
+        if SCALAR:
+            dd = qs_r - tl.load(KS_ptr + j * sksn, mask=has, other=0.0).to(tl.float32)
+            s -= beta_r * dd * dd
+        return tl.where(has, s, float("-inf"))
+
+    @triton.jit
     def _key_abs_max(K_seq, skn, P, lo, hi, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
         """``max_j |k_jd|`` per head-dim column ``d`` (``[D_PAD]`` fp32; 0 for none) over the sequence keys of the
         whole tiles ``lo .. hi``, for the bound ``q.k <= sum_d |q_d| max_j |k_jd|``.
@@ -428,6 +449,7 @@ if HAS_TRITON:
         TMA: tl.constexpr,
         TMA_OUT: tl.constexpr,
         FIXED_OK: tl.constexpr,
+        EDGE_FIRST: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -491,6 +513,8 @@ if HAS_TRITON:
                 upper = tl.abs(a) + tl.zeros([BLOCK_M], dtype=tl.float32)
                 if SCALAR:  # the scalar term is -beta (qs - ks)^2 <= 0 only for beta >= 0 (tau > 0: the contract)
                     upper = tl.where(beta_r >= 0, upper, float("inf"))
+            a_score = a  # the coefficients in score units, for the diagonal's score (_diagonal_score)
+            kn_score = kn_coef
         if BETA_HEAD:
             # One beta per head: the tiles compute s / beta = a / beta q.k + kb / beta - (qs - ks)^2 and take the
             # row maximum and exp2's argument back as (s / beta) beta - m in one fma: per score element a subtract,
@@ -600,30 +624,41 @@ if HAS_TRITON:
             end = tl.minimum(c0 + chunk, end)
             full_lo = tl.minimum(tl.maximum(full_lo, start), end)
             full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
-        # The edge tiles first, masked: the upper edge [full_hi, end) and, with a window, the lower edge [start,
-        # full_lo) in one loop (without a window start == full_lo).  They hold the diagonal under a causal mask, so
-        # with FIXED_OK their maximum bounds each row's maximum from below for the middle tiles (_fixed_reference).
+        # The edge tiles, masked: the upper edge [full_hi, end) and, with a window, the lower edge [start, full_lo) in
+        # one loop (without a window start == full_lo); the middle tiles, whole, without masks.  With EDGE_FIRST the
+        # edge tiles run first (they hold the diagonal under a causal mask) and their maximum is the lower bound of
+        # the middle tiles' fixed reference; otherwise the middle tiles run first, bounded by each row's own key.
         if HAS_WINDOW:
             edge_lo = start
             edge_hi = full_lo + (end - full_hi)
         else:
             edge_lo = full_hi
             edge_hi = end
-        acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, desc_k, desc_v, KB_ptr, KS_ptr, skn, svn, sksn,
-            edge_lo, edge_hi, full_lo, full_hi - full_lo, P, S, a, kn_coef, WINDOW, 1, D, DV, D_PAD, DV_PAD, BLOCK_N,
-            CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, BETA_HEAD, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC, TMA, HAS_WINDOW,
-            False,
-        )  # fmt: skip
-        # then the tiles every row of the block sees whole: no mask.  Three calls, not two: triton compiles both arms
-        # of a runtime branch, so without FIXED_OK (fp32 / fp16, key weights, softmax-free) only the online loop
-        # may appear.
+        if EDGE_FIRST:
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, desc_k, desc_v, KB_ptr, KS_ptr, skn, svn, sksn,
+                edge_lo, edge_hi, full_lo, full_hi - full_lo, P, S, a, kn_coef, WINDOW, 1, D, DV, D_PAD, DV_PAD,
+                BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, BETA_HEAD, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC, TMA,
+                HAS_WINDOW, False,
+            )  # fmt: skip
+        # Three calls of the middle loop, not two: triton compiles both arms of a runtime branch, so without FIXED_OK
+        # (fp32 / fp16, key weights, softmax-free) only the online loop may appear.
         if FIXED_OK:
+            if EDGE_FIRST:
+                m_lower = m_i
+            else:
+                m_lower = tl.maximum(
+                    m_i,
+                    _diagonal_score(
+                        qf, qs_r, beta_r, t_r, row_ok, K_seq, KB_ptr, KS_ptr, skn, sksn, P, S, a_score, kn_score,
+                        D, D_PAD, TIED, SCALAR, HAS_KB,
+                    ),
+                )  # fmt: skip
             if not TIED:
-                # only the middle tiles need the bound: the prefix and edge tiles ran with the online maximum
+                # only the middle tiles need the bound: the prefix and edge tiles run with the online maximum
                 k_max = _key_abs_max(K_seq, skn, P, full_lo, full_hi, D, D_PAD, BLOCK_N)
                 upper = upper * tl.sum(tl.abs(qf) * k_max[None, :], 1)
-            m_fix = _fixed_reference(m_i, upper, row_ok)
+            m_fix = _fixed_reference(m_lower, upper, row_ok)
             if tl.min(m_fix, 0) > float("-inf"):
                 alpha = tl.math.exp2(m_i - m_fix)
                 acc = acc * alpha[:, None]
@@ -645,6 +680,15 @@ if HAS_TRITON:
                 acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, desc_k, desc_v, KB_ptr, KS_ptr, skn, svn, sksn,
                 full_lo, full_hi, 0, 0, P, S, a, kn_coef, WINDOW, 0, D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW,
                 HAS_KB, SCALAR, BETA_HEAD, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC, TMA, False, False,
+            )  # fmt: skip
+        if not EDGE_FIRST:
+            # (after a fixed reference the online maximum starts from it: m_i >= the edge scores' or not, the
+            # exponents of the row's largest terms stay in range)
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, desc_k, desc_v, KB_ptr, KS_ptr, skn, svn, sksn,
+                edge_lo, edge_hi, full_lo, full_hi - full_lo, P, S, a, kn_coef, WINDOW, 1, D, DV, D_PAD, DV_PAD,
+                BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, BETA_HEAD, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC, TMA,
+                HAS_WINDOW, False,
             )  # fmt: skip
 
         if HAS_EPS:
@@ -732,7 +776,7 @@ if HAS_TRITON:
     _FWD_KEY = [
         *("D_PAD", "DV_PAD", "N_BUCKET", "PLANES"),
         *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME", "HAS_KB", "KNORM_INLINE", "TMA"),
-        "FIXED_OK",
+        *("FIXED_OK", "EDGE_FIRST"),
     ]
     _distance_fwd = autotune(make_configs(FWD_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(_distance_fwd_kernel)
     _distance_decode = autotune(make_configs(DECODE_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(
@@ -779,7 +823,8 @@ def forward_plan_key(q, k, v, kb, qs, ks, beta, a, b, prefix, device, *options):
     addresses (``tests/test_kernels_launch.py`` checks that equal keys mean equal launches)."""
     signature, pointers = tensor_signature(launch_inputs(q, k, v, kb, qs, ks, beta, a, b, prefix))
     absent = (kb is None, qs is None, ks is None, beta is None, b is None, prefix is None)
-    return (signature, device, absent, options, TMA_MODE, FIXED_REFERENCE, dot_precision(q.dtype)), pointers
+    fixed = (FIXED_REFERENCE, FIXED_EDGE_FIRST)
+    return (signature, device, absent, options, TMA_MODE, fixed, dot_precision(q.dtype)), pointers
 
 
 def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix=None):
@@ -844,6 +889,7 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
         TMA=tma,
         TMA_OUT=tma_out,
         FIXED_OK=fixed_ok,
+        EDGE_FIRST=fixed_ok and FIXED_EDGE_FIRST,
     )
 
 
@@ -967,6 +1013,9 @@ def distance_forward(
 # Whether training forwards may take the fixed reference (fixed_reference_ok): ``HF_RBF_FIXED_REFERENCE=0`` turns it
 # off (the online maximum everywhere, as before it existed), for comparisons; part of the launch plans' key.
 FIXED_REFERENCE = os.environ.get("HF_RBF_FIXED_REFERENCE", "1").strip().lower() not in ("0", "false", "no", "off")
+# The fixed reference's lower bound: each row's own key, the middle tiles first (False), or the edge tiles' maximum,
+# the edge tiles first (True; ``HF_RBF_FIXED_EDGE_FIRST=1``), for comparisons.
+FIXED_EDGE_FIRST = os.environ.get("HF_RBF_FIXED_EDGE_FIRST", "0").strip().lower() in ("1", "true", "yes", "on")
 
 # call signature -> (kernels_launch.direct_plan, TMA descriptors used) of the training forward
 _FWD_PLANS: dict = {}

@@ -70,15 +70,20 @@ def _case(family: str, seed: int = 3):
 
 
 @pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1 (run this file alone)")
+@pytest.mark.parametrize("edge_first", [False, True], ids=["own-key-bound", "edge-first"])
 @pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
 @pytest.mark.parametrize("family", ["rbf", "gka", "hybrid"])
-def test_middle_tiles_without_a_maximum_match_float64_and_fall_back_where_they_must(family, mask, monkeypatch):
+def test_middle_tiles_without_a_maximum_match_float64_and_fall_back_where_they_must(
+    family, mask, edge_first, monkeypatch
+):
     """Output and ``lse`` against float64; the heads whose bounds allow it run their middle tiles with the fixed
-    reference in every program, the others run the online loop in every program, and the output stays finite."""
+    reference in every program, the others run the online loop in every program, and the output stays finite.  The
+    lower bound from each row's own key (the middle tiles first) and from the edge tiles (``FIXED_EDGE_FIRST``)."""
     import hf_rbf.kernels_flash_fwd as fwd
 
     if ON_GPU:
         pytest.skip("records the interpreter's calls of the tile loop")
+    monkeypatch.setattr(fwd, "FIXED_EDGE_FIRST", edge_first)
     taken = []
     tiles = fwd._fwd_tiles
 
