@@ -151,32 +151,20 @@ def naive_fits(b, h, n) -> bool:
 
 
 def bench_family(family, impl, b, h, n, d, causal, window, dtype):
-    """One family's row.  ``impl`` "triton-online": the triton backend with the distance forward's fixed reference
-    turned off (``kernels_flash_fwd.FIXED_REFERENCE``: the online maximum in every tile), the A/B of that change;
-    "triton-edge": with the reference's lower bound from the edge tiles, run first (``FIXED_EDGE_FIRST``)."""
     import torch
-
-    import hf_rbf.kernels_flash_fwd as flash_fwd
 
     leaves_t, extra = make_inputs(family, b, h, n, d, dtype, "cuda", grad=True)
     leaves = [t for t in leaves_t.values() if t.requires_grad]
     gen = torch.Generator(device="cpu").manual_seed(1)
     dout = torch.randn(b, h, n, d, generator=gen).to(device="cuda", dtype=dtype)
-    backend = "triton" if impl in ("triton-online", "triton-edge") else impl
 
     def fwd():
-        return call(family, leaves_t, extra, backend, causal, window)
+        return call(family, leaves_t, extra, impl, causal, window)
 
     def fwdbwd():
         fwd().backward(dout)
 
-    fixed, edge_first = flash_fwd.FIXED_REFERENCE, flash_fwd.FIXED_EDGE_FIRST
-    flash_fwd.FIXED_REFERENCE = fixed and impl != "triton-online"
-    flash_fwd.FIXED_EDGE_FIRST = edge_first or impl == "triton-edge"
-    try:
-        res = measure(fwd, fwdbwd, leaves)
-    finally:
-        flash_fwd.FIXED_REFERENCE, flash_fwd.FIXED_EDGE_FIRST = fixed, edge_first
+    res = measure(fwd, fwdbwd, leaves)
     res["backend"] = __import__("hf_rbf").last_backend(OPS[family])
     return res
 

@@ -197,7 +197,6 @@ def _forward_impl(
         prefix=None if prefix_k is None else (prefix_k, prefix_v),
         tau_in=tau_in,
         a_log=a_log,
-        kb_norms_only=not _has_kb(key_log_weights, attention_mask),
         traced=traced,
     )
     return out, lse, kb

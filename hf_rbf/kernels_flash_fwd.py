@@ -16,10 +16,6 @@ for the hybrid.  ``r_i = b_h ||q_i||^2`` (GKA, softmax-free RBF) never enters th
   a negative distance, so no running maximum is needed and there is no row sum);
 * plain softmax: ``r_i`` is shift-invariant and dropped.
 
-With softmax and bfloat16 values a program runs its edge tiles (masked, holding the diagonal under a causal mask)
-first with the online maximum, then its middle tiles with a fixed reference between that maximum and an upper bound
-of the row's scores, where the two are close enough (``_fixed_reference``): no row maximum and no rescale per tile.
-
 Each row stores ``lse_i`` with ``W_ij = 2^(s_ij - lse_i)`` (``+inf`` for a row with no allowed key, giving zeros
 and no NaN), which is all the backward needs.  With ``SPLIT`` the key range of each row block is cut into chunks over
 a third grid axis (flash-decoding); each chunk writes its unnormalised ``(m, l, acc)`` and ``_decode_combine_kernel``
@@ -204,7 +200,6 @@ if HAS_TRITON:
         DOT_PREC: tl.constexpr,
         TMA: tl.constexpr,
         GAP: tl.constexpr,
-        FIXED_MAX: tl.constexpr,
     ):
         """Key tiles ``lo .. hi`` (indices ``key_base + n``, valid below ``bound``); with GAP the tiles from
         ``skip_at`` on are shifted by ``skip``: ``[lo, skip_at)`` and ``[skip_at + skip, hi + skip)`` in one loop.
@@ -218,9 +213,6 @@ if HAS_TRITON:
         ``kn_coef`` and the key bias divided by ``beta``, the scalar term ``-(qs_i - ks_j)^2`` with no product),
         ``beta_r`` is that scalar ``beta``, and the row maximum and ``exp2``'s argument take it back:
         ``exp2(s' beta - m)`` in one fma (see the kernel's comment).
-
-        FIXED_MAX (with NORMALIZE): ``m_i`` is a fixed reference chosen by the caller (``_fixed_reference``), not the
-        running maximum: no row maximum and no rescale of ``l_i`` and ``acc`` per tile.
         """
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
@@ -272,13 +264,7 @@ if HAS_TRITON:
                 s = tl.where(ok, s, float("-inf"))
             elif MODE == 2:
                 s = tl.where(col_ok[None, :], s, float("-inf"))
-            if NORMALIZE and FIXED_MAX:
-                if BETA_HEAD:
-                    p = tl.math.exp2(s * beta_r - m_i[:, None])
-                else:
-                    p = tl.math.exp2(s - m_i[:, None])
-                l_i += tl.sum(p, 1)
-            elif NORMALIZE:
+            if NORMALIZE:
                 if BETA_HEAD:
                     m_new = tl.maximum(m_i, tl.max(s, 1) * beta_r)
                 else:
@@ -305,72 +291,6 @@ if HAS_TRITON:
                 v = _load_tile(V_ptr + j[:, None] * svn + offs_dv[None, :], col_ok, offs_dv, DV, DV_PAD, MODE != 0)
             acc = _dot(p.to(v.dtype), v, acc, DOT_PREC)
         return acc, l_i, m_i
-
-    # A fixed reference m may stand in for the row maximum as long as every exponent s - m of the row's largest
-    # score stays in [-60, 60] (log2 units): no overflow, and the largest term at least 2^-60, so the terms that
-    # underflow (below 2^-126) change the sum by less than 2^-66 each (as in kernels_scalar_fwd).
-    FIXED_REFERENCE_SPAN = tl.constexpr(60.0)
-    # Bounds up to this size only (log2 units): the fp32 rounding of a score near the row's maximum (a dot product of
-    # D terms, each at most the bound) then stays far below the span's margin.
-    FIXED_REFERENCE_MAX_BOUND = tl.constexpr(1048576.0)
-
-    @triton.jit
-    def _fixed_reference(m_lower, upper, row_ok):
-        """Each row's fixed reference for the middle tiles, or ``-inf`` where it has none.
-
-        ``m_lower``: the row's maximum over the tiles already seen (the edge tiles, holding the diagonal under a
-        causal mask): a lower bound on its maximum; ``upper``: an upper bound on every score of the row.  Their mean
-        keeps the exponent of the row's largest score within the span where ``upper - m_lower <= 2 * span``.  A row
-        with no allowed key seen yet, a span too wide or a bound too large gets ``-inf``: then the program runs the
-        online maximum.  Rows past the end take their running maximum (0 with none): they are not stored.
-
-        Why: the row maximum and the rescale of the accumulator cost a quarter of the middle loop's instructions
-        (offline sm_90 SASS, 128 x 64 tiles, head dim 64, 4 warps: rbf 699 -> 533, GKA 695 -> 528, the hybrid 741
-        -> 570 plus 56 for its key pass), in a loop bound by issuing them.  The reference
-        adds at most ``ulp(60)`` (2.6e-6 relative) to an exponent's rounding, far below the bfloat16 rounding of
-        the weights before the value product: only bfloat16 values take this path."""
-        ok = (m_lower > float("-inf")) & (upper - m_lower <= 2 * FIXED_REFERENCE_SPAN)
-        ok = ok & (tl.abs(upper) <= FIXED_REFERENCE_MAX_BOUND)
-        m = tl.where(ok, 0.5 * (m_lower + upper), float("-inf"))
-        return tl.where(row_ok, m, tl.where(m_lower > float("-inf"), m_lower, 0.0))
-
-    @triton.jit
-    def _diagonal_score(qf, qs_r, beta_r, t_r, row_ok, K_seq, KB_ptr, KS_ptr, skn, sksn, P, S, a, kn_coef,
-                        D: tl.constexpr, D_PAD: tl.constexpr, TIED: tl.constexpr, SCALAR: tl.constexpr,
-                        HAS_KB: tl.constexpr):  # fmt: skip
-        """Each row's score with its own key (sequence key ``t_i``, allowed under every mask), in score units (``a``,
-        ``kn_coef``, ``beta_r`` not divided by ``beta``): a lower bound on the row's maximum; ``-inf`` for a row
-        without one (past the end, or before the first key).  One ``[rows, D]`` key load per program."""
-        offs_d = tl.arange(0, D_PAD)
-        has = row_ok & (t_r >= 0) & (t_r < S)
-        j = P + t_r
-        kd = _load_tile(K_seq + j[:, None] * skn + offs_d[None, :], has, offs_d, D, D_PAD, True).to(tl.float32)
-        s = a * tl.sum(qf * kd, 1)
-        if HAS_KB:  # (with FIXED_OK: the key norms alone)
-            s += tl.load(KB_ptr + j, mask=has, other=0.0)
-        elif TIED:
-            s += kn_coef * tl.sum(kd * kd, 1)
-        if SCALAR:
-            dd = qs_r - tl.load(KS_ptr + j * sksn, mask=has, other=0.0).to(tl.float32)
-            s -= beta_r * dd * dd
-        return tl.where(has, s, float("-inf"))
-
-    @triton.jit
-    def _key_abs_max(K_seq, skn, P, lo, hi, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-        """``max_j |k_jd|`` per head-dim column ``d`` (``[D_PAD]`` fp32; 0 for none) over the sequence keys of the
-        whole tiles ``lo .. hi``, for the bound ``q.k <= sum_d |q_d| max_j |k_jd|``.
-
-        A cheap pass: for 16-bit floats, ``|x|`` is the bit pattern without its sign bit and orders as an integer, so
-        the loop keeps an elementwise integer maximum of the raw bits (two keys' elements per instruction), reduced
-        over the rows once (a NaN key reads as larger than any number: its bound is NaN, and the program takes the
-        online loop)."""
-        offs_d = tl.arange(0, D_PAD)
-        best = tl.zeros([BLOCK_N, D_PAD], dtype=tl.int16)
-        for start_n in range(lo, hi, BLOCK_N):
-            j = P + start_n + tl.arange(0, BLOCK_N)
-            k = _load_tile(K_seq + j[:, None] * skn + offs_d[None, :], j, offs_d, D, D_PAD, False)
-            best = tl.maximum(best, k.to(tl.int16, bitcast=True) & 0x7FFF)
-        return tl.max(best, 0).to(tl.int16).to(K_seq.dtype.element_ty, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _distance_fwd_kernel(
@@ -448,8 +368,6 @@ if HAS_TRITON:
         DOT_PREC: tl.constexpr,
         TMA: tl.constexpr,
         TMA_OUT: tl.constexpr,
-        FIXED_OK: tl.constexpr,
-        EDGE_FIRST: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -495,26 +413,11 @@ if HAS_TRITON:
             a = 2.0 * a
         else:
             kn_coef = tl.load(BC + h).to(tl.float32) * 1.4426950408889634
-        if QNORM or FIXED_OK:
-            qf = q.to(tl.float32)
-            q_sq = tl.sum(qf * qf, 1)
         if QNORM:
-            r = q_sq * kn_coef
+            qf = q.to(tl.float32)
+            r = tl.sum(qf * qf, 1) * kn_coef
         else:
             r = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if FIXED_OK:
-            # an upper bound on every score of the row, in score units (before the BETA_HEAD division below): the
-            # distance form's c (2 q.k - ||k||^2) is at most c ||q||^2 (the dropped row constant); the hybrid's scaled
-            # dot product is at most |a| sum_d |q_d| max_j |k_jd| (its scalar term is at most 0), the keys' column
-            # maxima from a pass over the middle tiles below (_key_abs_max); |a| here, the sum there
-            if TIED:
-                upper = -kn_coef * q_sq
-            else:
-                upper = tl.abs(a) + tl.zeros([BLOCK_M], dtype=tl.float32)
-                if SCALAR:  # the scalar term is -beta (qs - ks)^2 <= 0 only for beta >= 0 (tau > 0: the contract)
-                    upper = tl.where(beta_r >= 0, upper, float("inf"))
-            a_score = a  # the coefficients in score units, for the diagonal's score (_diagonal_score)
-            kn_score = kn_coef
         if BETA_HEAD:
             # One beta per head: the tiles compute s / beta = a / beta q.k + kb / beta - (qs - ks)^2 and take the
             # row maximum and exp2's argument back as (s / beta) beta - m in one fma: per score element a subtract,
@@ -610,7 +513,6 @@ if HAS_TRITON:
                 DOT_PREC,
                 False,
                 False,
-                False,
             )
 
         t_first = t0 + pid_m * BLOCK_M
@@ -624,72 +526,103 @@ if HAS_TRITON:
             end = tl.minimum(c0 + chunk, end)
             full_lo = tl.minimum(tl.maximum(full_lo, start), end)
             full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
-        # The edge tiles, masked: the upper edge [full_hi, end) and, with a window, the lower edge [start, full_lo) in
-        # one loop (without a window start == full_lo); the middle tiles, whole, without masks.  With EDGE_FIRST the
-        # edge tiles run first (they hold the diagonal under a causal mask) and their maximum is the lower bound of
-        # the middle tiles' fixed reference; otherwise the middle tiles run first, bounded by each row's own key.
+        # the tiles every row of the block sees whole: no mask
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_seq,
+            V_seq,
+            desc_k,
+            desc_v,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            full_lo,
+            full_hi,
+            0,
+            0,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            0,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            BETA_HEAD,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+            TMA,
+            False,
+        )
+        # the edge tiles, masked: the upper edge [full_hi, end) and, with a window, the lower edge [start, full_lo)
+        # in one loop (without a window start == full_lo)
         if HAS_WINDOW:
             edge_lo = start
             edge_hi = full_lo + (end - full_hi)
         else:
             edge_lo = full_hi
             edge_hi = end
-        if EDGE_FIRST:
-            acc, l_i, m_i = _fwd_tiles(
-                acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, desc_k, desc_v, KB_ptr, KS_ptr, skn, svn, sksn,
-                edge_lo, edge_hi, full_lo, full_hi - full_lo, P, S, a, kn_coef, WINDOW, 1, D, DV, D_PAD, DV_PAD,
-                BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, BETA_HEAD, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC, TMA,
-                HAS_WINDOW, False,
-            )  # fmt: skip
-        # Three calls of the middle loop, not two: triton compiles both arms of a runtime branch, so without FIXED_OK
-        # (fp32 / fp16, key weights, softmax-free) only the online loop may appear.
-        if FIXED_OK:
-            if EDGE_FIRST:
-                m_lower = m_i
-            else:
-                m_lower = tl.maximum(
-                    m_i,
-                    _diagonal_score(
-                        qf, qs_r, beta_r, t_r, row_ok, K_seq, KB_ptr, KS_ptr, skn, sksn, P, S, a_score, kn_score,
-                        D, D_PAD, TIED, SCALAR, HAS_KB,
-                    ),
-                )  # fmt: skip
-            if not TIED:
-                # only the middle tiles need the bound: the prefix and edge tiles run with the online maximum
-                k_max = _key_abs_max(K_seq, skn, P, full_lo, full_hi, D, D_PAD, BLOCK_N)
-                upper = upper * tl.sum(tl.abs(qf) * k_max[None, :], 1)
-            m_fix = _fixed_reference(m_lower, upper, row_ok)
-            if tl.min(m_fix, 0) > float("-inf"):
-                alpha = tl.math.exp2(m_i - m_fix)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                acc, l_i, m_i = _fwd_tiles(
-                    acc, l_i, m_fix, q, qs_r, beta_r, t_r, K_seq, V_seq, desc_k, desc_v, KB_ptr, KS_ptr, skn, svn,
-                    sksn, full_lo, full_hi, 0, 0, P, S, a, kn_coef, WINDOW, 0, D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL,
-                    HAS_WINDOW, HAS_KB, SCALAR, BETA_HEAD, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC, TMA, False, True,
-                )  # fmt: skip
-            else:
-                acc, l_i, m_i = _fwd_tiles(
-                    acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, desc_k, desc_v, KB_ptr, KS_ptr, skn, svn,
-                    sksn, full_lo, full_hi, 0, 0, P, S, a, kn_coef, WINDOW, 0, D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL,
-                    HAS_WINDOW, HAS_KB, SCALAR, BETA_HEAD, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC, TMA, False,
-                    False,
-                )  # fmt: skip
-        else:
-            acc, l_i, m_i = _fwd_tiles(
-                acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, desc_k, desc_v, KB_ptr, KS_ptr, skn, svn, sksn,
-                full_lo, full_hi, 0, 0, P, S, a, kn_coef, WINDOW, 0, D, DV, D_PAD, DV_PAD, BLOCK_N, CAUSAL, HAS_WINDOW,
-                HAS_KB, SCALAR, BETA_HEAD, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC, TMA, False, False,
-            )  # fmt: skip
-        if not EDGE_FIRST:
-            # (after a fixed reference the online maximum starts from it: m_i >= the edge scores' or not, the
-            # exponents of the row's largest terms stay in range)
-            acc, l_i, m_i = _fwd_tiles(
-                acc, l_i, m_i, q, qs_r, beta_r, t_r, K_seq, V_seq, desc_k, desc_v, KB_ptr, KS_ptr, skn, svn, sksn,
-                edge_lo, edge_hi, full_lo, full_hi - full_lo, P, S, a, kn_coef, WINDOW, 1, D, DV, D_PAD, DV_PAD,
-                BLOCK_N, CAUSAL, HAS_WINDOW, HAS_KB, SCALAR, BETA_HEAD, NORMALIZE, KV_SAME, KNORM_INLINE, DOT_PREC, TMA,
-                HAS_WINDOW, False,
-            )  # fmt: skip
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            qs_r,
+            beta_r,
+            t_r,
+            K_seq,
+            V_seq,
+            desc_k,
+            desc_v,
+            KB_ptr,
+            KS_ptr,
+            skn,
+            svn,
+            sksn,
+            edge_lo,
+            edge_hi,
+            full_lo,
+            full_hi - full_lo,
+            P,
+            S,
+            a,
+            kn_coef,
+            WINDOW,
+            1,
+            D,
+            DV,
+            D_PAD,
+            DV_PAD,
+            BLOCK_N,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_KB,
+            SCALAR,
+            BETA_HEAD,
+            NORMALIZE,
+            KV_SAME,
+            KNORM_INLINE,
+            DOT_PREC,
+            TMA,
+            HAS_WINDOW,
+        )
 
         if HAS_EPS:
             e = LOG2_EPS - r  # log2 of the eps term, relative to the scores without r
@@ -776,7 +709,6 @@ if HAS_TRITON:
     _FWD_KEY = [
         *("D_PAD", "DV_PAD", "N_BUCKET", "PLANES"),
         *("CAUSAL", "HAS_WINDOW", "SCALAR", "QNORM", "NORMALIZE", "KV_SAME", "HAS_KB", "KNORM_INLINE", "TMA"),
-        *("FIXED_OK", "EDGE_FIRST"),
     ]
     _distance_fwd = autotune(make_configs(FWD_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(_distance_fwd_kernel)
     _distance_decode = autotune(make_configs(DECODE_CONFIGS, _INTERPRET_CONFIG), _FWD_KEY, _prune_fwd)(
@@ -823,8 +755,7 @@ def forward_plan_key(q, k, v, kb, qs, ks, beta, a, b, prefix, device, *options):
     addresses (``tests/test_kernels_launch.py`` checks that equal keys mean equal launches)."""
     signature, pointers = tensor_signature(launch_inputs(q, k, v, kb, qs, ks, beta, a, b, prefix))
     absent = (kb is None, qs is None, ks is None, beta is None, b is None, prefix is None)
-    fixed = (FIXED_REFERENCE, FIXED_EDGE_FIRST)
-    return (signature, device, absent, options, TMA_MODE, fixed, dot_precision(q.dtype)), pointers
+    return (signature, device, absent, options, TMA_MODE, dot_precision(q.dtype)), pointers
 
 
 def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, prefix=None):
@@ -860,11 +791,10 @@ def _launch_args(q, k, v, kb, qs, ks, beta, a, b, window, num_prefix_keys, eps, 
 
 
 def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, knorm_inline, prefix, tied, tau_in,
-           num_prefix_keys, tma=False, tma_out=False, beta_head=False, a_log=False, fixed_ok=False):
+           num_prefix_keys, tma=False, tma_out=False, beta_head=False, a_log=False):
     """The forward kernel's constexprs; ``beta_head``: one ``tau`` per (batch, head) with ``tau_in`` (``BETA_HEAD``,
     see ``_distance_fwd_kernel``; the decode launches leave it off); ``a_log``: ``A`` holds log bandwidths (``A_LOG``,
-    the tied form only; the decode launches leave it off); ``fixed_ok``: the middle tiles may run with a fixed reference
-    instead of the online maximum (``FIXED_OK``, see :func:`fixed_reference_ok`; the decode launches leave it off)."""
+    the tied form only; the decode launches leave it off)."""
     return dict(
         D=d,
         DV=dv,
@@ -888,28 +818,7 @@ def _flags(q, d, dv, causal, window, kb, qs, qnorm, normalize, eps, kv_same, kno
         DOT_PREC=dot_precision(q.dtype),
         TMA=tma,
         TMA_OUT=tma_out,
-        FIXED_OK=fixed_ok,
-        EDGE_FIRST=fixed_ok and FIXED_EDGE_FIRST,
     )
-
-
-def fixed_reference_ok(q, v, kb, b, normalize, qnorm, knorm_inline, kb_norms_only) -> bool:
-    """Whether the training forward may run its middle tiles with a fixed reference instead of the online maximum
-    (``FIXED_OK``; each program still checks its rows' bounds and falls back to the online loop itself, see
-    ``_fixed_reference``): softmax, bfloat16 queries and values (the reference's rounding is far below bfloat16's,
-    not below fp16's or fp32's), and scores with a known upper bound per row:
-
-    * the distance form (``b`` None: RBF, GKA) with the key norms and no other key bias (inline, or a key-bias pass
-      of the norms alone, ``kb_norms_only``): ``c (2 q.k - ||k||^2) <= c ||q||^2``;
-    * the scaled dot product with the scalar term or without (the hybrid: no key bias, no norm terms): ``a q.k -
-      beta (qs - ks)^2 <= |a| sum_d |q_d| max_j |k_jd|`` (for ``beta >= 0``, checked per row in the kernel; the
-      column maxima from a cheap pass over the program's middle keys).
-    """
-    if not FIXED_REFERENCE or not normalize or q.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-        return False
-    if b is None:
-        return knorm_inline or (kb is not None and kb_norms_only)
-    return kb is None and not knorm_inline and not qnorm
 
 
 def distance_forward(
@@ -935,7 +844,6 @@ def distance_forward(
     tau_in=False,
     tma=None,
     a_log=False,
-    kb_norms_only=False,
     traced=False,
 ):
     """Launch the fused forward.  Returns ``(out [B, H, Nq, Dv] in q's dtype, lse [B, H, Nq] fp32)``.
@@ -953,8 +861,6 @@ def distance_forward(
     descriptors (True), pointer loads (False), or None: descriptors wherever :func:`tma_path` allows them; ``a_log``
     (the distance form, ``b`` None): ``a`` holds per-head log bandwidths ``log sigma_h``, and the kernel forms
     ``c_h = exp(-2 log sigma_h) / 2`` itself (GKA's learnable bandwidth: no torch ops for it per call);
-    ``kb_norms_only``: ``kb`` holds the key norms ``b_h ||k_j||^2`` and nothing else (no key weights, no padding),
-    so the distance form's scores keep their bound (see :func:`fixed_reference_ok`);
     ``traced``: called from the ``triton_op`` that ``torch.compile`` traces (``attention_distance_triton
     .distance_fwd_t``, fake tensors): the launch goes through ``wrap_triton`` (Inductor launches the kernel from its
     generated code) and the TMA check reads no data pointer.
@@ -965,7 +871,6 @@ def distance_forward(
         plan_key, pointers = forward_plan_key(
             q, k, v, kb, qs, ks, beta, a, b, prefix, device,
             causal, window, num_prefix_keys, normalize, qnorm, kv_same, eps, knorm_inline, tau_in, tma, a_log,
-            kb_norms_only,
         )  # fmt: skip
         planned = _FWD_PLANS.get(plan_key)  # (none on the CPU: direct_plan makes none there)
         if planned is not None and plan_allowed(planned[0]):
@@ -996,7 +901,6 @@ def distance_forward(
         num_prefix_keys, tma, tma and (dv * out.element_size()) % 16 == 0,
         beta_head=qs is not None and bcast_strides(beta, (bsz, heads, nq))[2] == 0,
         a_log=a_log,
-        fixed_ok=fixed_reference_ok(q, v, kb, b, normalize, qnorm, knorm_inline, kb_norms_only),
     )
     kwargs = {"SPLIT": False, **flags}
     if traced:
@@ -1009,13 +913,6 @@ def distance_forward(
             keep_plan(_FWD_PLANS, plan_key, (plan, tma))
     return out, lse
 
-
-# Whether training forwards may take the fixed reference (fixed_reference_ok): ``HF_RBF_FIXED_REFERENCE=0`` turns it
-# off (the online maximum everywhere, as before it existed), for comparisons; part of the launch plans' key.
-FIXED_REFERENCE = os.environ.get("HF_RBF_FIXED_REFERENCE", "1").strip().lower() not in ("0", "false", "no", "off")
-# The fixed reference's lower bound: each row's own key, the middle tiles first (False), or the edge tiles' maximum,
-# the edge tiles first (True; ``HF_RBF_FIXED_EDGE_FIRST=1``), for comparisons.
-FIXED_EDGE_FIRST = os.environ.get("HF_RBF_FIXED_EDGE_FIRST", "0").strip().lower() in ("1", "true", "yes", "on")
 
 # call signature -> (kernels_launch.direct_plan, TMA descriptors used) of the training forward
 _FWD_PLANS: dict = {}
