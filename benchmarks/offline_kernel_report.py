@@ -277,15 +277,16 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
                 )
 
             out[name] = run
-        elif name in ("probe_tile", "probe_bias", "probe_nonorm"):
+        elif name.split("_overlap")[0] in ("probe_tile", "probe_bias", "probe_nonorm"):
             # benchmarks/probe_hopper_forward.py's compact two-loop causal forward (tensor descriptors, an unmasked
-            # off-band loop and a masked diagonal loop): norm from the key tile, from a bias vector, or none
+            # off-band loop and a masked diagonal loop): norm from the key tile, from a bias vector, or none; with
+            # "_overlap" the off-band loop issues the next tile's product before this tile's softmax
             import probe_hopper_forward as probe
 
             q, k, v = rnd(b, h, n, d), rnd(b, h, n, d), rnd(b, h, n, d)
             c = torch.full((h,), 0.5 / d**0.5)
             kb = probe.key_bias_vector(k, c)
-            norm = {"probe_tile": 2, "probe_bias": 1, "probe_nonorm": 0}[name]
+            norm = {"probe_tile": 2, "probe_bias": 1, "probe_nonorm": 0}[name.split("_overlap")[0]]
             cfg = (
                 FORCED_CONFIG.get("BLOCK_M", 128),
                 FORCED_CONFIG.get("BLOCK_N", 64),
@@ -293,8 +294,8 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
                 FORCED_CONFIG.get("num_stages", 3),
             )
 
-            def run(q=q, k=k, v=v, c=c, kb=kb, norm=norm, cfg=cfg):
-                probe.probe_forward(q, k, v, c, kb, norm, False, cfg)
+            def run(q=q, k=k, v=v, c=c, kb=kb, norm=norm, cfg=cfg, loop="overlap" if "_overlap" in name else "plain"):
+                probe.probe_forward(q, k, v, c, kb, norm, loop, cfg)
 
             out[name] = run
         elif name in ("rbf_decode", "gka_decode"):
@@ -407,7 +408,8 @@ def main(argv=None) -> int:
         help="of rbf, gka, hybrid, scalar, rbf_nonorm (no key-norm term), rbf_pass (norms from the key-bias pass), "
         "rbf_decode, gka_decode, sorted_static_scalar, sorted_static_hybrid, probe_tile / probe_bias / probe_nonorm "
         "(benchmarks/probe_hopper_forward.py's two-loop kernel, NORM 2 / 1 / 0, no warp specialisation; its tiles "
-        "from --config, else (128, 64, 4, 3))",
+        "from --config, else (128, 64, 4, 3)); each with _overlap (the off-band loop issuing the next tile's product "
+        "before this tile's softmax)",
     )
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--d", type=int, default=64)
@@ -435,6 +437,9 @@ def main(argv=None) -> int:
         "probe_tile",
         "probe_bias",
         "probe_nonorm",
+        "probe_tile_overlap",
+        "probe_bias_overlap",
+        "probe_nonorm_overlap",
     )
     unknown = [c for c in args.cases.split(",") if c not in known]
     if unknown:

@@ -11,7 +11,8 @@ cuDNN backends, forward only, bf16, one process.
 Variants of the probe kernel (``NORM``): 0 no norm term (the scaled dot product: the kernel's own shape against
 flash), 1 the key-norm bias from a vector computed before the call (``-c ||k||^2 log2 e``, fp32, one load per key
 tile), 2 the key norms reduced from the key tile the descriptor loaded (no second read, no pass).  Each with
-``WS`` (``tl.range(..., warp_specialize=True)`` on the off-band loop) off and on.  Per head dim, every variant's
+``WS`` (``tl.range(..., warp_specialize=True)`` on the off-band loop) off and on, and with the off-band loop issuing
+the next tile's ``q k^T`` before this tile's softmax (``OVERLAP``, ``_tiles_overlap``).  Per head dim, every variant's
 tile configs are tried at ``--tune-n`` (a config that does not compile is reported, not fatal) and the best kept for
 the other lengths; each cell is checked against the naive float32 attention of the first batch element (relative
 error reported; a wrong kernel's time is marked, not hidden).  Times: CUDA events around ``--iters`` back-to-back
@@ -51,13 +52,16 @@ CONFIGS = [
     (128, 64, 8, 3),
     (64, 64, 4, 3),
 ]
-VARIANTS = [  # (name, NORM, WS)
-    ("no norm", 0, False),
-    ("no norm, WS", 0, True),
-    ("norm bias vector", 1, False),
-    ("norm bias vector, WS", 1, True),
-    ("norm from tile", 2, False),
-    ("norm from tile, WS", 2, True),
+VARIANTS = [  # (name, NORM, the off-band loop: "plain", "ws" (warp_specialize) or "overlap" (_tiles_overlap))
+    ("no norm", 0, "plain"),
+    ("no norm, WS", 0, "ws"),
+    ("no norm, overlap", 0, "overlap"),
+    ("norm bias vector", 1, "plain"),
+    ("norm bias vector, WS", 1, "ws"),
+    ("norm bias vector, overlap", 1, "overlap"),
+    ("norm from tile", 2, "plain"),
+    ("norm from tile, WS", 2, "ws"),
+    ("norm from tile, overlap", 2, "overlap"),
 ]
 
 
@@ -89,8 +93,48 @@ def _tiles(acc, l_i, m_i, q, desc_k, desc_v, KB_ptr, y0, lo, hi, a, kcoef, offs_
 
 
 @triton.jit
+def _tile_scores(s, k, KB_ptr, start_n, a, kcoef, NORM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A key tile's scores in log2 units from its raw product ``s = q k^T`` (the norm term per ``NORM``)."""
+    s = s * a
+    if NORM == 1:
+        s += tl.load(KB_ptr + start_n + tl.arange(0, BLOCK_N))[None, :]
+    elif NORM == 2:
+        kf = k.to(tl.float32)
+        s += (tl.sum(kf * kf, 1) * kcoef)[None, :]
+    return s
+
+
+@triton.jit
+def _tiles_overlap(acc, l_i, m_i, q, desc_k, desc_v, KB_ptr, y0, lo, hi, a, kcoef,
+                   NORM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The off-band loop of ``_tiles`` (no mask) with the next key tile's product ``q k^T`` issued before this tile's
+    softmax, FlashAttention-3's overlap within one warpgroup written by hand: the tensor cores work on tile ``j + 1``
+    while the warp computes tile ``j``'s exponentials, if triton leaves the product's wait where its result is used
+    (the next iteration) instead of right after it.  The prologue's product of tile ``lo`` and the last iteration's of
+    tile ``hi`` (the diagonal block: it exists) are one extra product per program, unused when the range is empty."""
+    k = desc_k.load([y0 + lo, 0])
+    s_raw = tl.dot(q, k.T)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k_next = desc_k.load([y0 + start_n + BLOCK_N, 0])
+        s_next = tl.dot(q, k_next.T)
+        s = _tile_scores(s_raw, k, KB_ptr, start_n, a, kcoef, NORM, BLOCK_N)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = desc_v.load([y0 + start_n, 0])
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+        s_raw = s_next
+        k = k_next
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _rbf_fwd_desc(Q, K, V, KB, C, OUT, LSE, N, H,
-                  D: tl.constexpr, NORM: tl.constexpr, WS: tl.constexpr,
+                  D: tl.constexpr, NORM: tl.constexpr, WS: tl.constexpr, OVERLAP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Causal rbf forward (``N`` a multiple of ``BLOCK_M``, ``BLOCK_M`` of ``BLOCK_N``): score in log2 units
     ``2 c q.k log2e - c ||k||^2 log2e`` (NORM 1: the bias vector ``KB``; 2: from the key tile; 0: no norm term)."""
@@ -112,8 +156,12 @@ def _rbf_fwd_desc(Q, K, V, KB, C, OUT, LSE, N, H,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     KB_ptr = KB + y0
     # off-band: every key before the row block, no mask (the loop that warp specialisation targets)
-    acc, l_i, m_i = _tiles(acc, l_i, m_i, q, desc_k, desc_v, KB_ptr, y0, 0, pid_m * BLOCK_M, a, kcoef, offs_m,
-                           NORM, False, WS, BLOCK_N)
+    if OVERLAP:
+        acc, l_i, m_i = _tiles_overlap(acc, l_i, m_i, q, desc_k, desc_v, KB_ptr, y0, 0, pid_m * BLOCK_M, a, kcoef,
+                                       NORM, BLOCK_N)
+    else:
+        acc, l_i, m_i = _tiles(acc, l_i, m_i, q, desc_k, desc_v, KB_ptr, y0, 0, pid_m * BLOCK_M, a, kcoef, offs_m,
+                               NORM, False, WS, BLOCK_N)
     # diagonal: the row block's own keys, causal mask
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q, desc_k, desc_v, KB_ptr, y0, pid_m * BLOCK_M, (pid_m + 1) * BLOCK_M,
                            a, kcoef, offs_m, NORM, True, False, BLOCK_N)
@@ -129,16 +177,20 @@ def _alloc(size: int, alignment: int, stream):
 triton.set_allocator(_alloc)
 
 
-def probe_forward(q, k, v, c, kb, norm: int, ws: bool, cfg):
-    """``(out, lse)`` of the probe kernel; ``q, k, v [B, H, N, D]`` contiguous, ``c [H]`` fp32, ``kb [B, H, N]``."""
+def probe_forward(q, k, v, c, kb, norm: int, loop: str, cfg):
+    """``(out, lse)`` of the probe kernel; ``q, k, v [B, H, N, D]`` contiguous, ``c [H]`` fp32, ``kb [B, H, N]``;
+    ``loop``: the off-band loop's form (see ``VARIANTS``)."""
+    if loop not in ("plain", "ws", "overlap"):
+        raise ValueError(f"loop must be 'plain', 'ws' or 'overlap'; got {loop!r}")
     bsz, heads, n, d = q.shape
     bm, bn, warps, stages = cfg
     if n % bm or bm % bn:
         raise ValueError(f"N={n} must be a multiple of BLOCK_M={bm}, itself a multiple of BLOCK_N={bn}")
     out = torch.empty_like(q)
     lse = torch.empty(bsz, heads, n, device=q.device, dtype=torch.float32)
-    _rbf_fwd_desc[(n // bm, bsz * heads)](q, k, v, kb, c, out, lse, n, heads, D=d, NORM=norm, WS=ws,
-                                            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    _rbf_fwd_desc[(n // bm, bsz * heads)](q, k, v, kb, c, out, lse, n, heads, D=d, NORM=norm, WS=loop == "ws",
+                                            OVERLAP=loop == "overlap", BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                            num_stages=stages)
     return out, lse
 
 
@@ -170,8 +222,8 @@ def check_on_cpu():
         c = torch.rand(3) * 0.3 + 0.05
         ref = {norm: naive(q.double(), k.double(), v.double(), c.double(), norm) for norm in (0, 1)}
         kb = key_bias_vector(k, c)
-        for name, norm, ws in VARIANTS:
-            out, lse = probe_forward(q, k, v, c, kb, norm, ws, (32, 16, 4, 2))
+        for name, norm, loop in VARIANTS:
+            out, lse = probe_forward(q, k, v, c, kb, norm, loop, (32, 16, 4, 2))
             err = rel_err(out, ref[min(norm, 1)])
             assert err < 1e-5, (name, d, err)
             assert torch.isfinite(lse).all(), (name, d)
@@ -227,10 +279,10 @@ def tune(d, args, variants):
     q, k, v, c = inputs(max(1, args.tokens // n), args.heads, n, d)
     kb = key_bias_vector(k, c)
     best, failures = {}, {}
-    for name, norm, ws in variants:
+    for name, norm, loop in variants:
         for cfg in CONFIGS:
             try:
-                t = min(events_ms(lambda: probe_forward(q, k, v, c, kb, norm, ws, cfg), args.iters) for _ in range(2))
+                t = min(events_ms(lambda: probe_forward(q, k, v, c, kb, norm, loop, cfg), args.iters) for _ in range(2))
             except Exception as e:  # noqa: BLE001 (a config that does not compile or launch is a finding)
                 failures.setdefault(name, []).append(f"{cfg}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 torch.cuda.synchronize()
@@ -268,7 +320,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
     rows, tuned, failed = [], {}, {}
-    variants = [v for v in VARIANTS if not (args.no_ws and v[2])]
+    variants = [v for v in VARIANTS if not (args.no_ws and v[2] == "ws")]
     for d in (int(x) for x in args.d.split(",")):
         best, failures = tune(d, args, variants)
         tuned[d] = {name: list(cfg) for name, (cfg, _) in best.items()}
@@ -297,10 +349,10 @@ def main():
                                                      kv_same=False, eps=0.0, knorm_inline=True, tma=tma)[0], 1)
             if args.whole:
                 fns.update(whole_calls(q, k, v, c))
-            for name, norm, ws in variants:
+            for name, norm, loop in variants:
                 if name in best:
-                    fns[name] = (lambda norm=norm, ws=ws, cfg=best[name][0]:
-                                 probe_forward(q, k, v, c, kb, norm, ws, cfg)[0], norm)
+                    fns[name] = (lambda norm=norm, loop=loop, cfg=best[name][0]:
+                                 probe_forward(q, k, v, c, kb, norm, loop, cfg)[0], norm)
             errors = {}
             for name, (fn, norm) in fns.items():
                 try:
