@@ -66,33 +66,6 @@ VARIANTS = [  # (name, NORM, the off-band loop: "plain", "ws" (warp_specialize) 
 
 
 @triton.jit
-def _tiles(acc, l_i, m_i, q, desc_k, desc_v, KB_ptr, y0, lo, hi, a, kcoef, offs_m,
-           NORM: tl.constexpr, MASK: tl.constexpr, WS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tiles ``lo .. hi`` of one (batch, head), whose key ``j`` is row ``y0 + j`` of the flattened keys."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = desc_k.load([y0 + start_n, 0])
-        s = tl.dot(q, k.T) * a
-        if NORM == 1:
-            s += tl.load(KB_ptr + start_n + tl.arange(0, BLOCK_N))[None, :]
-        elif NORM == 2:
-            kf = k.to(tl.float32)
-            s += (tl.sum(kf * kf, 1) * kcoef)[None, :]
-        if MASK:
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, -1.0e6)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = desc_v.load([y0 + start_n, 0])
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _tile_scores(s, k, KB_ptr, start_n, a, kcoef, NORM: tl.constexpr, BLOCK_N: tl.constexpr):
     """A key tile's scores in log2 units from its raw product ``s = q k^T`` (the norm term per ``NORM``)."""
     s = s * a
@@ -102,6 +75,35 @@ def _tile_scores(s, k, KB_ptr, start_n, a, kcoef, NORM: tl.constexpr, BLOCK_N: t
         kf = k.to(tl.float32)
         s += (tl.sum(kf * kf, 1) * kcoef)[None, :]
     return s
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, s, desc_v, row):
+    """One key tile's online-softmax update of ``(acc, l_i, m_i)`` from its scores ``s`` (log2 units); its values are
+    the descriptor's rows from ``row`` on."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = desc_v.load([row, 0])
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _tiles(acc, l_i, m_i, q, desc_k, desc_v, KB_ptr, y0, lo, hi, a, kcoef, offs_m,
+           NORM: tl.constexpr, MASK: tl.constexpr, WS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles ``lo .. hi`` of one (batch, head), whose key ``j`` is row ``y0 + j`` of the flattened keys."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = desc_k.load([y0 + start_n, 0])
+        s = _tile_scores(tl.dot(q, k.T), k, KB_ptr, start_n, a, kcoef, NORM, BLOCK_N)
+        if MASK:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, -1.0e6)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, desc_v, y0 + start_n)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -119,14 +121,7 @@ def _tiles_overlap(acc, l_i, m_i, q, desc_k, desc_v, KB_ptr, y0, lo, hi, a, kcoe
         k_next = desc_k.load([y0 + start_n + BLOCK_N, 0])
         s_next = tl.dot(q, k_next.T)
         s = _tile_scores(s_raw, k, KB_ptr, start_n, a, kcoef, NORM, BLOCK_N)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = desc_v.load([y0 + start_n, 0])
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, desc_v, y0 + start_n)
         s_raw = s_next
         k = k_next
     return acc, l_i, m_i
