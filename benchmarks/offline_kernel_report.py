@@ -298,6 +298,21 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
                 probe.probe_forward(q, k, v, c, kb, norm, loop, cfg)
 
             out[name] = run
+        elif name == "gluon":
+            # benchmarks/probe_gluon_forward.py: the causal rbf forward in Gluon with FlashAttention-3's waits; tiles
+            # from --config (BLOCK_M, BLOCK_N, num_warps), else its first config
+            import probe_gluon_forward as gluon_probe
+            import probe_hopper_forward as probe
+
+            q, k, v = (rnd(b, h, n, d).to(torch.bfloat16) for _ in range(3))
+            c = torch.full((h,), 0.5 / d**0.5)
+            cfg = tuple(FORCED_CONFIG.get(key, dflt) for key, dflt in zip(("BLOCK_M", "BLOCK_N", "num_warps"),
+                                                                         gluon_probe.CONFIGS[0]))
+
+            def run(q=q, k=k, v=v, c=c, kb=probe.key_bias_vector(k, c), cfg=cfg):
+                gluon_probe.gluon_forward(q, k, v, c, kb, cfg)
+
+            out[name] = run
         elif name in ("rbf_decode", "gka_decode"):
             q, k = rnd(b, h, 1, d), rnd(b, h, n, d)
             v = k if name == "gka_decode" else rnd(b, h, n, d)
@@ -409,7 +424,7 @@ def main(argv=None) -> int:
         "rbf_decode, gka_decode, sorted_static_scalar, sorted_static_hybrid, probe_tile / probe_bias / probe_nonorm "
         "(benchmarks/probe_hopper_forward.py's two-loop kernel, NORM 2 / 1 / 0, no warp specialisation; its tiles "
         "from --config, else (128, 64, 4, 3)); each with _overlap (the off-band loop issuing the next tile's product "
-        "before this tile's softmax)",
+        "before this tile's softmax), gluon (benchmarks/probe_gluon_forward.py)",
     )
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--d", type=int, default=64)
@@ -440,6 +455,7 @@ def main(argv=None) -> int:
         "probe_tile_overlap",
         "probe_bias_overlap",
         "probe_nonorm_overlap",
+        "gluon",
     )
     unknown = [c for c in args.cases.split(",") if c not in known]
     if unknown:
