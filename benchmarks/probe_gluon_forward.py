@@ -106,13 +106,13 @@ def _gluon_rbf_fwd(q_desc, k_desc, v_desc, KB, C, OUT, LSE, N, H,
         mbarrier.init(bars.index(i), count=1)
 
     a = gl.load(C + bh % H).to(gl.float32) * 2.8853900817779268  # 2 c log2(e)
-    n_tiles = (row0 + BLOCK_M) // BLOCK_N  # keys 0 .. row0 + BLOCK_M - 1 (at least two tiles)
+    n_tiles = (row0 + BLOCK_M) // BLOCK_N  # keys 0 .. row0 + BLOCK_M - 1
     first_diagonal = row0 // BLOCK_N
 
     _load_tile(q_desc, q_smem, bars.index(0), y0 + row0)
-    for i in gl.static_range(2):
-        _load_tile(k_desc, k_smem.index(i), bars.index(1 + i), y0 + i * BLOCK_N)
-        _load_tile(v_desc, v_smem.index(i), bars.index(3 + i), y0 + i * BLOCK_N)
+    for i in gl.static_range(2):  # (every load issued is waited for before the program ends)
+        _load_tile(k_desc, k_smem.index(i), bars.index(1 + i), y0 + i * BLOCK_N, pred=i < n_tiles)
+        _load_tile(v_desc, v_smem.index(i), bars.index(3 + i), y0 + i * BLOCK_N, pred=i < n_tiles)
     mbarrier.wait(bars.index(0), phase=0)
     mbarrier.wait(bars.index(1), phase=0)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
