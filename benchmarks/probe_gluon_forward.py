@@ -138,9 +138,9 @@ def _gluon_rbf_fwd(q_desc, k_desc, v_desc, KB, C, OUT, LSE, N, H,
         _load_tile(k_desc, k_smem.index(stage), bars.index(1 + stage), y0 + (j + 2) * BLOCK_N, pred=j + 2 < n_tiles)
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, KB, y0, j * BLOCK_N, row0, a, j >= first_diagonal, BLOCK_M,
                                       BLOCK_N, s_layout)
-        # the softmax's results pass through the wait too: without them as operands the compiler sank the softmax
-        # below the wait (offline SASS), and it ran with no product in flight
-        o, p, alpha, m_i, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(o, p, alpha, m_i, l_i))
+        # (ptxas moves this wait above the softmax's row maximum and exponentials: only the score formation runs
+        # with the value product in flight; benchmarks/results/offline-sm90-2026-11-29d)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         # value stage `prev` is free: tile j + 1 goes there
         _load_tile(v_desc, v_smem.index(prev), bars.index(3 + prev), y0 + (j + 1) * BLOCK_N, pred=j + 1 < n_tiles)
     # the last tile's values
