@@ -14,7 +14,8 @@ cuDNN backends; each Gluon cell is checked against the naive float32 attention o
 error reported; a wrong kernel's time is marked, not hidden).  The score is ``probe_hopper_forward``'s NORM 1 form:
 ``2 c q.k log2 e`` plus the key-norm bias vector ``-c ||k||^2 log2 e`` (one fp32 load per key tile).  Gluon has no
 CPU interpreter: this kernel is checked on the GPU only (``--check``: every config and head dim against the
-reference, exit code 1 on a mismatch); ``offline_kernel_report.py --cases gluon`` compiles it for sm_90 without one.
+reference, exit code 1 on a mismatch); ``offline_kernel_report.py --cases gluon`` compiles it for sm_90 without one,
+which CI does (``tests/test_benchmark_offline_report.py``: no spills, a product left in flight across a wait).
 
 This is a probe, not a shipped kernel: what it finds decides whether the shipped forward moves to Gluon.
 """
@@ -43,6 +44,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
+# TMA's global-to-shared load: `async_load` from triton 3.7 on (3.9 removed the old name), `async_copy_global_to_shared`
+# in triton 3.6 (the GPU machines')
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 # (BLOCK_M, BLOCK_N, num_warps): 128 query rows over one warpgroup (4 warps: 32 rows each) or two (8 warps: each
 # warpgroup 64 rows, FlashAttention-3's consumer split without its producer warps)
 CONFIGS = [(128, 64, 8), (128, 64, 4), (128, 128, 8)]
@@ -53,7 +58,7 @@ def _load_tile(desc, smem, bar, row, pred=True):
     """One TMA load of ``desc``'s block at ``[row, 0]`` into ``smem``, completing ``bar`` (none where ``pred`` is
     false)."""
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [row, 0], bar, smem, pred=pred)
+    _tma_load(desc, [row, 0], bar, smem, pred=pred)
 
 
 @gluon.jit

@@ -41,3 +41,30 @@ def test_loops_and_their_instruction_mix_come_from_the_backward_branches():
     # two loops before EXIT (the branch after it, a barrier retry in real listings, is left out)
     assert loops == "5/0/0 3/1/0"
     assert mix == "5: FADD 1 FMUL 1 FFMA 1 MUFU 1; 3: FMNMX 1"
+
+
+def test_the_forward_probes_compile_for_sm90_without_a_gpu(tmp_path):
+    """``--cases gluon,probe_bias_overlap``: benchmarks/probe_gluon_forward.py (Gluon, no CPU interpreter: this compile
+    is what CI can check of it) and the overlap loop of probe_hopper_forward.py compile for sm_90 with this triton,
+    without spills, and the Gluon loop keeps a product in flight across a wait (``DEPBAR.LE gsb0, 0x1``: the order it
+    was written for; ptxas serialising its products would put a ``0x0`` wait after each)."""
+    asm = tmp_path / "asm"
+    out = subprocess.run(
+        [sys.executable, "benchmarks/offline_kernel_report.py", "--cases", "gluon,probe_bias_overlap", "--n", "512",
+         "--d", "64", "--out", str(tmp_path), "--asm-dir", str(asm)],  # fmt: skip
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.path.join(REPO, 'benchmarks')}"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    rows = json.loads((tmp_path / "report.json").read_text())
+    assert {r["case"] for r in rows} == {"gluon", "probe_bias_overlap"}, rows
+    for row in rows:
+        assert "error" not in row, row.get("error")
+        assert row["stack"] == 0, row
+    sass = (asm / "gluon_gluon_rbf_fwd.sass").read_text()
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
