@@ -277,7 +277,7 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
                 )
 
             out[name] = run
-        elif name.split("_overlap")[0] in ("probe_tile", "probe_bias", "probe_nonorm"):
+        elif name.removesuffix("_overlap") in ("probe_tile", "probe_bias", "probe_nonorm"):
             # benchmarks/probe_hopper_forward.py's compact two-loop causal forward (tensor descriptors, an unmasked
             # off-band loop and a masked diagonal loop): norm from the key tile, from a bias vector, or none; with
             # "_overlap" the off-band loop issues the next tile's product before this tile's softmax
@@ -286,7 +286,7 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
             q, k, v = rnd(b, h, n, d), rnd(b, h, n, d), rnd(b, h, n, d)
             c = torch.full((h,), 0.5 / d**0.5)
             kb = probe.key_bias_vector(k, c)
-            norm = {"probe_tile": 2, "probe_bias": 1, "probe_nonorm": 0}[name.split("_overlap")[0]]
+            norm = {"probe_tile": 2, "probe_bias": 1, "probe_nonorm": 0}[name.removesuffix("_overlap")]
             cfg = (
                 FORCED_CONFIG.get("BLOCK_M", 128),
                 FORCED_CONFIG.get("BLOCK_N", 64),
@@ -294,7 +294,9 @@ def cases(names, n: int, d: int, dtype, prefix_keys: int = 0, forward_only: bool
                 FORCED_CONFIG.get("num_stages", 3),
             )
 
-            def run(q=q, k=k, v=v, c=c, kb=kb, norm=norm, cfg=cfg, loop="overlap" if "_overlap" in name else "plain"):
+            loop = "overlap" if name.endswith("_overlap") else "plain"
+
+            def run(q=q, k=k, v=v, c=c, kb=kb, norm=norm, cfg=cfg, loop=loop):
                 probe.probe_forward(q, k, v, c, kb, norm, loop, cfg)
 
             out[name] = run
