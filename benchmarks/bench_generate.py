@@ -9,15 +9,22 @@ d768 L12 H12 (110M parameters with the 8192-token vocabulary), bf16 weights, gre
 The time per token is ``(t(new_tokens) - t(1)) / (new_tokens - 1)``: the prefill and the first token cancel; with
 ``--step-clock`` it is the time between the first and the last generated token's step inside one ``generate`` (a CUDA
 event recorded per step by a logits processor), over the steps between: one prefill per measurement, for prompts
-whose prefill takes minutes (8 x 131k).  Every
-(model, case, mode) runs once as a warm-up (compilation, autotuning), then ``--rounds`` interleaved rounds, the
-best kept; one case after the other (a model's static cache, and the CUDA graphs recorded for its buffers, serve
-every call of one batch size, as transformers' own static cache does).  Writes ``generate.json`` and ``generate.md``.
+whose prefill takes minutes (8 x 131k).  Every (model, case, mode) runs once as a warm-up (compilation,
+autotuning), then ``--rounds`` interleaved rounds (5), each round in another order of the models (rotated by one);
+one case after the other (a model's static cache, and the CUDA graphs recorded for its buffers, serve every call of
+one batch size, as transformers' own static cache does).  Writes ``generate.json`` and ``generate.md``.
 
 The column "cache bytes/token" is computed, not measured: the bytes one more cached token takes in the cache of the
 mode, per batch row, summed over the layers (:func:`hf_rbf.cache_static.cache_bytes_per_token` for the hf_rbf
 families, incl. the sorted structure's index buffers and, for the static caches, the token index shared by the rows;
 ``2 * layers * kv_heads * head_dim * dtype bytes`` for Llama, from its config, in both modes).
+
+Statistics: a batch-1 decode step is bound by the host, and this host's speed drifts by 2x between seconds (an H200
+run, 2026-11-29: Llama's dynamic step 15.5 ms in one round, 9.2 in the next; hybrid_sort's static step 0.73x Llama's
+best in one call and 1.25x in the next).  So each row reports the median and the best of its rounds, and "x Llama" is
+the median over the rounds of ``Llama's ms / the model's ms`` *of the same round* (paired: a slow phase of the host
+slows both), with the lowest and highest round's ratio beside it.  With ``--sequential`` the pairs are not measured
+close in time and the ratio compares different moments.
 
 Long prompts: ``--prefill-chunk N`` passes transformers' ``prefill_chunk_size`` to ``generate`` (the prompt goes
 through the cache N tokens at a time, so 32k-512k prompts fit), e.g.
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -205,6 +213,22 @@ def step_timed_generate(model, ids, new_tokens: int, mode: str, prefill_chunk: i
     return clock.ms_per_step(skip), torch.cuda.max_memory_allocated() if cuda else 0
 
 
+def round_statistics(by_round: dict, llama_by_round: dict) -> dict:
+    """A row's figures from its rounds (``{round: ms per token}``) and Llama's in the same case and mode: the median
+    and best ms, and the median, lowest and highest of ``Llama's ms / this ms`` over the rounds both have (None
+    without any: Llama not measured, or failed)."""
+    ms = sorted(by_round.values())
+    ratios = sorted(llama_by_round[r] / by_round[r] for r in by_round if r in llama_by_round and by_round[r] > 0)
+    return dict(
+        ms_per_token=statistics.median(ms),
+        ms_best=ms[0],
+        ms_rounds=[by_round[r] for r in sorted(by_round)],
+        x_llama=statistics.median(ratios) if ratios else None,
+        x_llama_lowest=ratios[0] if ratios else None,
+        x_llama_highest=ratios[-1] if ratios else None,
+    )
+
+
 def agreement(model, ids, new_tokens: int, mode: str, prefill_chunk: int | None) -> float:
     """Share of the generated tokens (all rows) equal between the windowed and the exact decode."""
     with torch.no_grad():
@@ -224,7 +248,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--variants", default="llama;rbf;gka;scalar_sort;hybrid_sort")
     ap.add_argument("--modes", default="dynamic,static")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="generate's prefill_chunk_size (long prompts)")
     ap.add_argument("--agreement", action="store_true", help="sorted families: windowed vs exact decode tokens")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (float32, with --size)")
@@ -269,7 +293,8 @@ def main() -> int:
     )
     g = torch.Generator(device="cpu").manual_seed(0)
     prompts = {c: torch.randint(2, size["vocab_size"], c, generator=g).to(args.device) for c in cases}
-    best: dict = {}
+    best: dict = {}  # (variant, case, mode) -> "error" once a call failed
+    times: dict = {}  # (variant, case, mode) -> {round: ms per token}
     peak: dict = {}
 
     def measure(variant, model, case, mode, rnd):
@@ -299,13 +324,14 @@ def main() -> int:
             what = "one generate" if args.step_clock else f"1 token {t1:.2f} s,"
             print(f"[warm-up] {variant} {case} {mode}: {what} {args.new_tokens} tokens {tn:.2f} s", flush=True)
             return
-        best[key] = min(best.get(key, float("inf")), ms)
+        times.setdefault(key, {})[rnd] = ms
         print(f"[round {rnd}] {variant} {case} {mode}: {ms:.2f} ms/token", flush=True)
 
-    def rows_of(variant, model):
-        for (name, case, mode), ms in list(best.items()):
-            if name != variant or ms == "error":
+    def rows_of(variant, model, only_case=None):
+        for (name, case, mode), by_round in list(times.items()):
+            if name != variant or best.get((name, case, mode)) == "error" or only_case not in (None, case):
                 continue
+            stats = round_statistics(by_round, times.get(("llama", case, mode), {}))
             per_token = cache_bytes_per_token(parse_variant(variant)[0], model, mode, case[0])
             agree = None
             if args.agreement and parse_variant(variant)[0] in SORTED:
@@ -319,7 +345,7 @@ def main() -> int:
                     batch=case[0],
                     prompt=case[1],
                     mode=mode,
-                    ms_per_token=ms,
+                    **stats,
                     cache_bytes_per_token=per_token,
                     peak_gib=peak.get((variant, case, mode), 0) / 2**30,
                     agreement_with_exact=agree,
@@ -334,30 +360,31 @@ def main() -> int:
             f"{'bf16' if args.device == 'cuda' else 'float32'}, greedy, {args.new_tokens} new tokens, "
             + ", ".join(
                 [f"the warm-up timed from step {args.skip_steps}" if args.rounds == 0
-                 else f"best of {args.rounds} {'rounds' if args.sequential else 'interleaved rounds'}"]
+                 else f"median and best of {args.rounds} {'rounds' if args.sequential else 'interleaved rounds'}"]
                 + (["one model at a time"] if args.sequential else [])
             )
             + "; "
             f"{'decode steps timed inside one generate' if args.step_clock else '(t(n) - t(1)) / (n - 1)'})",
             "",
-            "| model | batch x prompt | mode | ms/token | Llama ms / ms (same mode) | cache bytes/token | peak GiB | "
-            "tokens as exact decode |",
-            "|---|---|---|---|---|---|---|---|",
+            "| model | batch x prompt | mode | ms/token (median) | best | x Llama (median of rounds) | "
+            "lowest - highest round | cache bytes/token | peak GiB | tokens as exact decode |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["rows"]:
             if "error" in r:
                 lines.append(
                     f"| {r['variant']} | {r.get('batch', '')}x{r.get('prompt', '')} | {r.get('mode', '')} | "
-                    f"error: {r['error'][:100]} | | | | |"
+                    f"error: {r['error'][:100]} | | | | | | |"
                 )
                 continue
-            base = best.get(("llama", (r["batch"], r["prompt"]), r["mode"]))
-            ratio = f"{base / r['ms_per_token']:.2f}x" if isinstance(base, float) else ""
+            ratio = "" if r["x_llama"] is None else f"{r['x_llama']:.2f}x"
+            spread = "" if r["x_llama"] is None else f"{r['x_llama_lowest']:.2f} - {r['x_llama_highest']:.2f}"
             agree = r.get("agreement_with_exact")
             agree = "" if agree is None else (f"{agree:.3f}" if isinstance(agree, float) else agree)
             lines.append(
-                f"| {r['variant']} | {r['batch']}x{r['prompt']} | {r['mode']} | {r['ms_per_token']:.2f} | {ratio} | "
-                f"{r['cache_bytes_per_token']:.0f} | {r['peak_gib']:.2f} | {agree} |"
+                f"| {r['variant']} | {r['batch']}x{r['prompt']} | {r['mode']} | {r['ms_per_token']:.2f} | "
+                f"{r['ms_best']:.2f} | {ratio} | {spread} | {r['cache_bytes_per_token']:.0f} | {r['peak_gib']:.2f} | "
+                f"{agree} |"
             )
         (out / "generate.md").write_text("\n".join(lines) + "\n")
         if final:
@@ -391,13 +418,18 @@ def main() -> int:
                 res["rows"].append(dict(variant=variant, error=f"{type(err).__name__}: {err}"))
         # cases outermost: a model's static cache (and the CUDA graphs recorded for its buffers) serves every call of
         # one batch size, as transformers' own static cache does; alternating cases would rebuild it at every call
+        order = list(models)
         for case in cases:
             for rnd in range(args.rounds + 1):  # round 0 is the warm-up
+                # each round in another order: a model always measured right after the same one would carry what
+                # that one leaves behind (the host's caches, the GPU's clocks) in every round
+                turn = order[rnd % len(order):] + order[: rnd % len(order)] if order else []
                 for mode in args.modes.split(","):
-                    for variant, model in models.items():
-                        measure(variant, model, case, mode, rnd)
-        for variant, model in models.items():
-            rows_of(variant, model)
+                    for variant in turn:
+                        measure(variant, models[variant], case, mode, rnd)
+            for variant, model in models.items():
+                rows_of(variant, model, case)
+            write_tables(final=False)  # a call cut by its time limit keeps the cases measured so far
 
     write_tables(final=True)
     return 0

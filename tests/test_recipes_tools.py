@@ -374,6 +374,8 @@ def test_bench_generate_runs_every_model_interleaved_or_one_at_a_time(tmp_path, 
     assert got == {(v, m) for v in ("llama", "gka", "scalar_sort (window 4)") for m in ("dynamic", "static")}
     assert all(isinstance(r["ms_per_token"], float) and r["cache_bytes_per_token"] > 0 for r in rows)
     assert all(r["ms_per_token"] > 0 for r in rows) or not sequential  # t(n) - t(1) may dip below 0 on the CPU
+    assert all(len(r["ms_rounds"]) == 1 and r["ms_best"] == r["ms_per_token"] for r in rows)
+    assert all(r["x_llama"] is not None for r in rows if r["ms_per_token"] > 0)
     header = (tmp_path / "generate.md").read_text().splitlines()[0]
     assert ("one model at a time" in header) == sequential
     assert ("inside one generate" in header) == sequential
@@ -386,6 +388,25 @@ def test_bench_generate_runs_every_model_interleaved_or_one_at_a_time(tmp_path, 
     model._generation_static_cache = ("key", object())
     bench.release_caches(model)
     assert not hasattr(model, "_generation_static_cache")
+
+
+def test_bench_generate_pairs_each_round_with_llamas_same_round():
+    """bench_generate.round_statistics: "x Llama" is the median of the per-round ratios (a slow round of the host slows
+    Llama and the model together and cancels), not the ratio of the medians or of the best rounds; rounds Llama
+    lacks are left out of the ratio, not of the model's times."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_generate.py"
+    spec = importlib.util.spec_from_file_location("bench_generate_rounds", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    llama = {1: 10.0, 2: 20.0, 3: 9.0}
+    model = {1: 8.0, 2: 16.0, 3: 12.0, 4: 7.0}  # faster than Llama in rounds 1 and 2, slower in 3
+    got = bench.round_statistics(model, llama)
+    assert got["ms_per_token"] == 10.0 and got["ms_best"] == 7.0 and got["ms_rounds"] == [8.0, 16.0, 12.0, 7.0]
+    assert got["x_llama"] == 1.25  # the rounds' ratios 1.25, 1.25, 0.75 (best-of would say 9 / 7 = 1.29x)
+    assert (got["x_llama_lowest"], got["x_llama_highest"]) == (0.75, 1.25)
+    assert bench.round_statistics(model, {})["x_llama"] is None
 
 
 def test_diagnose_register_paths_reports_every_path_and_backend(tmp_path):
