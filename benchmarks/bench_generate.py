@@ -64,7 +64,8 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
     Options: ``N register(s)`` (``num_register_tokens``), ``window K`` (the sorted families' ``decode_window``: a
     decode step over the ``K`` keys nearest in scalar space, O(log n + K); without it they decode exactly over every
     cached key), ``rows`` (``register_path = "rows"``: the flat register rows, the default before 2026-11-26, for an
-    A/B against the register stream in one process)."""
+    A/B against the register stream in one process), ``no copies`` (``decode_projection_copies = "off"``: the
+    attention projections of an eager decode step one GEMM each, as before 2026-11-29, for an A/B in one process)."""
     family, _, rest = variant.partition(" (")
     overrides, settings = {}, {}
     for option in filter(None, (o.strip() for o in rest.rstrip(")").split(","))):
@@ -77,9 +78,12 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
             overrides["decode_window"] = int(words[1])
         elif option == "rows":
             settings["register_path"] = "rows"
+        elif option == "no copies":
+            settings["decode_projection_copies"] = "off"
         else:
             raise ValueError(
-                f"variant {variant!r}: unknown option {option!r} (allowed: 'N registers', 'window K', 'rows')"
+                f"variant {variant!r}: unknown option {option!r} (allowed: 'N registers', 'window K', 'rows', "
+                "'no copies')"
             )
     return family, overrides, settings
 

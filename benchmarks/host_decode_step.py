@@ -15,11 +15,12 @@ latter the same for every model.
 
 ``--path gpu`` (the default) runs the host path a CUDA decode step takes, with the kernels left out: the families'
 attention on ``attention_backend="triton"`` and the fused RoPE, as "auto" picks them on CUDA, the register stream
-(``register_path="stream"``, what "auto" takes for a cached forward without gradients on CUDA), all under Triton's
-interpreter (``TRITON_INTERPRET=1``) with every launch returning at once (``count_host_ops``' stub): what is timed is
-our Python, the aten ops around the launches and triton's interpreter-side call (not the compiled launcher of a GPU,
-nor ``kernels_launch``'s direct-launch key, which only runs on CUDA).  The outputs of the stubbed kernels are
-uninitialised memory, so the tokens are meaningless; the host path does not depend on them, but the sorted
+(``register_path="stream"``, what "auto" takes for a cached forward without gradients on CUDA), the attention
+projections as one GEMM over their kept concatenation (``decode_projection_copies="on"``, "auto" on CUDA), all under
+Triton's interpreter (``TRITON_INTERPRET=1``) with every launch returning at once (``count_host_ops``' stub): what is
+timed is our Python, the aten ops around the launches and triton's interpreter-side call (not the compiled launcher
+of a GPU, nor ``kernels_launch``'s direct-launch key, which only runs on CUDA).  The outputs of the stubbed kernels
+are uninitialised memory, so the tokens are meaningless; the host path does not depend on them, but the sorted
 families' cached keys then hold NaN, and the merge of their recent buffer (one step in ``cache_buffer_size``) sorts and
 searches NaN keys in milliseconds on the CPU: the median leaves those steps out, a cProfile total does not.
 ``--path cpu`` runs the CPU defaults instead (the "naive" / "sdpa" backends, the register rows path): real work, not
@@ -156,7 +157,8 @@ def main(argv=None) -> int:
     settings = {}
     if args.path == "gpu":
         _stub_kernels()
-        settings = {"register_path": "stream", "rotary_backend": "triton"}
+        # what "auto" takes on CUDA: the register stream, the fused RoPE, the kept projection concatenations
+        settings = {"register_path": "stream", "rotary_backend": "triton", "decode_projection_copies": "on"}
     rows = {}
     with decoder_settings(settings):
         for variant in args.variants.split(";"):

@@ -34,7 +34,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .attention_dot import dot_attention
-from .attention_utils import last_backend
+from .attention_utils import last_backend, parameter_values_keepable
 from .cache_names import CACHE_NAME, cache_field, generation_cache, output_cache, resolve_cache_argument
 from .cache_static import StaticDecoderCache, StaticKeyValueLayer, static_cache_len_for_bytes
 from .configuration_decoder import DecoderConfig
@@ -243,7 +243,77 @@ def _small_projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     return out.to(dtype).split([m.out_features for m in linears], dim=-1)
 
 
-def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+# Concatenated projection weights for the eager decode steps of one generation.  A batch-1 decode step on a GPU is
+# bound by the host, and there `project_together`'s one-by-one branch (below) costs a `F.linear` per projection: five
+# per hybrid_sort layer (q, k, v, scalar q, scalar k), three per scalar_sort layer, each 25-35 us of host time on an
+# H200 host (benchmarks/results/h200-2026-11-29f), and the scalar ones run as cuBLAS gemv (two kernels each).  With a
+# copy of the concatenated weights kept for the generation, a step takes one `F.linear` per layer for all of them.
+#   "auto"  on CUDA ("on"), not elsewhere (on a CPU the host is not the bottleneck, and the separate GEMMs keep the
+#           values of the uncached forward of the same rows);
+#   "on"    wherever a forward runs with a cache, without gradients, outside torch.compile (which fuses the projections
+#           itself);
+#   "off"   never.
+# The copies live on the model (`DecoderModel.projection_copies`, one per layer's projection set: memory bounded by
+# one copy of the weights, whatever the number of caches alive) and are dropped at the start of every `generate`
+# (`DecoderForCausalLM._prefill`) and by `model.train()`.  A copy is also rebuilt whenever a weight's storage or
+# version changes (an optimiser step, a `load_state_dict`, `.to()`); writes through `.data` bump no version, so
+# weights changed that way in the middle of a generation are seen from the next one on (the register steps' memo has
+# the same rule).  Memory: the attention projections' weights once more after a generation's first decode step
+# (d768 hybrid_sort / rbf: 3.6 MB per layer, a fifth of the model's weights; scalar_sort 1.2 MB); SwiGLU's gate and up
+# keep their two GEMMs, as Llama's do.  None are kept where `attention_utils.parameter_values_keepable` says no: in a
+# process with torch.distributed initialised (FSDP2 writes each forward's gathered weights into the same tensors,
+# versions unchanged), while a CUDA graph is captured, off the default stream.
+DECODE_PROJECTION_COPIES = ("auto", "on", "off")
+decode_projection_copies = os.environ.get("HF_RBF_DECODE_PROJECTION_COPIES", "auto")
+# the copies of the forward running now (see `decode_projection_copies`), None outside such a forward
+_PROJECTION_COPIES: dict | None = None
+
+
+def projection_copies_for(model: nn.Module, cache, device: torch.device) -> dict | None:
+    """``model``'s dict of concatenated projection weights for an eager forward with ``cache`` and without gradients
+    on ``device`` (see ``decode_projection_copies``), or None where the forward keeps none."""
+    if decode_projection_copies not in DECODE_PROJECTION_COPIES:
+        raise ValueError(
+            f"hf_rbf.modeling_decoder.decode_projection_copies must be one of {DECODE_PROJECTION_COPIES}; got "
+            f"{decode_projection_copies!r} (set in code or through the HF_RBF_DECODE_PROJECTION_COPIES environment "
+            "variable)"
+        )
+    if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if decode_projection_copies == "off" or (decode_projection_copies == "auto" and device.type != "cuda"):
+        return None
+    if not parameter_values_keepable(device):  # torch.distributed (FSDP2 rewrites weights in place), a CUDA graph
+        return None
+    return model.projection_copies
+
+
+def drop_projection_copies(model: nn.Module) -> None:
+    """Free the concatenated projection weights every ``DecoderModel`` inside ``model`` keeps."""
+    for module in model.modules():
+        copies = module.__dict__.get("projection_copies")
+        if copies:
+            copies.clear()
+
+
+def _kept_concatenation(copies: dict, linears) -> tuple:
+    """``(weight, bias or None, split sizes)`` of ``linears`` concatenated, from ``copies`` while every weight and
+    bias has the storage and version it had when the copy was made, else made again."""
+    params = [(_param(m, "weight"), _param(m, "bias")) for m in linears]
+    state = tuple(
+        (w.data_ptr(), w._version) + (() if b is None else (b.data_ptr(), b._version)) for w, b in params
+    )
+    key = tuple(id(m) for m in linears)
+    kept = copies.get(key)
+    if kept is None or kept[0] != state:
+        weight = torch.cat([w for w, _ in params])
+        bias = None
+        if any(b is not None for _, b in params):
+            bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in params])
+        kept = copies[key] = (state, weight, bias, [w.shape[0] for w, _ in params])
+    return kept[1:]
+
+
+def project_together(x: torch.Tensor, linears, keep_copy: bool = False) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in linears)``, computed as one GEMM over the modules' concatenated weights when every one is
     a plain ``nn.Linear`` (see ``_plain_linear``); otherwise every module is called, so that wrapped or hooked modules
     (a LoRA adapter on ``q_proj``) keep working.  The outputs are one ``split`` of the product (views).
@@ -263,7 +333,9 @@ def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     diagnose-512k-b); their time matches these copies (6.3 MB of SwiGLU weights and 1.2 MB of q-scalar / k-scalar /
     value weights per layer, read and written at ~2 TB/s), and the CPU-compiled step has no other ``cat`` (not yet
     re-measured on the GPU).  Compiled, the small ones among them (at most ``SMALL_PROJECTION_MAX_OUT`` outputs)
-    are one reduction kernel together (:func:`_small_projections`).
+    are one reduction kernel together (:func:`_small_projections`).  ``keep_copy``: in a generation's eager decode
+    steps, one GEMM over a concatenation kept for the generation (``decode_projection_copies``; the attention
+    projections pass it).
     """
     eager = not torch.compiler.is_compiling()
     plain = _plain_linear_eager if eager else _plain_linear
@@ -274,7 +346,12 @@ def project_together(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     ):
         return tuple(m(x) for m in linears)
     if _few_rows_in_eval(x, linears):
-        if eager:  # what `nn.Linear.forward` computes, its parameters read without `nn.Module.__getattr__`
+        if eager:
+            copies = _PROJECTION_COPIES if keep_copy else None
+            if copies is not None:  # a generation's decode step: one GEMM over the kept concatenation
+                weight, bias, sizes = _kept_concatenation(copies, linears)
+                return F.linear(x, weight, bias).split(sizes, dim=-1)
+            # what `nn.Linear.forward` computes, its parameters read without `nn.Module.__getattr__`
             return tuple(F.linear(x, _param(m, "weight"), _param(m, "bias")) for m in linears)
         small = [m for m in linears if m.out_features <= SMALL_PROJECTION_MAX_OUT]
         if not small:
@@ -610,9 +687,10 @@ class DotAttention(DecoderAttention):
 
     def _project(self, x: torch.Tensor, registers: bool = False):
         if not self.projects_values:  # the values are the rows themselves (GKA's "vlt" layers)
-            q, k = (self._split_heads(t) for t in project_together(x, (self.q_proj, self.k_proj)))
+            q, k = (self._split_heads(t) for t in project_together(x, (self.q_proj, self.k_proj), keep_copy=True))
             return (*self._normalize_qk(q, k, registers), self._split_heads(x))
-        q, k, v = (self._split_heads(t) for t in project_together(x, (self.q_proj, self.k_proj, self.v_proj)))
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (self._split_heads(t) for t in project_together(x, projections, keep_copy=True))
         return (*self._normalize_qk(q, k, registers), v)
 
     def _normalize_qk(self, q: torch.Tensor, k: torch.Tensor, registers: bool = False):
@@ -1142,6 +1220,8 @@ class DecoderModel(DecoderPreTrainedModel):
             config.hidden_size // config.num_attention_heads, config.rope_theta
         )
         self.last_register_path = None  # the register path of the last forward (see `register_path`), None without
+        # concatenated attention projection weights of eager decode steps (see `decode_projection_copies`)
+        self.projection_copies = {}
         if config.num_register_tokens > 0:
             self.register_tokens = nn.Parameter(torch.zeros(config.num_register_tokens, config.hidden_size))
         else:
@@ -1163,6 +1243,12 @@ class DecoderModel(DecoderPreTrainedModel):
             except AttributeError:
                 return None
         return memo[1]
+
+    def train(self, mode: bool = True):
+        """``nn.Module.train``; training drops the decode steps' projection copies (``decode_projection_copies``)."""
+        if mode:
+            self.projection_copies.clear()
+        return super().train(mode)
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -1434,28 +1520,34 @@ class DecoderModel(DecoderPreTrainedModel):
 
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
-        for layer in self.layers:
-            if stream:
-                hidden_states, register_states = rows.view(*text_shape, -1), registers
-            else:
-                hidden_states, register_states = split_rows(rows, text_shape)
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            rows, weights, registers = layer(
-                hidden_states,
-                register_states,
-                rows,
-                position_embeddings=position_embeddings,
-                cache=cache,
-                attention_mask=attention_mask,
-                key_log_weights=key_log_weights,
-                use_cache=use_cache,
-                output_attentions=output_attentions,
-                register_memo=register_memo,
-                register_step_path=path,
-            )
-            if output_attentions:
-                all_attentions += (weights,)
+        global _PROJECTION_COPIES
+        outer_copies = _PROJECTION_COPIES
+        _PROJECTION_COPIES = projection_copies_for(self, cache, inputs_embeds.device)  # `decode_projection_copies`
+        try:
+            for layer in self.layers:
+                if stream:
+                    hidden_states, register_states = rows.view(*text_shape, -1), registers
+                else:
+                    hidden_states, register_states = split_rows(rows, text_shape)
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,)
+                rows, weights, registers = layer(
+                    hidden_states,
+                    register_states,
+                    rows,
+                    position_embeddings=position_embeddings,
+                    cache=cache,
+                    attention_mask=attention_mask,
+                    key_log_weights=key_log_weights,
+                    use_cache=use_cache,
+                    output_attentions=output_attentions,
+                    register_memo=register_memo,
+                    register_step_path=path,
+                )
+                if output_attentions:
+                    all_attentions += (weights,)
+        finally:
+            _PROJECTION_COPIES = outer_copies
         hidden_states = self.norm(rows.view(*text_shape, -1) if stream else split_rows(rows, text_shape)[0])
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
@@ -1547,6 +1639,7 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         Prompt chunks run eagerly even where ``generate`` compiles the decode step (CUDA + a compileable cache): a
         chunk's cache writes and reads are sized by host-side lengths, which a compiled step would specialise on and
         recompile for at every chunk; a chunk is large enough to be compute-bound anyway."""
+        drop_projection_copies(self)  # a generation starts from the weights as they are now
         cache = generation_cache(model_kwargs)
         if cache is None:
             return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)

@@ -68,7 +68,8 @@ class RbfAttention(DecoderAttention):
             init.constant_(self.susie_weight, self.config.susie_init)
 
     def _project(self, x: torch.Tensor):
-        return tuple(self._split_heads(t) for t in project_together(x, (self.q_proj, self.k_proj, self.v_proj)))
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        return tuple(self._split_heads(t) for t in project_together(x, projections, keep_copy=True))
 
     def _gamma(self):
         return self.gamma_init if self.log_gamma is None else self.log_gamma.exp()
@@ -116,7 +117,7 @@ class RbfAttention(DecoderAttention):
         """
         if rows is not None:
             text_shape = tuple(hidden_states.shape[:2])
-            projected = project_together(rows, (self.q_proj, self.k_proj, self.v_proj))
+            projected = project_together(rows, (self.q_proj, self.k_proj, self.v_proj), keep_copy=True)
             (q, qr), (k, kr), (v, vr) = (self._row_heads(t, text_shape) for t in projected)
             out, register_out, weights = self._attend(
                 q, k, v, qr, kr, vr, position_embeddings, cache, attention_mask, key_log_weights, output_attentions,

@@ -247,7 +247,7 @@ class ScalarSortAttention(DecoderAttention):
     def _row_projections(self, x: torch.Tensor) -> _Projections:
         """The projections of rows ``x [B, N, D]``, head-major, before positions or register offsets: one GEMM for
         all of them (:func:`~hf_rbf.modeling_decoder.project_together`)."""
-        return self._projections_of(project_together(x, self._input_projections()))
+        return self._projections_of(project_together(x, self._input_projections(), keep_copy=True))
 
     def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:
         """Positions of the text rows (none in scalar layers)."""

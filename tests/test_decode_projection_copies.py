@@ -1,0 +1,150 @@
+"""The eager decode step's kept concatenation of the attention projections (``modeling_decoder.
+decode_projection_copies``): one GEMM per layer for q / k / v / scalar q / scalar k, the values of the one-by-one
+GEMMs, a copy rebuilt when the weights change, dropped by every ``generate`` and by ``train()``."""
+
+import collections
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from bench_generate import build  # noqa: E402
+from decoder_settings import decoder_settings  # noqa: E402
+
+from hf_rbf import modeling_decoder  # noqa: E402
+
+SIZE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+# attention projections of one layer that the copy joins into one GEMM
+PROJECTIONS = {"rbf": 3, "scalar_sort": 3, "hybrid_sort": 5}
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    return build(family, 64, "cpu", SIZE)
+
+
+def _generate(model, ids, setting: str):
+    with decoder_settings({"decode_projection_copies": setting}), torch.no_grad():
+        return model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+
+@pytest.mark.parametrize("family", sorted(PROJECTIONS))
+def test_copies_give_the_tokens_and_logits_of_separate_gemms(family):
+    """Greedy generate with the copies ("on") against the one-by-one GEMMs ("off"): the same tokens, logits equal to
+    float32 rounding (one GEMM over concatenated rows computes each output as the separate GEMM does); the model then
+    keeps one concatenation per layer, as wide as the layer's projections together."""
+    model = _model(family)
+    ids = torch.randint(2, SIZE["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+    off = _generate(model, ids, "off")
+    assert model.model.projection_copies == {}
+    on = _generate(model, ids, "on")
+    assert torch.equal(on.sequences, off.sequences)
+    for a, b in zip(on.logits, off.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    copies = model.model.projection_copies
+    assert len(copies) == SIZE["num_hidden_layers"]
+    for attention in (layer.self_attn for layer in model.model.layers):
+        linears = [m for m in attention.modules() if isinstance(m, torch.nn.Linear) and m is not attention.o_proj]
+        (kept,) = [v for k, v in copies.items() if set(k) == {id(m) for m in linears}]
+        assert kept[1].shape == (sum(m.out_features for m in linears), SIZE["hidden_size"])
+        assert len(linears) == PROJECTIONS[family]
+
+
+class _CountGemms(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gemms_of_one_decode_step(model, setting: str) -> int:
+    ids = torch.randint(2, SIZE["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(2))
+    cache = model.make_cache()
+    with decoder_settings({"decode_projection_copies": setting}), torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
+        mask = torch.ones(1, ids.shape[1] + 1, dtype=ids.dtype)
+        with _CountGemms() as count:
+            model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    return count.ops["mm"] + count.ops["addmm"]
+
+
+@pytest.mark.parametrize("family", sorted(PROJECTIONS))
+def test_a_decode_step_runs_one_gemm_for_the_layers_projections(family):
+    model = _model(family)
+    separate = _gemms_of_one_decode_step(model, "off")
+    together = _gemms_of_one_decode_step(model, "on")
+    assert separate - together == (PROJECTIONS[family] - 1) * SIZE["num_hidden_layers"]
+
+
+def test_copies_follow_in_place_updates_and_generate_drops_them():
+    """An in-place update (an optimiser step: the version moves) rebuilds the copy at the next step; a write through
+    ``.data`` (no version) is seen by the next ``generate``, which starts without copies; ``train()`` frees them."""
+    model = _model("hybrid_sort")
+    ids = torch.randint(2, SIZE["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(3))
+    _generate(model, ids, "on")
+    v_proj = model.model.layers[0].self_attn.v_proj
+    linears = (model.model.layers[0].self_attn.qs_proj, v_proj)
+    copies = {}
+    first = modeling_decoder._kept_concatenation(copies, linears)[0]
+    with torch.no_grad():
+        v_proj.weight.mul_(1.5)
+    second = modeling_decoder._kept_concatenation(copies, linears)[0]
+    torch.testing.assert_close(second[linears[0].out_features :], v_proj.weight, rtol=0, atol=0)
+    assert not torch.equal(first, second)
+
+    _generate(model, ids, "on")  # copies of the weights as they are now
+    v_proj.weight.data.mul_(-1.0)  # no version bump: only a new generation sees it
+    reference = copy.deepcopy(model)
+    on = _generate(model, ids, "on")
+    off = _generate(reference, ids, "off")
+    for a, b in zip(on.logits, off.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert model.model.projection_copies
+    model.train()
+    assert model.model.projection_copies == {}
+
+
+def test_auto_keeps_no_copies_on_the_cpu_and_a_bad_setting_is_named():
+    model = _model("scalar_sort")
+    ids = torch.randint(2, SIZE["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(4))
+    _generate(model, ids, "auto")
+    assert model.model.projection_copies == {}
+    with pytest.raises(ValueError, match=r"decode_projection_copies must be one of \('auto', 'on', 'off'\)"):
+        _generate(model, ids, "always")
+
+
+@pytest.fixture
+def one_rank_gloo_group():
+    """A one-process gloo group (what FSDP2 and DDP runs have initialised), destroyed afterwards."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_copies_in_a_distributed_process(one_rank_gloo_group):
+    """FSDP2 writes each forward's gathered weights into the same tensors with their versions unchanged, so a copy
+    would go stale unseen (and hold unsharded weights): with torch.distributed initialised none is kept."""
+    model = _model("hybrid_sort")
+    ids = torch.randint(2, SIZE["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(5))
+    _generate(model, ids, "on")
+    assert model.model.projection_copies == {}
