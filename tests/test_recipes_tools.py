@@ -376,6 +376,7 @@ def test_bench_generate_runs_every_model_interleaved_or_one_at_a_time(tmp_path, 
     assert all(r["ms_per_token"] > 0 for r in rows) or not sequential  # t(n) - t(1) may dip below 0 on the CPU
     assert all(len(r["ms_rounds"]) == 1 and r["ms_best"] == r["ms_per_token"] for r in rows)
     assert all(r["x_llama"] is not None for r in rows if r["ms_per_token"] > 0)
+    assert all(r["call_peak_gib"] == 0 and r["peak_gib"] == 0 for r in rows)  # no CUDA: no memory figures
     header = (tmp_path / "generate.md").read_text().splitlines()[0]
     assert ("one model at a time" in header) == sequential
     assert ("inside one generate" in header) == sequential
