@@ -213,6 +213,23 @@ def hf_home():
     return _HF_HOME
 
 
+@pytest.fixture
+def one_rank_gloo_group():
+    """A one-process gloo group (what FSDP2 and DDP runs have initialised), destroyed afterwards."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_HF_HOME, ignore_errors=True)
 

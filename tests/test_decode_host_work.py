@@ -230,22 +230,6 @@ def test_kept_gka_scale_follows_log_sigma():
     assert _inverse_two_variances(log_sigma).requires_grad
 
 
-@pytest.fixture
-def one_rank_gloo_group():
-    """A one-process gloo group (what FSDP2 and DDP runs have initialised), destroyed afterwards."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def _write_keeping_the_version(p: torch.Tensor, value: torch.Tensor) -> None:
     """What FSDP2's all-gather does to an unsharded parameter: new data in the same tensor, at the same address,

@@ -124,22 +124,6 @@ def test_auto_keeps_no_copies_on_the_cpu_and_a_bad_setting_is_named():
         _generate(model, ids, "always")
 
 
-@pytest.fixture
-def one_rank_gloo_group():
-    """A one-process gloo group (what FSDP2 and DDP runs have initialised), destroyed afterwards."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def test_no_copies_in_a_distributed_process(one_rank_gloo_group):
     """FSDP2 writes each forward's gathered weights into the same tensors with their versions unchanged, so a copy
