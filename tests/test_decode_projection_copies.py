@@ -124,7 +124,6 @@ def test_auto_keeps_no_copies_on_the_cpu_and_a_bad_setting_is_named():
         _generate(model, ids, "always")
 
 
-
 def test_no_copies_in_a_distributed_process(one_rank_gloo_group):
     """FSDP2 writes each forward's gathered weights into the same tensors with their versions unchanged, so a copy
     would go stale unseen (and hold unsharded weights): with torch.distributed initialised none is kept."""
