@@ -254,8 +254,8 @@ def _small_projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 #           itself);
 #   "off"   never.
 # The copies live on the model (`DecoderModel.projection_copies`, one per layer's projection set: memory bounded by
-# one copy of the weights, whatever the number of caches alive) and are dropped at the start of every `generate`
-# (`DecoderForCausalLM._prefill`) and by `model.train()`.  A copy is also rebuilt whenever a weight's storage or
+# one copy of the weights, whatever the number of caches alive) and are dropped at the start and the end of every
+# `generate` (`DecoderForCausalLM._prefill`, `.generate`) and by `model.train()`; a decode loop by hand keeps them.  A copy is also rebuilt whenever a weight's storage or
 # version changes (an optimiser step, a `load_state_dict`, `.to()`); writes through `.data` bump no version, so
 # weights changed that way in the middle of a generation are seen from the next one on (the register steps' memo has
 # the same rule).  Memory: the attention projections' weights once more after a generation's first decode step
@@ -1630,6 +1630,14 @@ class DecoderForCausalLM(DecoderPreTrainedModel, GenerationMixin):
         if getattr(generation_config, "is_assistant", False):
             cache.activate_past_recording()
         model_kwargs[CACHE_NAME] = cache
+
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``; the concatenated projection weights its decode steps kept
+        (``decode_projection_copies``) are freed when it returns."""
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            drop_projection_copies(self)
 
     def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
         """transformers' prefill (chunked with ``generate(..., prefill_chunk_size=...)``), with the cache marked as
