@@ -258,11 +258,12 @@ def _small_projections(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 # `generate` (`DecoderForCausalLM._prefill`, `.generate`) and by `model.train()`; a decode loop by hand keeps them.
 # A copy is also rebuilt whenever a weight's storage or version changes (an optimiser step, a `load_state_dict`,
 # `.to()`); writes through `.data` bump no version, so weights changed that way in the middle of a generation are
-# seen from the next one on (the register steps' memo has the same rule).  Memory: the attention projections' weights once more after a generation's first decode step
-# (d768 hybrid_sort / rbf: 3.6 MB per layer, a fifth of the model's weights; scalar_sort 1.2 MB); SwiGLU's gate and up
-# keep their two GEMMs, as Llama's do.  None are kept where `attention_utils.parameter_values_keepable` says no: in a
-# process with torch.distributed initialised (FSDP2 writes each forward's gathered weights into the same tensors,
-# versions unchanged), while a CUDA graph is captured, off the default stream.
+# seen from the next one on (the register steps' memo has the same rule).  Memory: the attention projections'
+# weights once more after a generation's first decode step (d768 hybrid_sort / rbf: 3.6 MB per layer, a fifth of the
+# model's weights; scalar_sort 1.2 MB); SwiGLU's gate and up keep their two GEMMs, as Llama's do.  None are kept where
+# `attention_utils.parameter_values_keepable` says no: in a process with torch.distributed initialised (FSDP2 writes
+# each forward's gathered weights into the same tensors, versions unchanged), while a CUDA graph is captured, off the
+# default stream.
 DECODE_PROJECTION_COPIES = ("auto", "on", "off")
 decode_projection_copies = os.environ.get("HF_RBF_DECODE_PROJECTION_COPIES", "auto")
 # the copies of the forward running now (see `decode_projection_copies`), None outside such a forward
