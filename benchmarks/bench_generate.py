@@ -31,7 +31,8 @@ through the cache N tokens at a time, so 32k-512k prompts fit), e.g.
 ``--cases 1x8192,1x32768,1x131072 --prefill-chunk 8192``.  Each row also reports the peak GPU memory of its timed
 ``generate`` (``torch.cuda.max_memory_allocated`` after a reset: the whole process's, so with interleaved rounds every
 model's weights, and what earlier calls left allocated), and the call's own part of it: that peak less what was
-allocated when the call started (its cache, activations and anything it keeps).  The largest over the rounds.
+allocated when the call started (its cache, activations and anything it keeps).  The largest over the timed rounds
+(not the warm-up).
 
 ``--agreement``: for the sorted families (scalar_sort, hybrid_sort), the share of generated tokens that the
 windowed decode (the config's ``decode_window``) has in common with exact decode over every cached token
@@ -304,15 +305,16 @@ def main() -> int:
     )
     g = torch.Generator(device="cpu").manual_seed(0)
     prompts = {c: torch.randint(2, size["vocab_size"], c, generator=g).to(args.device) for c in cases}
-    best: dict = {}  # (variant, case, mode) -> "error" once a call failed
+    failed: set = set()  # (variant, case, mode) of a call that raised: not measured again
     times: dict = {}  # (variant, case, mode) -> {round: ms per token}
     peak: dict = {}  # key -> the process's peak allocated bytes during the timed generate
     peak_own: dict = {}  # key -> that peak less what was allocated when the generate started
 
     def measure(variant, model, case, mode, rnd):
         key = (variant, case, mode)
-        if best.get(key) == "error":
+        if key in failed:
             return
+        timed = rnd > 0 or (args.step_clock and args.rounds == 0)  # round 0 is the warm-up, unless it is timed
         try:
             with decoder_settings(parse_variant(variant)[2]):
                 if args.step_clock:
@@ -326,15 +328,16 @@ def main() -> int:
                     start = allocated_bytes(prompts[case])
                     tn, mem = timed_generate(model, prompts[case], args.new_tokens, mode, args.prefill_chunk)
                     ms = 1e3 * (tn - t1) / (args.new_tokens - 1)
-            peak[key] = max(peak.get(key, 0), mem)
-            peak_own[key] = max(peak_own.get(key, 0), mem - start)
+            if timed:  # (a warm-up's compilation and autotuning allocate what no measured call does)
+                peak[key] = max(peak.get(key, 0), mem)
+                peak_own[key] = max(peak_own.get(key, 0), mem - start)
         except Exception as err:  # a failing family or mode must not hide the others
-            best[key] = "error"
+            failed.add(key)
             res["rows"].append(dict(variant=variant, batch=case[0], prompt=case[1], mode=mode, error=f"{err}"[:300]))
             print(f"[error] {key}: {err}", flush=True)
             release_caches(model, compiled=args.sequential)  # what the failed call held must not fail the next model
             return
-        if rnd == 0 and not (args.step_clock and args.rounds == 0):
+        if not timed:
             # no per-token figure: the first (1-token) call also compiles and tunes, so t(n) - t(1) can be negative
             what = "one generate" if args.step_clock else f"1 token {t1:.2f} s,"
             print(f"[warm-up] {variant} {case} {mode}: {what} {args.new_tokens} tokens {tn:.2f} s", flush=True)
@@ -344,7 +347,7 @@ def main() -> int:
 
     def rows_of(variant, model, only_case=None):
         for (name, case, mode), by_round in list(times.items()):
-            if name != variant or best.get((name, case, mode)) == "error" or only_case not in (None, case):
+            if name != variant or (name, case, mode) in failed or only_case not in (None, case):
                 continue
             stats = round_statistics(by_round, times.get(("llama", case, mode), {}))
             per_token = cache_bytes_per_token(parse_variant(variant)[0], model, mode, case[0])

@@ -230,7 +230,6 @@ def test_kept_gka_scale_follows_log_sigma():
     assert _inverse_two_variances(log_sigma).requires_grad
 
 
-
 def _write_keeping_the_version(p: torch.Tensor, value: torch.Tensor) -> None:
     """What FSDP2's all-gather does to an unsharded parameter: new data in the same tensor, at the same address,
     with the version counter preserved."""
