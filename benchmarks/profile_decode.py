@@ -2,7 +2,7 @@
 ``torch.profiler`` and ``cProfile`` of ``generate`` with the default (dynamic) cache, per generated token.
 
     PYTHONPATH=. python benchmarks/profile_decode.py --out DIR [--case 1x512] [--tokens 33]
-        [--variants "llama;rbf;gka;scalar_sort;hybrid_sort"] [--device cuda]
+        [--variants "llama;rbf;gka;scalar_sort;hybrid_sort"] [--device cuda] [--stacks]
 
 Per variant (the models of ``bench_generate.py``: d768 L12 H12, bf16 on CUDA, random prompt, greedy, no EOS), after
 a warm-up ``generate`` (compilation, autotuning):
@@ -13,6 +13,8 @@ a warm-up ``generate`` (compilation, autotuning):
   launches, of host-device synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, device-to-host
   copies, ``aten::item`` / ``_local_scalar_dense``), the GPU kernel time, the aten ops, and the ops with the largest
   host (self CPU) time and the kernels with the largest GPU time;
+* with ``--stacks``, the Python frames (this project's and transformers') of every host-device copy and
+  synchronisation, per token;
 * ``cProfile`` of the long call less the short one: the Python functions with the largest own time per token (a
   function that waits for the GPU, e.g. through ``.item()``, shows the wait as its own time).
 
@@ -80,15 +82,37 @@ def profile_tables(prof) -> dict:
     return table
 
 
-def torch_profile(model, ids, tokens: int, device: str) -> dict:
+STACK_EVENTS = ("cudaMemcpyAsync", "cudaStreamSynchronize", "aten::_local_scalar_dense")
+
+
+def stack_table(prof) -> dict:
+    """``"event < its callers"`` -> count, for the copy and synchronisation events."""
+    table: dict = defaultdict(int)
+    for ev in prof.events():
+        if ev.name not in STACK_EVENTS:
+            continue
+        # runtime events (the copy, the synchronisation) carry no stack: with ``with_stack`` their enclosing ops and
+        # Python calls are their parents, the innermost first
+        names, op = [], ev
+        while op is not None and len(names) < 8:
+            if not op.name.startswith("torch/"):
+                names.append(op.name)
+            op = op.cpu_parent
+        table[" < ".join(dict.fromkeys(names))] += 1
+    return table
+
+
+def torch_profile(model, ids, tokens: int, device: str, stacks: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    tables = []
+    tables, stack_tables = [], []
     for n in (1, tokens):
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, with_stack=stacks) as prof:
             _generate(model, ids, n, device)
         tables.append(profile_tables(prof))
+        if stacks:
+            stack_tables.append(stack_table(prof))
     short, long = tables
     per = tokens - 1
     diff = {}
@@ -97,7 +121,12 @@ def torch_profile(model, ids, tokens: int, device: str) -> dict:
         diff[name] = [(b[0] - a[0]) / per, (b[1] - a[1]) / per, (b[2] - a[2]) / per]
     kernels = {k[len("kernel:"):]: v for k, v in diff.items() if k.startswith("kernel:")}
     ops = {k: v for k, v in diff.items() if not k.startswith("kernel:")}
+    where = {}
+    if stacks:
+        a, b = stack_tables
+        where = {k: (b.get(k, 0) - a.get(k, 0)) / per for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)}
     return dict(
+        copies_and_syncs_by_stack=sorted(([k, v] for k, v in where.items()), key=lambda r: -r[1])[:20],
         launches_per_token=sum(ops.get(n, [0])[0] for n in LAUNCH_EVENTS),
         syncs_per_token={n: ops[n][0] for n in SYNC_EVENTS + ("cudaMemcpyAsync",) if n in ops and ops[n][0] > 0},
         aten_ops_per_token=sum(v[0] for k, v in ops.items() if k.startswith("aten::")),
@@ -135,6 +164,8 @@ def main() -> int:
     ap.add_argument("--variants", default="llama;rbf;gka;scalar_sort;hybrid_sort")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--size", default=None, help="JSON of config overrides (default: bench_generate's d768 L12 H12)")
+    ap.add_argument("--stacks", action="store_true",
+                    help="also the Python frames of every host-device copy and synchronisation (with_stack)")
     args = ap.parse_args()
     if args.tokens < 2:
         raise ValueError(f"--tokens must be >= 2, got {args.tokens}")
@@ -164,13 +195,13 @@ def main() -> int:
                     for _ in range(3)
                 ]
                 row = dict(variant=variant, ms_per_token=1e3 * min(times) / (args.tokens - 1))
-                row.update(torch_profile(model, ids, args.tokens, args.device))
+                row.update(torch_profile(model, ids, args.tokens, args.device, args.stacks))
                 row["python"] = python_profile(model, ids, args.tokens, args.device)
         except Exception as err:  # noqa: BLE001  (a failing family must not hide the others)
             row = dict(variant=variant, error=f"{type(err).__name__}: {err}"[:400])
         res["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("top_host_ops", "top_kernels", "python")}),
-              flush=True)
+        hidden = ("top_host_ops", "top_kernels", "python", "copies_and_syncs_by_stack")
+        print(json.dumps({k: v for k, v in row.items() if k not in hidden}), flush=True)
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -201,6 +232,9 @@ def main() -> int:
         lines += [f"- {name}: {n:.1f}, {us / 1e3:.3f}" for name, n, us in r["top_kernels"]]
         lines += ["", "Python functions (calls, own ms per token):", ""]
         lines += [f"- {name}: {n:.1f}, {ms:.3f}" for name, n, ms in r["python"]]
+        if r["copies_and_syncs_by_stack"]:
+            lines += ["", "Copies and synchronisations by where they were called (per token):", ""]
+            lines += [f"- {where}: {n:.2f}" for where, n in r["copies_and_syncs_by_stack"]]
     (out / "profile_decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:4 + len(res["rows"])]))
     return 0
