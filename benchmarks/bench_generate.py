@@ -68,7 +68,9 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
     decode step over the ``K`` keys nearest in scalar space, O(log n + K); without it they decode exactly over every
     cached key), ``rows`` (``register_path = "rows"``: the flat register rows, the default before 2026-11-26, for an
     A/B against the register stream in one process), ``no copies`` (``decode_projection_copies = "off"``: the
-    attention projections of an eager decode step one GEMM each, as before 2026-11-29, for an A/B in one process)."""
+    attention projections of an eager decode step one GEMM each, as before 2026-11-29, for an A/B in one process),
+    ``checked decode`` (``direct_decode_calls = "off"``: the sorted families' exact decode steps through the public
+    attention functions and their checks, as before 2026-11-30)."""
     family, _, rest = variant.partition(" (")
     overrides, settings = {}, {}
     for option in filter(None, (o.strip() for o in rest.rstrip(")").split(","))):
@@ -83,10 +85,12 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
             settings["register_path"] = "rows"
         elif option == "no copies":
             settings["decode_projection_copies"] = "off"
+        elif option == "checked decode":
+            settings["direct_decode_calls"] = "off"
         else:
             raise ValueError(
                 f"variant {variant!r}: unknown option {option!r} (allowed: 'N registers', 'window K', 'rows', "
-                "'no copies')"
+                "'no copies', 'checked decode')"
             )
     return family, overrides, settings
 

@@ -51,7 +51,7 @@ if _GPU_PATH:
 
 import torch  # noqa: E402
 
-from bench_generate import StepClock, build  # noqa: E402
+from bench_generate import StepClock, build, parse_variant  # noqa: E402
 from decoder_settings import decoder_settings  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=12, num_attention_heads=4, intermediate_size=128)
@@ -165,15 +165,18 @@ def main(argv=None) -> int:
             torch.manual_seed(0)
             model = (_gpu_path_model if args.path == "gpu" else
                      (lambda v, m, s: build(v, m, "cpu", s)))(variant, args.prompt + args.tokens + 8, size)
-            _generate(model, ids, 8)  # warm-up
-            times = step_times_ms(model, ids, args.tokens, args.reps)
+            variant_settings = parse_variant(variant)[2]  # (a variant's own options, e.g. "checked decode")
+            with decoder_settings(variant_settings):
+                _generate(model, ids, 8)  # warm-up
+                times = step_times_ms(model, ids, args.tokens, args.reps)
             row = dict(ms_per_step=statistics.median(times), p25=statistics.quantiles(times, n=4)[0],
                        p10=statistics.quantiles(times, n=10)[0], steps=len(times))
             if args.profile:
-                ops = aten_ops_per_step(model, ids)
-                row["aten_ops"] = sum(ops.values())
-                row["top_aten_ops"] = ops.most_common(args.profile)
-                row["python"] = python_profile(model, ids, args.tokens, args.profile)
+                with decoder_settings(variant_settings):
+                    ops = aten_ops_per_step(model, ids)
+                    row["aten_ops"] = sum(ops.values())
+                    row["top_aten_ops"] = ops.most_common(args.profile)
+                    row["python"] = python_profile(model, ids, args.tokens, args.profile)
             rows[variant] = row
             print(json.dumps({"variant": variant, "ms_per_step": round(row["ms_per_step"], 3),
                               "p25": round(row["p25"], 3), "aten_ops": row.get("aten_ops")}), flush=True)

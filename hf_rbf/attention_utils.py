@@ -543,6 +543,12 @@ def last_backend(op: str | None = None):
     return dict(_LAST_CHOICE) if op is None else _LAST_CHOICE.get(op)
 
 
+def note_backend_choice(op: str, backend: str, device: torch.device, requested: str) -> None:
+    """Record (and log once) that ``backend`` served a call of ``op`` that a model made to a backend function directly
+    (see ``hf_rbf.modeling_decoder.direct_decode_calls``), as ``choose_backend`` does for the public functions."""
+    _note_choice(op, backend, device, requested, [])
+
+
 def _note_choice(op: str, backend: str, device: torch.device, requested: str, skipped: list[str]) -> None:
     if torch.compiler.is_compiling():
         return

@@ -269,6 +269,36 @@ decode_projection_copies = os.environ.get("HF_RBF_DECODE_PROJECTION_COPIES", "au
 # the copies of the forward running now (see `decode_projection_copies`), None outside such a forward
 _PROJECTION_COPIES: dict | None = None
 
+# Whether the sorted families' exact single-row decode steps call the fused decode backend directly.  A dynamic-cache
+# decode step is bound by the host; on an H200 host the public attention function's validation, dispatch and
+# wrappers between a layer and its decode kernel took about 150 us per layer and step (hybrid_sort d768: 1.8 of
+# 12.4 ms per token; benchmarks/decode_step_sections.py, benchmarks/results/h200-2026-11-30).  A layer builds
+# those arguments itself, consistent by construction, so in an eager forward without gradients or autocast, one query
+# row, no key log-weights and no weights to return, where the public function would choose "triton" (the layer's
+# backend "triton", or "auto" on CUDA: the fused split-K decode kernel serves every decode step there), the layer
+# calls the backend function with the normalised arguments the public function would have passed it: the same
+# kernel, the same result.
+#   "on"   (default) as above;
+#   "off"  every call through the public function (``HF_RBF_DIRECT_DECODE_CALLS=off``; for an A/B).
+DIRECT_DECODE_CALLS = ("on", "off")
+direct_decode_calls = os.environ.get("HF_RBF_DIRECT_DECODE_CALLS", "on")
+
+
+def decodes_directly(backend: str, x: torch.Tensor) -> bool:
+    """Whether a layer whose attention backend is ``backend`` may call the fused decode backend directly for a query
+    row ``x`` (see ``direct_decode_calls``; the layer still checks that triton serves its dtype and head dims)."""
+    if direct_decode_calls not in DIRECT_DECODE_CALLS:
+        raise ValueError(
+            f"hf_rbf.modeling_decoder.direct_decode_calls must be one of {DIRECT_DECODE_CALLS}; got "
+            f"{direct_decode_calls!r} (set in code or through the HF_RBF_DIRECT_DECODE_CALLS environment variable)"
+        )
+    if direct_decode_calls == "off" or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    device_type = x.device.type
+    if backend != "triton" and not (backend == "auto" and device_type == "cuda"):
+        return False
+    return not torch.is_autocast_enabled(device_type)
+
 
 def projection_copies_for(model: nn.Module, cache, device: torch.device) -> dict | None:
     """``model``'s dict of concatenated projection weights for an eager forward with ``cache`` and without gradients

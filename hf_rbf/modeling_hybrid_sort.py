@@ -16,7 +16,9 @@ import torch
 from torch import nn
 from transformers import GenerationMixin
 
-from .attention_hybrid import hybrid_attention
+from .attention_hybrid import OP as HYBRID_OP
+from .attention_hybrid import hybrid_attention, hybrid_attention_triton
+from .attention_utils import MaskArgs, note_backend_choice, per_head_param, per_query_param
 from .cache_sorted_scalar import SortedScalarCache
 from .cache_static import StaticDecoderCache
 from .configuration_hybrid_sort import HybridSortConfig
@@ -124,6 +126,32 @@ class HybridSortAttention(ScalarSortAttention):
         dot = (queries.q.to(ct) * keys.k.to(ct)).sum(-1)
         scale = scale if isinstance(scale, float) else scale.to(ct).view(1, -1, 1)
         return scores + scale * dot
+
+    def _fused_head_dims(self) -> tuple:
+        """The head dims ``hybrid_triton_reason`` checks."""
+        return (("head dim D", self.head_dim), ("value dim Dv", self.value_head_dim))
+
+    def _fused_decode(self, proj: _Projections, keys: _Projections, prefix, tau, mask: MaskArgs) -> torch.Tensor:
+        """``hybrid_attention``'s triton call for :meth:`_decode_directly` (``tau`` and ``scale`` normalised as it
+        does)."""
+        device = proj.qs.device
+        note_backend_choice(HYBRID_OP, "triton", device, self.backend)
+        b, h, nq = proj.qs.shape
+        tau = per_query_param(HYBRID_OP, "tau", tau, b, h, nq, device)
+        scale = self._scale(device)
+        if not (isinstance(scale, float) and scale == 0):
+            scale = per_head_param(HYBRID_OP, "scale", scale, h, device)
+        return hybrid_attention_triton(
+            proj.q,
+            keys.k,
+            keys.v,
+            proj.qs,
+            keys.ks,
+            tau,
+            float(scale) if isinstance(scale, float) else scale,
+            mask,
+            prefix=None if prefix is None else (prefix.k, prefix.v),
+        )
 
     def attention_function(
         self,

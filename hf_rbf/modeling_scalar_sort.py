@@ -22,8 +22,10 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .attention_scalar import OP as SCALAR_OP
 from .attention_scalar import scalar_attention
-from .attention_utils import parameter_values_keepable
+from .attention_scalar_triton import scalar_attention_triton
+from .attention_utils import MaskArgs, note_backend_choice, parameter_values_keepable, per_query_param
 from .cache_names import cache_field, output_cache, resolve_cache_argument
 from .cache_sorted_scalar import ByteBudgetSlidingWindowLayer, SortedScalarCache, SortedScalarCacheLayer
 from .cache_sorted_static import StaticSortedLayer, default_block_size
@@ -35,9 +37,11 @@ from .modeling_decoder import (
     DecoderModel,
     DecoderPreTrainedModel,
     DotAttention,
+    decodes_directly,
     project_together,
     signature_once,
 )
+from .kernels_common import triton_unavailable_reason
 from .scalar_regularizers import align_moment_values, align_rows, masked_sum, spread_loss, tau_loss
 
 
@@ -378,6 +382,56 @@ class ScalarSortAttention(DecoderAttention):
         """The dot-product scale passed to the windowed decode step (None: no dot term)."""
         return None
 
+    # -- exact decode steps without the public function's checks (see modeling_decoder.direct_decode_calls) ---------
+    def _decodes_directly(self, proj: _Projections) -> bool:
+        """Whether this exact step over the cache (one query row) calls the fused decode backend directly: see
+        ``hf_rbf.modeling_decoder.direct_decode_calls``; triton's support of the dtype and head dims is asked once per
+        device and dtype (a layer's dims are fixed)."""
+        qs = proj.qs
+        if qs.shape[-1] != 1 or not decodes_directly(self.backend, qs):
+            return False
+        key = (qs.device, qs.dtype)
+        memo = self.__dict__.setdefault("_direct_decode_reasons", {})
+        if key not in memo:
+            memo[key] = triton_unavailable_reason(qs.device, qs.dtype, self._fused_head_dims())
+        return memo[key] is None
+
+    def _fused_head_dims(self) -> tuple:
+        """The head dims ``scalar_triton_reason`` checks (the value dim)."""
+        return (("value dim Dv", self.value_head_dim),)
+
+    def _decode_directly(self, proj: _Projections, prefix, cached: _Projections, tau, attention_mask, num_prefix):
+        """:meth:`attend_with_prefix` of one query row over ``prefix`` + ``cached`` (``causal``, ``attention_mask``
+        ``[B|1, P + S]`` bool, no log-weights) through the fused backend, with the arguments the public function
+        would normalise and pass it (``tau`` per ``per_query_param``, the mask as ``normalize_mask_args`` builds it):
+        without its checks, which a layer's own tensors pass by construction."""
+        b, h, nq = proj.qs.shape
+        ks = cached.ks
+        if prefix is not None:
+            prefix_ks = prefix.ks if prefix.ks.shape[0] == b else prefix.ks.expand(b, -1, -1)
+            ks = torch.cat([prefix_ks, ks], dim=2)
+        nk = ks.shape[-1]
+        am = attention_mask
+        if am is not None:
+            am = am if am.dtype == torch.bool else am != 0
+            am = am if am.shape[0] == b else am.expand(b, nk)
+        mask = MaskArgs(
+            causal=True, window=None, num_prefix_keys=num_prefix, key_log_weights=None, attention_mask=am, nq=nq, nk=nk
+        )
+        out = self._fused_decode(proj, _Projections(qs=None, ks=ks, v=cached.v, k=cached.k), prefix, tau, mask)
+        if self.__dict__.get("last_backend") != "triton":  # (nn.Module.__setattr__ only when it changes)
+            self.last_backend = "triton"
+        return out
+
+    def _fused_decode(self, proj: _Projections, keys: _Projections, prefix, tau, mask: MaskArgs) -> torch.Tensor:
+        """``scalar_attention``'s triton call for :meth:`_decode_directly`."""
+        device = proj.qs.device
+        note_backend_choice(SCALAR_OP, "triton", device, self.backend)
+        tau = per_query_param(SCALAR_OP, "tau", tau, *proj.qs.shape, device)
+        return scalar_attention_triton(
+            proj.qs, keys.ks, keys.v, tau, mask, prefix_values=None if prefix is None else prefix.v
+        )
+
     def register_attention(self, registers: _Projections, sink: _Projections | None, tau) -> torch.Tensor:
         """The register rows' attention over the sink (:meth:`sink_entries`, or None) and the registers (causal):
         ``[1, H, R, Dv]``.
@@ -675,6 +729,8 @@ class ScalarSortAttention(DecoderAttention):
         ks, v, k, valid = layer.full_view() if n == 1 else layer.sequence_view(layer.get_seq_length())
         cached = _Projections(qs=None, ks=ks, v=v, k=k)
         am = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1) if num_prefix else valid
+        if n == 1 and self._decodes_directly(proj):
+            return self._decode_directly(proj, prefix, cached, tau, am, num_prefix)
         return self.attend_with_prefix(
             proj, prefix, cached, tau, causal=True, attention_mask=am, num_prefix_keys=num_prefix
         )
@@ -684,6 +740,8 @@ class ScalarSortAttention(DecoderAttention):
         # is padding or evicted: no allocation and `cat` per layer and decode step)
         ks, v, k, am, log_weight = layer.exact_view(num_prefix)
         cached = _Projections(qs=None, ks=ks, v=v, k=k)
+        if log_weight is None and not output_attentions and self._decodes_directly(proj):
+            return self._decode_directly(proj, prefix, cached, tau, am, num_prefix)
         klw = None
         if log_weight is not None:
             klw = torch.cat([log_weight.new_zeros(*log_weight.shape[:-1], num_prefix), log_weight], dim=-1)
