@@ -8,7 +8,7 @@ Why: ``profile_decode.py``'s profiler adds its own cost to every op (10-20 us on
 ops looks slower in proportion, and its figures disagreed with the unprofiled ones (2026-11-29, call 4: hybrid_sort
 15.3 against Llama's 17.6 ms profiled-run ms/token; ``bench_generate.py`` in the next call: hybrid_sort 0.77x Llama).
 Here the only instruments are ``time.perf_counter`` pairs: forward hooks on the model, on every direct child of each
-decoder layer (``self_attn``, ``mlp``, the norms) and on the attention's own children, and wrappers around a few
+decoder layer (``self_attn``, ``mlp``, the norms) and on the attention's ``o_proj``, and wrappers around a few
 methods (the attention's ``project`` / ``temperature`` / ``attend_with_prefix`` ..., the caches' ``update`` /
 ``append`` / ``exact_view`` / ``end_step``, Llama's ``apply_rotary_pos_emb``).  Nothing synchronises: a time is what
 the host spent issuing that part, plus any wait for the GPU that part causes (a device-to-host copy, a pageable
@@ -56,6 +56,7 @@ ATTENTION_METHODS = (
     "attend_with_prefix",
     "_attend_sorted",
     "_exact_over_cache",
+    "_decode_directly",
 )
 # "module:Class.method" or "module:function" patched for the run (what the calls look up: the class attribute, or
 # the module global its callers read); a name missing from the installed versions is skipped
@@ -66,6 +67,8 @@ PATCHED = (
     "hf_rbf.cache_sorted_scalar:SortedScalarCacheLayer.exact_view",
     "hf_rbf.cache_sorted_scalar:SortedScalarCacheLayer.end_step",
     "hf_rbf.attention_distance_triton:distance_decode",
+    "hf_rbf.modeling_hybrid_sort:hybrid_attention_triton",
+    "hf_rbf.modeling_scalar_sort:scalar_attention_triton",
     "hf_rbf.modeling_decoder:apply_rotary",
     "hf_rbf.modeling_decoder:project_together",
 )
@@ -128,8 +131,10 @@ def instrumented(model: torch.nn.Module, sections: Sections):
         attn = getattr(layer, "self_attn", None)
         if attn is None:
             continue
-        for name, child in attn.named_children():
-            handles += _hook(sections, child, f"self_attn.{name}")
+        # (only the output projection: a hook on an input projection would make `project_together` call the
+        # projections one by one instead of its one GEMM, another path than the one measured)
+        if isinstance(getattr(attn, "o_proj", None), torch.nn.Module):
+            handles += _hook(sections, attn.o_proj, "self_attn.o_proj")
         for meth in ATTENTION_METHODS:
             fn = getattr(attn, meth, None)
             if callable(fn) and not isinstance(fn, torch.nn.Module):
