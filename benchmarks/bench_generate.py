@@ -70,7 +70,9 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
     A/B against the register stream in one process), ``no copies`` (``decode_projection_copies = "off"``: the
     attention projections of an eager decode step one GEMM each, as before 2026-11-29, for an A/B in one process),
     ``checked decode`` (``direct_decode_calls = "off"``: the sorted families' exact decode steps through the public
-    attention functions and their checks, as before 2026-11-30)."""
+    attention functions and their checks, as before 2026-11-30), ``torch inserts`` (the sorted families'
+    ``decode_backend = "torch"``: a decode step's token written into the cache by five slice copies, not one launch,
+    as before 2026-11-30; it also takes the windowed step's torch path)."""
     family, _, rest = variant.partition(" (")
     overrides, settings = {}, {}
     for option in filter(None, (o.strip() for o in rest.rstrip(")").split(","))):
@@ -87,10 +89,14 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
             settings["decode_projection_copies"] = "off"
         elif option == "checked decode":
             settings["direct_decode_calls"] = "off"
+        elif option == "torch inserts":
+            if family not in SORTED:
+                raise ValueError(f"variant {variant!r}: 'torch inserts' is the sorted families' decode_backend")
+            overrides["decode_backend"] = "torch"
         else:
             raise ValueError(
                 f"variant {variant!r}: unknown option {option!r} (allowed: 'N registers', 'window K', 'rows', "
-                "'no copies', 'checked decode')"
+                "'no copies', 'checked decode', 'torch inserts')"
             )
     return family, overrides, settings
 

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .attention_utils import MaskArgs, is_all_true_mask, zero_key_bias
+from .attention_utils import MaskArgs, is_all_true_mask
 from .kernels_common import DEFINED_INTERPRETED, HAS_TRITON, key_bias, triton_unavailable_reason
 from .kernels_flash_bwd import distance_backward
 from .kernels_flash_fwd import distance_decode, distance_forward
@@ -769,10 +769,11 @@ def _decode_impl(
     nk = k.shape[2] + (num_prefix_keys if prefix_k is not None else 0)
     # key norms inside the decode kernel (knorm): only the weights / padding go through the key-bias pass
     if key_log_weights is None and attention_mask is not None and is_all_true_mask(attention_mask):
-        # keys known to be valid (the sorted cache's mask while no slot is padding or evicted): the pass's result is
-        # zeros, taken from a kept buffer instead of a launch, its output allocation and the mask's int8 cast per layer
-        # and decode step; the decode kernel then reads the same bias as before (bit for bit, same specialisation)
-        kb = zero_key_bias(bsz, heads, nk, q.device)
+        # keys known to be valid (the sorted cache's mask while no slot is padding or evicted): no bias at all, as
+        # without a mask; not the pass's launch, its output allocation and the mask's int8 cast per layer and decode
+        # step, nor a view of kept zeros (two ops per layer and step on the host: until 2026-11-30), and the kernel
+        # reads no bias (a zero bias added nothing: the same scores bit for bit)
+        kb = None
     else:
         kb, _ = key_bias(None, None, key_log_weights, attention_mask, heads, nk, bsz, False)
     return distance_decode(

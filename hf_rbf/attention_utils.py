@@ -312,8 +312,6 @@ def constant_vector(value: float, shape: tuple, device, dtype: torch.dtype = tor
 # [rows, capacity] all-True key masks per (device, rows, inference mode), and by id: see `all_true_mask`
 _ALL_TRUE: dict = {}
 _ALL_TRUE_BY_ID: dict = {}
-# flat float32 zeros per (device, inference mode): see `zero_key_bias`
-_ZERO_BIAS: dict = {}
 
 
 def all_true_mask(rows: int, n: int, device: torch.device) -> torch.Tensor:
@@ -340,21 +338,6 @@ def is_all_true_mask(mask: torch.Tensor) -> bool:
     """Whether ``mask`` is a view that :func:`all_true_mask` made (every key valid), without reading it."""
     base = mask._base
     return base is not None and _ALL_TRUE_BY_ID.get(id(base)) is base
-
-
-def zero_key_bias(batch: int, heads: int, nk: int, device: torch.device) -> torch.Tensor:
-    """A read-only contiguous float32 ``[batch, heads, nk]`` of zeros: what the key-bias pass computes for keys that
-    are all valid and carry no log-weight (``kernels_common.key_bias`` with an all-True mask: ``0 * log2(e)``, kept
-    where the mask is True), as a view of a flat buffer kept per device, without the pass's launch and mask cast."""
-    n = batch * heads * nk
-    if not tensors_keepable(device):
-        return torch.zeros(batch, heads, nk, dtype=torch.float32, device=device)
-    key = (torch.device(device), torch.is_inference_mode_enabled())
-    t = _ZERO_BIAS.get(key)
-    if t is None or t.numel() < n:
-        size = max(n, 4096 if t is None else 2 * t.numel())
-        t = _ZERO_BIAS[key] = torch.zeros(size, dtype=torch.float32, device=device)
-    return t.narrow(0, 0, n).view(batch, heads, nk)
 
 
 def per_head_param(op: str, name: str, value, heads: int, device, *, positive: bool = True, allow_none=False):

@@ -56,6 +56,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from .attention_utils import all_true_mask
 from .cache_static import sorted_layer_bytes_per_token
 from .configuration_scalar_sort import check_sorted_cache_settings, override_cache_settings
+from .kernels_cache_append import append_one_fused, append_one_reason
 from .kernels_sorted_decode import kernel_unavailable_reason, sorted_window_attention_triton
 from .sorted_decode import SortedCacheState, sorted_window_attention
 
@@ -68,6 +69,7 @@ _LOGGED_DECODE: set = set()
 
 
 _INF = float("inf")
+_APPEND_REASONS_LOGGED: set = set()
 
 
 def _merge_groups_(t: torch.Tensor, members, survivor, weights, chosen) -> None:
@@ -187,6 +189,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.density_merge_size = density_merge_size
         self.last_decode_backend = None  # "torch" or "triton": what served the last windowed step
         self.last_decode_reason = None  # why the last windowed step did not take the fused kernel (None when it did)
+        self.last_append_reason = None  # why the last one-token insert did not take the fused launch (None: it did)
         self.record_past = False
         self._clear()
 
@@ -398,6 +401,21 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         s = self.num_slots
         if s + n > self.keys.shape[-1]:
             self._ensure_capacity(s + n)  # (a resize keeps the slots' validity)
+        if n == 1 and self.log_weight is None and self.multiplicity is None and self._appends_fused(
+            scalar_keys, vector_keys, values
+        ):
+            # a decode step's token: one launch writes it into the five buffers (kernels_cache_append)
+            new_valid = None if valid is None else valid.to(torch.bool)
+            append_one_fused(self.keys, self.vector_keys, self.values, self.valid, self.token_index, s,
+                             self.seen_tokens, scalar_keys, vector_keys, values, new_valid)  # fmt: skip
+            # (the kernel's write bumps no version counter: the record is the buffer's current version, as below;
+            # a given validity is not read back from the device: unknown)
+            all_valid = all_valid and valid is None
+            self._all_valid_at = (self.valid, self.valid._version) if all_valid else None
+            self.num_slots = s + n
+            self.seen_tokens += n
+            self.tail_tokens += n
+            return
         # `narrow(...).copy_` / `fill_`: the slice assignments' ops without their Python indexing (per layer and decode
         # step on the host); `fill_` with a Python scalar is one op, where an assignment of True wraps it in a tensor
         # first (lift_fresh), and a decode step's single token index needs no arange
@@ -425,6 +443,24 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.seen_tokens += n
         self.tail_tokens += n
 
+    def _appends_fused(self, scalar_keys, vector_keys, values) -> bool:
+        """Whether a one-token insert goes through the fused launch (``decode_backend``: "auto" on CUDA, "triton"
+        wherever the kernel runs, the interpreter included; "torch" never), and why not otherwise
+        (``last_append_reason``, logged once per reason)."""
+        backend = self.decode_backend
+        if backend == "torch" or (backend == "auto" and scalar_keys.device.type != "cuda"):
+            return False
+        reason = kernel_unavailable_reason(scalar_keys.device) or append_one_reason(scalar_keys, vector_keys, values)
+        if reason is None and (values.dtype != self.values.dtype or scalar_keys.dtype != self.keys.dtype):
+            reason = "the new entries' dtype differs from the cache's"
+        if reason != self.last_append_reason:
+            self.last_append_reason = reason
+            if reason is not None and reason not in _APPEND_REASONS_LOGGED:
+                _APPEND_REASONS_LOGGED.add(reason)
+                logger.info("SortedScalarCacheLayer: one-token inserts through torch ops (decode_backend=%r): %s",
+                            backend, reason)  # fmt: skip
+        return reason is None
+
     def _all_valid(self) -> bool:
         """Whether every slot below ``num_slots`` is known to be valid (no padding, eviction or crop since the layer
         was filled), from the host-side record alone: nothing is read back from the device."""
@@ -442,7 +478,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         vk = None if self.vector_keys is None else self.vector_keys.narrow(2, 0, s)
         lw = None if self.log_weight is None else self.log_weight.narrow(2, 0, s)
         if num_prefix == 0:
-            mask = self.valid.narrow(1, 0, s)
+            mask = all_true_mask(self.keys.shape[0], s, self.device) if self._all_valid() else self.valid.narrow(1, 0, s)
         elif self._all_valid():
             mask = all_true_mask(self.keys.shape[0], num_prefix + s, self.device)
         else:

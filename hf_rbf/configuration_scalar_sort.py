@@ -226,7 +226,9 @@ class ScalarSortConfig(DecoderConfig):
             ``TRITON_INTERPRET=1``) or ``"auto"`` (triton on CUDA where it can run and the window is at most 256
             keys, else torch).  The layer records its choice in ``last_decode_backend`` (and why not triton in
             ``last_decode_reason``).  ("torch" was the default until 2026-11-26: on an H200 the fused
-            step read the window in 0.08 ms per layer against 1.0 ms, ``docs/scalar_sort.md``.)
+            step read the window in 0.08 ms per layer against 1.0 ms, ``docs/scalar_sort.md``.)  The same choice
+            ("auto": on CUDA) writes a decode step's token into the cache in one launch
+            (:mod:`hf_rbf.kernels_cache_append`; ``last_append_reason`` says why not) instead of five slice copies.
 
     Layer kinds (``attention_layers``): ``"scalar"`` and ``"dot"`` (learned projections, RoPE, softmax dot product).
 

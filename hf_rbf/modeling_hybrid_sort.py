@@ -18,7 +18,7 @@ from transformers import GenerationMixin
 
 from .attention_hybrid import OP as HYBRID_OP
 from .attention_hybrid import hybrid_attention, hybrid_attention_triton
-from .attention_utils import MaskArgs, note_backend_choice, per_head_param, per_query_param
+from .attention_utils import MaskArgs, note_backend_choice, per_head_param
 from .cache_sorted_scalar import SortedScalarCache
 from .cache_static import StaticDecoderCache
 from .configuration_hybrid_sort import HybridSortConfig
@@ -137,7 +137,7 @@ class HybridSortAttention(ScalarSortAttention):
         device = proj.qs.device
         note_backend_choice(HYBRID_OP, "triton", device, self.backend)
         b, h, nq = proj.qs.shape
-        tau = per_query_param(HYBRID_OP, "tau", tau, b, h, nq, device)
+        tau = self._query_tau(HYBRID_OP, tau, proj.qs)
         scale = self._scale(device)
         if not (isinstance(scale, float) and scale == 0):
             scale = per_head_param(HYBRID_OP, "scale", scale, h, device)

@@ -423,11 +423,22 @@ class ScalarSortAttention(DecoderAttention):
             self.last_backend = "triton"
         return out
 
+    def _query_tau(self, op: str, tau, qs: torch.Tensor):
+        """``tau`` as ``per_query_param`` normalises it (``[B|1, H|1, Nq|1]`` or a float); the ``[1, H, 1]`` view of
+        the kept per-head temperature (:meth:`temperature`) is kept with it (not one view op per layer and step)."""
+        kept = self.__dict__.get("_tau_kept")
+        if kept is not None and kept[2] is tau:
+            view = self.__dict__.get("_tau_view")
+            if view is None or view[0] is not tau:
+                view = self._tau_view = (tau, per_query_param(op, "tau", tau, *qs.shape, qs.device))
+            return view[1]
+        return per_query_param(op, "tau", tau, *qs.shape, qs.device)
+
     def _fused_decode(self, proj: _Projections, keys: _Projections, prefix, tau, mask: MaskArgs) -> torch.Tensor:
         """``scalar_attention``'s triton call for :meth:`_decode_directly`."""
         device = proj.qs.device
         note_backend_choice(SCALAR_OP, "triton", device, self.backend)
-        tau = per_query_param(SCALAR_OP, "tau", tau, *proj.qs.shape, device)
+        tau = self._query_tau(SCALAR_OP, tau, proj.qs)
         return scalar_attention_triton(
             proj.qs, keys.ks, keys.v, tau, mask, prefix_values=None if prefix is None else prefix.v
         )

@@ -140,3 +140,24 @@ def test_a_bad_setting_is_named():
     with decoder_settings({"direct_decode_calls": "sometimes"}), torch.no_grad():
         with pytest.raises(ValueError, match="direct_decode_calls must be one of"):
             attn._decodes_directly(types.SimpleNamespace(qs=torch.zeros(1, 4, 1)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["scalar_sort", "hybrid_sort, mixed heads, registers"])
+def test_direct_calls_on_cuda(case, monkeypatch):
+    """On CUDA with the default backend ("auto"): the decode steps take the direct call, with the public function's
+    tokens and logits, bit for bit."""
+    family = case.partition(",")[0]
+    torch.manual_seed(0)
+    model = build(family, 48, "cuda", dict(SIZE, attention_backend="auto", **CASES[case]))
+    ids = torch.randint(2, SIZE["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    off = _generate(model, ids, mask, "off")
+    direct = _count_calls(monkeypatch, model, "_decode_directly")
+    on = _generate(model, ids, mask, "on")
+    assert len(direct) == 2 * 3
+    assert torch.equal(on.sequences, off.sequences)
+    for a, b in zip(on.logits, off.logits):
+        assert torch.equal(a, b)

@@ -74,7 +74,6 @@ _LOG_SIGMA = torch.nn.Parameter(torch.zeros(3))
 KEPT = {
     "constant_vector": lambda: attention_utils.constant_vector(1.25, (3,), _CPU),
     "all_true_mask": lambda: attention_utils.all_true_mask(2, 5, _CPU),
-    "zero_key_bias": lambda: attention_utils.zero_key_bias(1, 2, 3, _CPU),
     "zero_rows": lambda: attention_scalar_triton._zero_rows(attention_utils.constant_vector(0.0, (4,), _CPU), (2, 4)),
     "zero_width": lambda: modeling_gka._zero_width(torch.zeros(2, 3, 4)),
     "sorted_decode_constant": lambda: kernels_sorted_decode._constant((1, 2), 0.5, _CPU, torch.float32),
