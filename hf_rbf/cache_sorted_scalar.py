@@ -450,7 +450,11 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         backend = self.decode_backend
         if backend == "torch" or (backend == "auto" and scalar_keys.device.type != "cuda"):
             return False
-        reason = kernel_unavailable_reason(scalar_keys.device) or append_one_reason(scalar_keys, vector_keys, values)
+        device = scalar_keys.device
+        reason = self.__dict__.get("_append_kernel_reason", {}).get(device, False)
+        if reason is False:  # (whether the kernel runs there: once per device)
+            reason = self.__dict__.setdefault("_append_kernel_reason", {})[device] = kernel_unavailable_reason(device)
+        reason = reason or append_one_reason(scalar_keys, vector_keys, values)
         if reason is None and (values.dtype != self.values.dtype or scalar_keys.dtype != self.keys.dtype):
             reason = "the new entries' dtype differs from the cache's"
         if reason != self.last_append_reason:
