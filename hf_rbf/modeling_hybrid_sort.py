@@ -28,6 +28,7 @@ from .modeling_decoder import (
     DecoderPreTrainedModel,
     DotAttention,
     apply_rotary_pair,
+    project_together,
 )
 from .modeling_scalar_sort import (
     RegularizedCausalLMMixin,
@@ -99,6 +100,23 @@ class HybridSortAttention(ScalarSortAttention):
     def _projections_of(self, outputs: tuple[torch.Tensor, ...]) -> _Projections:
         proj = super()._projections_of(outputs[:3])
         proj.q, proj.k = self._split_heads(outputs[3]), self._split_heads(outputs[4])
+        return proj
+
+    def project(self, x: torch.Tensor, position_embeddings) -> _Projections:
+        """Text projections; with RoPE the vector queries and keys are rotated in the projection's own ``[B, N, H,
+        D]`` layout and split into heads after (views): the kernel reads and writes that layout, where rotating the
+        head-major views cost a transpose of each before and after it (four view ops per layer and decode step on the
+        host, the same values)."""
+        if not self.use_rope:
+            return super().project(x, position_embeddings)
+        outputs = project_together(x, self._input_projections(), keep_copy=True)
+        proj = ScalarSortAttention._projections_of(self, outputs[:3])
+        b, n, _ = x.shape
+        cos, sin = position_embeddings
+        q = outputs[3].view(b, n, self.num_heads, -1)
+        k = outputs[4].view(b, n, self.num_heads, -1)
+        q, k = apply_rotary_pair(q, k, cos, sin, head_dim=2)
+        proj.q, proj.k = q.transpose(1, 2), k.transpose(1, 2)
         return proj
 
     def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:

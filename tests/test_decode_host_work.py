@@ -119,18 +119,21 @@ _BUDGETS = {
     # the key mask a view (new_ones + cat per layer), and with every key valid no key-bias pass (its launch, output
     # allocation and the mask's int8 cast per layer: _to_copy 3 -> 1); tau kept (expand, promote_types, softplus,
     # add per layer); the sink's scalar keys not expanded to the batch of 1; the zero query / prefix views kept
-    # (expand 12 -> 2: the keys'); one GEMM for the scalar queries, keys and values (mm 15 -> 11; before it 151 ops)
+    # (expand 12 -> 2: the keys'); one GEMM for the scalar queries, keys and values (mm 15 -> 11; before it 151 ops);
+    # the exact step's direct call of the fused backend (no reshape of tau, no view of zero key bias: 137 -> 131)
     "scalar_sort": (
-        137,
+        131,
         {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 2, "_to_copy": 1, "empty": 2, "empty_like": 0,
          "mm": 11},
         {"_key_bias_kernel": 0},
     ),
-    # one GEMM for q / k / v / scalar q / scalar k (mm 19 -> 11; before it 191 ops)
+    # one GEMM for q / k / v / scalar q / scalar k (mm 19 -> 11; before it 191 ops); the exact step's direct call of
+    # the fused backend (no reshape of tau, no view of zero key bias: 161 -> 147 with the next) and RoPE in the
+    # projection's layout (transpose 16 -> 12)
     "hybrid_sort": (
-        161,
+        147,
         {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 0, "_to_copy": 1, "empty": 6, "empty_like": 0,
-         "mm": 11},
+         "mm": 11, "transpose": 12},
         {"_key_bias_kernel": 0},
     ),
 }
@@ -146,6 +149,21 @@ def test_decode_step_host_ops_are_bounded(family, monkeypatch):
     assert {op: names.get(op, 0) for op in exact} == exact, dict(names)
     assert {k: mode.launches.get(k, 0) for k in launches} == launches, dict(mode.launches)
     assert sum(names.values()) <= bound, (sum(names.values()), dict(names))
+
+
+@pytest.mark.parametrize("family", ["scalar_sort", "hybrid_sort"])
+def test_fused_insert_replaces_the_slice_copies(family, monkeypatch):
+    """With the insert kernel (decode_backend "triton", what "auto" takes on CUDA) a decode step writes each layer's
+    token in one launch: none of the insert's slices, copies and fills (per layer: 3 or 4 slices, 2 or 3 copies and
+    2 fills; the two fills left are the prompt mask's), one ``_append_one_kernel`` launch per layer."""
+    _gpu_path(monkeypatch)
+    torch_inserts = _decode_ops(build_model(family, {"attention_backend": "triton", "decode_backend": "torch"}),
+                                monkeypatch).names  # fmt: skip
+    mode = _decode_ops(build_model(family, {"attention_backend": "triton", "decode_backend": "triton"}), monkeypatch)
+    copies = 2 if family == "scalar_sort" else 3
+    for op, per_layer in (("copy_", copies), ("fill_", 2), ("slice", copies + 2)):
+        assert torch_inserts.get(op, 0) - mode.names.get(op, 0) == 2 * per_layer, (op, dict(mode.names))
+    assert mode.launches.get("_append_one_kernel", 0) == 2, dict(mode.launches)
 
 
 # -- the sorted cache's key mask ---------------------------------------------------------------------------------
