@@ -62,6 +62,9 @@ def _gpu_path_model(variant: str, max_positions: int, size: dict):
     family = variant.partition(" (")[0]
     if family == "llama":
         return build(variant, max_positions, "cpu", size)
+    if family in ("scalar_sort", "hybrid_sort") and "torch inserts" not in variant:
+        # (the sorted cache's one-launch insert, as "auto" takes it on CUDA)
+        size = dict(size, decode_backend="triton")
     return build(variant, max_positions, "cpu", dict(size, attention_backend="triton"))
 
 
