@@ -70,9 +70,9 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
     A/B against the register stream in one process), ``no copies`` (``decode_projection_copies = "off"``: the
     attention projections of an eager decode step one GEMM each, as before 2026-11-29, for an A/B in one process),
     ``checked decode`` (``direct_decode_calls = "off"``: the sorted families' exact decode steps through the public
-    attention functions and their checks, as before 2026-11-30), ``torch inserts`` (the sorted families'
+    attention functions and their checks, as before 2026-11-29), ``torch inserts`` (the sorted families'
     ``decode_backend = "torch"``: a decode step's token written into the cache by five slice copies, not one launch,
-    as before 2026-11-30; it also takes the windowed step's torch path)."""
+    as before 2026-11-29; it also takes the windowed step's torch path)."""
     family, _, rest = variant.partition(" (")
     overrides, settings = {}, {}
     for option in filter(None, (o.strip() for o in rest.rstrip(")").split(","))):

@@ -771,7 +771,7 @@ def _decode_impl(
     if key_log_weights is None and attention_mask is not None and is_all_true_mask(attention_mask):
         # keys known to be valid (the sorted cache's mask while no slot is padding or evicted): no bias at all, as
         # without a mask; not the pass's launch, its output allocation and the mask's int8 cast per layer and decode
-        # step, nor a view of kept zeros (two ops per layer and step on the host: until 2026-11-30), and the kernel
+        # step, nor a view of kept zeros (two ops per layer and step on the host: until 2026-11-29), and the kernel
         # reads no bias (a zero bias added nothing: the same scores bit for bit)
         kb = None
     else:

@@ -4,7 +4,7 @@
 keys ``[B, H, D]`` (hybrid layers), values ``[B, G, Dv]``, its validity and its token index into slot ``s`` of five
 buffers.  In torch that is five slice views and five copy / fill kernels per layer and decode step; a batch-1
 dynamic-cache decode step is bound by the host, and on an H200 host those ops took 80-106 us per layer and step
-(``benchmarks/decode_step_sections.py``, benchmarks/results/h200-2026-11-30), against 25-30 us for Llama's
+(``benchmarks/decode_step_sections.py``, benchmarks/results/h200-2026-11-29g), against 25-30 us for Llama's
 ``DynamicLayer.update`` (two ``cat``).  Here one program per ``(row, head)`` writes that head's scalar and vector
 key, the head that opens a value group writes the group's value, and head 0 writes the row's validity (True, or the
 step's own for a padded batch) and token index: one launch, no views.  The reference is

@@ -272,7 +272,7 @@ _PROJECTION_COPIES: dict | None = None
 # Whether the sorted families' exact single-row decode steps call the fused decode backend directly.  A dynamic-cache
 # decode step is bound by the host; on an H200 host the public attention function's validation, dispatch and
 # wrappers between a layer and its decode kernel took about 150 us per layer and step (hybrid_sort d768: 1.8 of
-# 12.4 ms per token; benchmarks/decode_step_sections.py, benchmarks/results/h200-2026-11-30).  A layer builds
+# 12.4 ms per token; benchmarks/decode_step_sections.py, benchmarks/results/h200-2026-11-29g).  A layer builds
 # those arguments itself, consistent by construction, so in an eager forward without gradients or autocast, one query
 # row, no key log-weights and no weights to return, where the public function would choose "triton" (the layer's
 # backend "triton", or "auto" on CUDA: the fused split-K decode kernel serves every decode step there), the layer
