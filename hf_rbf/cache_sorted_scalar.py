@@ -471,18 +471,22 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         known = self._all_valid_at
         return known is not None and known[0] is self.valid and known[1] == self.valid._version
 
-    def exact_view(self, num_prefix: int = 0):
+    def exact_view(self, num_prefix: int = 0, all_valid_mask: bool = True):
         """What an exact step over every cached token reads: :meth:`slot_view`'s scalar keys, values, vector keys and
         log-weights, and the key mask ``[B, num_prefix + S]`` bool: ``num_prefix`` always visible keys in front (the
         sink, registers), then the slots' validity.  While every slot is known to be valid (:meth:`_all_valid`: no
         padding given, nothing evicted) the mask is a view of a shared all-True buffer, not a new ``[B, P]`` block
-        concatenated to the validity at every layer and decode step; the values are the same."""
+        concatenated to the validity at every layer and decode step; the values are the same.  With
+        ``all_valid_mask=False`` it is None then (every key visible: for a caller that takes None as that)."""
         s = self.num_slots
         # (`narrow`: the views of `[:, :, :s]` without Python's indexing machinery)
         vk = None if self.vector_keys is None else self.vector_keys.narrow(2, 0, s)
         lw = None if self.log_weight is None else self.log_weight.narrow(2, 0, s)
-        if num_prefix == 0:
-            mask = all_true_mask(self.keys.shape[0], s, self.device) if self._all_valid() else self.valid.narrow(1, 0, s)
+        if not all_valid_mask and self._all_valid():
+            mask = None
+        elif num_prefix == 0:
+            valid = self._all_valid()
+            mask = all_true_mask(self.keys.shape[0], s, self.device) if valid else self.valid.narrow(1, 0, s)
         elif self._all_valid():
             mask = all_true_mask(self.keys.shape[0], num_prefix + s, self.device)
         else:

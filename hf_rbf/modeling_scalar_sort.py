@@ -402,9 +402,9 @@ class ScalarSortAttention(DecoderAttention):
 
     def _decode_directly(self, proj: _Projections, prefix, cached: _Projections, tau, attention_mask, num_prefix):
         """:meth:`attend_with_prefix` of one query row over ``prefix`` + ``cached`` (``causal``, ``attention_mask``
-        ``[B|1, P + S]`` bool, no log-weights) through the fused backend, with the arguments the public function
-        would normalise and pass it (``tau`` per ``per_query_param``, the mask as ``normalize_mask_args`` builds it):
-        without its checks, which a layer's own tensors pass by construction."""
+        ``[B|1, P + S]`` bool or None: every key visible, no log-weights) through the fused backend, with the
+        arguments the public function would normalise and pass it (``tau`` per ``per_query_param``, the mask as
+        ``normalize_mask_args`` builds it): without its checks, which a layer's own tensors pass by construction."""
         b, h, nq = proj.qs.shape
         ks = cached.ks
         if prefix is not None:
@@ -749,9 +749,11 @@ class ScalarSortAttention(DecoderAttention):
     def _exact_over_cache(self, layer, proj, tau, prefix, num_prefix, output_attentions=False):
         # the key mask comes with the prefix's visible columns in front (a view of an all-True buffer while no slot
         # is padding or evicted: no allocation and `cat` per layer and decode step)
-        ks, v, k, am, log_weight = layer.exact_view(num_prefix)
+        direct = layer.log_weight is None and not output_attentions and self._decodes_directly(proj)
+        # (the direct call takes no mask for keys known valid: not even the all-True view)
+        ks, v, k, am, log_weight = layer.exact_view(num_prefix, all_valid_mask=not direct)
         cached = _Projections(qs=None, ks=ks, v=v, k=k)
-        if log_weight is None and not output_attentions and self._decodes_directly(proj):
+        if direct:
             return self._decode_directly(proj, prefix, cached, tau, am, num_prefix)
         klw = None
         if log_weight is not None:

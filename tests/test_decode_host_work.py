@@ -120,18 +120,19 @@ _BUDGETS = {
     # allocation and the mask's int8 cast per layer: _to_copy 3 -> 1); tau kept (expand, promote_types, softplus,
     # add per layer); the sink's scalar keys not expanded to the batch of 1; the zero query / prefix views kept
     # (expand 12 -> 2: the keys'); one GEMM for the scalar queries, keys and values (mm 15 -> 11; before it 151 ops);
-    # the exact step's direct call of the fused backend (no reshape of tau, no view of zero key bias: 137 -> 131)
+    # the exact step's direct call of the fused backend (no reshape of tau, no view of zero key bias, no view of the
+    # all-True mask: 137 -> 129)
     "scalar_sort": (
-        131,
+        129,
         {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 2, "_to_copy": 1, "empty": 2, "empty_like": 0,
          "mm": 11},
         {"_key_bias_kernel": 0},
     ),
     # one GEMM for q / k / v / scalar q / scalar k (mm 19 -> 11; before it 191 ops); the exact step's direct call of
-    # the fused backend (no reshape of tau, no view of zero key bias: 161 -> 147 with the next) and RoPE in the
-    # projection's layout (transpose 16 -> 12)
+    # the fused backend (no reshape of tau, no view of zero key bias or of the all-True mask: 161 -> 145 with the
+    # next) and RoPE in the projection's layout (transpose 16 -> 12)
     "hybrid_sort": (
-        147,
+        145,
         {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 0, "_to_copy": 1, "empty": 6, "empty_like": 0,
          "mm": 11, "transpose": 12},
         {"_key_bias_kernel": 0},
