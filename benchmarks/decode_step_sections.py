@@ -45,6 +45,7 @@ if __package__ in (None, ""):
 
 from bench_generate import SIZE, build, parse_variant  # noqa: E402
 from decoder_settings import decoder_settings  # noqa: E402
+from profile_decode import _generate  # noqa: E402  (seconds of one greedy generate of N tokens, synchronised)
 
 # methods of the attention modules timed where a module has them (per instance: a subclass's override is what runs)
 ATTENTION_METHODS = (
@@ -165,23 +166,6 @@ def instrumented(model: torch.nn.Module, sections: Sections):
             del obj.__dict__[meth]
         for owner, attr, original in global_patches:
             setattr(owner, attr, original)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _generate(model, ids, tokens: int, device: str) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False
-        )
-    _sync(device)
-    assert out.shape[1] == ids.shape[1] + tokens
-    return time.perf_counter() - t0
 
 
 def measure(model, ids, tokens: int, device: str) -> dict:

@@ -68,7 +68,14 @@ def test_direct_calls_give_the_public_functions_tokens_and_logits(case, monkeypa
     function ("off"): the same tokens and the same logits bit for bit (the same kernel with the same arguments), and
     the "on" run's decode steps went the direct way (two layers x three decode steps)."""
     model = _model(case)
-    ids = torch.randint(2, SIZE["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(1))
+    _check_direct_equals_checked(model, "cpu", monkeypatch)
+    assert all(layer.self_attn.last_backend == "triton" for layer in model.model.layers)
+
+
+def _check_direct_equals_checked(model, device: str, monkeypatch) -> None:
+    """Greedy generate from a left-padded batch, direct calls "on" against "off": the same tokens and logits, bit for
+    bit, and every decode step of both layers went the direct way."""
+    ids = torch.randint(2, SIZE["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding: the cached keys' mask is not all True
     off = _generate(model, ids, mask, "off")
@@ -78,7 +85,6 @@ def test_direct_calls_give_the_public_functions_tokens_and_logits(case, monkeypa
     assert torch.equal(on.sequences, off.sequences)
     for a, b in zip(on.logits, off.logits):
         assert torch.equal(a, b)
-    assert all(layer.self_attn.last_backend == "triton" for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("case", ["scalar_sort", "hybrid_sort, mixed heads, registers"])
@@ -151,13 +157,4 @@ def test_direct_calls_on_cuda(case, monkeypatch):
     family = case.partition(",")[0]
     torch.manual_seed(0)
     model = build(family, 48, "cuda", dict(SIZE, attention_backend="auto", **CASES[case]))
-    ids = torch.randint(2, SIZE["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    off = _generate(model, ids, mask, "off")
-    direct = _count_calls(monkeypatch, model, "_decode_directly")
-    on = _generate(model, ids, mask, "on")
-    assert len(direct) == 2 * 3
-    assert torch.equal(on.sequences, off.sequences)
-    for a, b in zip(on.logits, off.logits):
-        assert torch.equal(a, b)
+    _check_direct_equals_checked(model, "cuda", monkeypatch)
