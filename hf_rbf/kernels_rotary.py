@@ -109,39 +109,51 @@ if HAS_TRITON:
             _rotate_heads(K, KO, skb, skn, skh, b, n, c, s, N, HK, HALF, HALF_PAD, BLOCK_HK)
 
 
-def _token_major(x: Tensor, head_dim: int) -> Tensor:
-    """``x`` as a ``[B, N, H, D]`` view (last dim contiguous)."""
+def _token_major(x: Tensor, head_dim: int) -> tuple[Tensor, tuple[int, int, int, int], tuple[int, int, int]]:
+    """``(x with its last dim contiguous, its [B, N, H, D] sizes, its (b, n, h) strides)``: the token-major reading of
+    ``x`` without a transposed view (an op per tensor and call on the host, where a decode step is bound by it)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return x.transpose(1, 2) if head_dim == 1 else x
+    if head_dim == 1:
+        b, h, n, d = x.shape
+        return x, (b, n, h, d), (x.stride(0), x.stride(2), x.stride(1))
+    return x, tuple(x.shape), (x.stride(0), x.stride(1), x.stride(2))
+
+
+def _new_output(like: Tensor, sizes: tuple[int, int, int, int], head_dim: int) -> Tensor:
+    """A fresh ``[B, N, H, D]``-contiguous tensor in the layout of the inputs: for ``head_dim=1`` the ``[B, H, N, D]``
+    view of that memory, allocated as such (no transpose op after)."""
+    b, n, h, d = sizes
+    if head_dim == 1:
+        return torch.empty_strided((b, h, n, d), (n * h * d, d, h * d, 1), device=like.device, dtype=like.dtype)
+    return torch.empty(b, n, h, d, device=like.device, dtype=like.dtype)
 
 
 def _launch(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, head_dim: int, sign: float):
     """Rotate ``q`` (and ``k``) and return the results in the layout of the inputs (see the module docstring)."""
-    qt = _token_major(q, head_dim)
-    kt = None if k is None else _token_major(k, head_dim)
-    bsz, n, hq, d = qt.shape
+    q, (bsz, n, hq, d), sq = _token_major(q, head_dim)
+    if k is not None:
+        k, (_, _, hk, _), sk = _token_major(k, head_dim)
+    else:
+        hk, sk = 1, (0, 0, 0)
     half = d // 2
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    qo = torch.empty(bsz, n, hq, d, device=q.device, dtype=q.dtype)
-    ko = None if kt is None else torch.empty(bsz, n, kt.shape[2], d, device=k.device, dtype=k.dtype)
-    hk = 1 if kt is None else kt.shape[2]
+    qo = _new_output(q, (bsz, n, hq, d), head_dim)
+    ko = None if k is None else _new_output(k, (bsz, n, hk, d), head_dim)
     cos_b = cos.stride(0) if cos.shape[0] > 1 else 0
     launch_jit(
         _rotary_kernel,
         (bsz * n,),
         (
-            qt,
-            qt if kt is None else kt,
+            q,
+            q if k is None else k,
             cos,
             sin,
             qo,
             qo if ko is None else ko,
-            qt.stride(0),
-            qt.stride(1),
-            qt.stride(2),
-            *((0, 0, 0) if kt is None else (kt.stride(0), kt.stride(1), kt.stride(2))),
+            *sq,
+            *sk,
             cos_b,
             cos.stride(1),
             n,
@@ -150,18 +162,14 @@ def _launch(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, head_dim: 
             sign,
         ),
         dict(
-            HAS_K=kt is not None,
+            HAS_K=k is not None,
             HALF=half,
             HALF_PAD=next_pow2(max(half, 1)),
             BLOCK_HQ=next_pow2(hq),
             BLOCK_HK=next_pow2(hk),
         ),
     )
-
-    def layout(t):
-        return None if t is None else (t.transpose(1, 2) if head_dim == 1 else t)
-
-    return layout(qo), layout(ko)
+    return qo, ko
 
 
 def rotary_reason(x: Tensor, cos: Tensor) -> str | None:

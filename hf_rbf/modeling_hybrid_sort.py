@@ -28,7 +28,6 @@ from .modeling_decoder import (
     DecoderPreTrainedModel,
     DotAttention,
     apply_rotary_pair,
-    project_together,
 )
 from .modeling_scalar_sort import (
     RegularizedCausalLMMixin,
@@ -102,23 +101,6 @@ class HybridSortAttention(ScalarSortAttention):
         proj.q, proj.k = self._split_heads(outputs[3]), self._split_heads(outputs[4])
         return proj
 
-    def project(self, x: torch.Tensor, position_embeddings) -> _Projections:
-        """Text projections; with RoPE the vector queries and keys are rotated in the projection's own ``[B, N, H,
-        D]`` layout and split into heads after (views): the kernel reads and writes that layout, where rotating the
-        head-major views cost a transpose of each before and after it (four view ops per layer and decode step on the
-        host, the same values)."""
-        if not self.use_rope:
-            return super().project(x, position_embeddings)
-        outputs = project_together(x, self._input_projections(), keep_copy=True)
-        proj = ScalarSortAttention._projections_of(self, outputs[:3])
-        b, n, _ = x.shape
-        cos, sin = position_embeddings
-        q = outputs[3].view(b, n, self.num_heads, -1)
-        k = outputs[4].view(b, n, self.num_heads, -1)
-        q, k = apply_rotary_pair(q, k, cos, sin, head_dim=2)
-        proj.q, proj.k = q.transpose(1, 2), k.transpose(1, 2)
-        return proj
-
     def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:
         if self.use_rope:
             cos, sin = position_embeddings
@@ -154,11 +136,10 @@ class HybridSortAttention(ScalarSortAttention):
         does)."""
         device = proj.qs.device
         note_backend_choice(HYBRID_OP, "triton", device, self.backend)
-        b, h, nq = proj.qs.shape
         tau = self._query_tau(HYBRID_OP, tau, proj.qs)
         scale = self._scale(device)
         if not (isinstance(scale, float) and scale == 0):
-            scale = per_head_param(HYBRID_OP, "scale", scale, h, device)
+            scale = per_head_param(HYBRID_OP, "scale", scale, self.num_heads, device)
         return hybrid_attention_triton(
             proj.q,
             keys.k,
@@ -166,7 +147,7 @@ class HybridSortAttention(ScalarSortAttention):
             proj.qs,
             keys.ks,
             tau,
-            float(scale) if isinstance(scale, float) else scale,
+            scale,
             mask,
             prefix=None if prefix is None else (prefix.k, prefix.v),
         )

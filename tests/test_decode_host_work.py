@@ -107,8 +107,9 @@ def _decode_ops(model, monkeypatch, prompt: int = 6):
 # Per family (conftest's tiny config, two layers, attention_backend="triton"): the bound on the aten ops of one decode
 # step (the count after these changes; before: rbf 144, gka 125, scalar_sort 187, hybrid_sort 225; before the decode
 # launch's kept scratch 138, 115, 159, 199), the counts of the ops that went (before -> after), and the Triton launches
-# that went.  ``empty``: per layer the decode output (and the fused RoPE's outputs: GKA 1, hybrid 2), no longer the
-# four split-K buffers (empty 4 -> 0, empty_like 1 -> 0 per layer: rbf empty 10 -> 2, hybrid 14 -> 6):
+# that went.  ``empty``: per layer the decode output (and the fused RoPE's outputs: GKA 1, hybrid 2, now
+# ``empty_strided``), no longer the four split-K buffers (empty 4 -> 0, empty_like 1 -> 0 per layer: rbf empty
+# 10 -> 2, hybrid 14 -> 6):
 _BUDGETS = {
     # the mask's positions: cumsum (and sub, clamp_min, slice) -> arange; SuSiE: sin / cos unsqueezed once per forward,
     # not per layer, and the weight's [None, :, None, :] one view (unsqueeze 10 -> 5: the 3 of the step, 2 kept views)
@@ -130,11 +131,12 @@ _BUDGETS = {
     ),
     # one GEMM for q / k / v / scalar q / scalar k (mm 19 -> 11; before it 191 ops); the exact step's direct call of
     # the fused backend (no reshape of tau, no view of zero key bias or of the all-True mask: 161 -> 145 with the
-    # next) and RoPE in the projection's layout (transpose 16 -> 12)
+    # next) and the fused RoPE reading and writing head-major views through their strides (transpose 16 -> 12; its
+    # outputs allocated head-major: empty_strided)
     "hybrid_sort": (
         145,
-        {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 0, "_to_copy": 1, "empty": 6, "empty_like": 0,
-         "mm": 11, "transpose": 12},
+        {"cumsum": 0, "new_ones": 0, "softplus": 0, "cat": 2, "expand": 0, "_to_copy": 1, "empty": 2,
+         "empty_strided": 4, "empty_like": 0, "mm": 11, "transpose": 12},
         {"_key_bias_kernel": 0},
     ),
 }
