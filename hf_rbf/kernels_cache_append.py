@@ -38,6 +38,7 @@ if HAS_TRITON:
         NEW_VALID,
         s_ks_b,
         s_ks_h,
+        s_ks_n,
         s_vk_b,
         s_vk_h,
         s_vk_n,
@@ -45,7 +46,9 @@ if HAS_TRITON:
         s_v_g,
         s_v_n,
         s_valid_b,
+        s_valid_n,
         s_token_b,
+        s_token_n,
         n_ks_b,
         n_ks_h,
         n_vk_b,
@@ -69,7 +72,7 @@ if HAS_TRITON:
         b = tl.program_id(0)
         h = tl.program_id(1)
         ks = tl.load(NEW_KS + b * n_ks_b + h * n_ks_h)
-        tl.store(KS + b * s_ks_b + h * s_ks_h + slot, ks.to(KS.dtype.element_ty))
+        tl.store(KS + b * s_ks_b + h * s_ks_h + slot * s_ks_n, ks.to(KS.dtype.element_ty))
         if HAS_VK:
             offs_d = tl.arange(0, D_PAD)
             vk = tl.load(NEW_VK + b * n_vk_b + h * n_vk_h + offs_d, mask=offs_d < D)
@@ -82,10 +85,10 @@ if HAS_TRITON:
             tl.store(V + b * s_v_b + g * s_v_g + slot * s_v_n + offs_v, v.to(V.dtype.element_ty), mask=offs_v < DV)
         if h == 0:
             if HAS_VALID:
-                tl.store(VALID + b * s_valid_b + slot, tl.load(NEW_VALID + b * n_valid_b))
+                tl.store(VALID + b * s_valid_b + slot * s_valid_n, tl.load(NEW_VALID + b * n_valid_b))
             else:
-                tl.store(VALID + b * s_valid_b + slot, 1)
-            tl.store(TOKEN + b * s_token_b + slot, token)
+                tl.store(VALID + b * s_valid_b + slot * s_valid_n, 1)
+            tl.store(TOKEN + b * s_token_b + slot * s_token_n, token)
 
 
 def append_one_reference(
@@ -138,8 +141,8 @@ def append_one_fused(
     new_values: Tensor,
     new_valid: Tensor | None = None,
 ) -> None:
-    """:func:`append_one_reference` in one launch (arguments the same; the buffers' last dims contiguous, the new
-    entries' too: :func:`append_one_reason`)."""
+    """:func:`append_one_reference` in one launch (arguments the same; any strides, except that the vector keys' and
+    values' last dims, the buffers' and the new entries', are contiguous: :func:`append_one_reason`)."""
     bsz, heads = new_keys.shape[:2]
     groups, dv = new_values.shape[1], new_values.shape[3]
     has_vk = vector_keys is not None
@@ -160,12 +163,15 @@ def append_one_fused(
             valid if new_valid is None else new_valid,  # (an unread placeholder without one)
             keys.stride(0),
             keys.stride(1),
+            keys.stride(2),
             *((vk.stride(0), vk.stride(1), vk.stride(2)) if has_vk else (0, 0, 0)),
             values.stride(0),
             values.stride(1),
             values.stride(2),
             valid.stride(0),
+            valid.stride(1),
             token_index.stride(0),
+            token_index.stride(1),
             new_keys.stride(0),
             new_keys.stride(1),
             *((new_vk.stride(0), new_vk.stride(1)) if has_vk else (0, 0)),

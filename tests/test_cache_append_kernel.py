@@ -49,6 +49,22 @@ def test_fused_append_writes_what_the_slice_copies_write(dtype, b, h, g, d, dv, 
         assert (got is None and want is None) or torch.equal(got, want)
 
 
+def test_fused_append_writes_through_the_buffers_strides():
+    """Buffers whose slot dim is not the contiguous one (scalar keys, validity, token index as transposed views)."""
+    b, h, g, d, dv, cap = 2, 4, 2, 8, 8, 7
+    gen = torch.Generator().manual_seed(3)
+    buffers = [torch.randn(b, cap, h, generator=gen).transpose(1, 2), torch.randn(b, h, cap, d, generator=gen),
+               torch.randn(b, g, cap, dv, generator=gen), torch.zeros(cap, b, dtype=torch.bool).t(),
+               torch.zeros(cap, b, dtype=torch.long).t()]  # fmt: skip
+    expected = [t.clone() for t in buffers]
+    new = (torch.randn(b, h, 1, generator=gen), torch.randn(b, h, 1, d, generator=gen),
+           torch.randn(b, g, 1, dv, generator=gen))  # fmt: skip
+    append_one_fused(*buffers, 4, 11, *new)
+    append_one_reference(*expected, 4, 11, *new)
+    for got, want in zip(buffers, expected):
+        assert torch.equal(got, want)
+
+
 def test_strided_new_values_are_refused_with_a_reason():
     values = torch.randn(1, 2, 1, 8)[..., ::2]
     assert "not contiguous" in append_one_reason(torch.randn(1, 4, 1), None, values)
