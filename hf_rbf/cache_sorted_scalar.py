@@ -56,7 +56,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from .attention_utils import all_true_mask
 from .cache_static import sorted_layer_bytes_per_token
 from .configuration_scalar_sort import check_sorted_cache_settings, override_cache_settings
-from .kernels_cache_append import append_one_fused, append_one_reason
+from .kernels_cache_append import append_one_fused, append_one_reason, rotate_pair_reference
 from .kernels_sorted_decode import kernel_unavailable_reason, sorted_window_attention_triton
 from .sorted_decode import SortedCacheState, sorted_window_attention
 
@@ -370,10 +370,21 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         vector_keys: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         log_weight: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Insert ``N`` new tokens: ``scalar_keys [B, H, N]``, ``values [B, G, N, Dv]``, ``vector_keys [B, H, N, D]``
-        (hybrid), ``valid [B, N]`` (False = padding; default all True), ``log_weight [B, H, N]`` (key weights)."""
+        (hybrid), ``valid [B, N]`` (False = padding; default all True), ``log_weight [B, H, N]`` (key weights).
+
+        ``rotary = (queries [B, H, 1, D], cos, sin)`` (one token, tables ``[B|1, 1, D/2]``): the token's vector queries
+        and keys still need RoPE; both are rotated in place and the keys stored rotated, by the one-launch insert
+        where it serves the step (:meth:`appends_fused_on`), else by torch ops first
+        (``kernels_cache_append.rotate_pair_reference``)."""
         b, h, n = scalar_keys.shape
+        if rotary is not None and (n != 1 or vector_keys is None):
+            raise ValueError(
+                f"SortedScalarCacheLayer.append: `rotary` takes one token's vector keys; got {n} tokens"
+                + ("" if vector_keys is not None else " and no vector keys")
+            )
         if not self.is_initialized:
             packed = (
                 scalar_keys.unsqueeze(-1)
@@ -402,12 +413,12 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         if s + n > self.keys.shape[-1]:
             self._ensure_capacity(s + n)  # (a resize keeps the slots' validity)
         if n == 1 and self.log_weight is None and self.multiplicity is None and self._appends_fused(
-            scalar_keys, vector_keys, values
+            scalar_keys, vector_keys, values, rotary
         ):
             # a decode step's token: one launch writes it into the five buffers (kernels_cache_append)
             new_valid = None if valid is None else valid.to(torch.bool)
             append_one_fused(self.keys, self.vector_keys, self.values, self.valid, self.token_index, s,
-                             self.seen_tokens, scalar_keys, vector_keys, values, new_valid)  # fmt: skip
+                             self.seen_tokens, scalar_keys, vector_keys, values, new_valid, rotary)  # fmt: skip
             # (the kernel's write bumps no version counter: the record is the buffer's current version, as below;
             # a given validity is not read back from the device: unknown)
             all_valid = all_valid and valid is None
@@ -416,6 +427,8 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             self.seen_tokens += n
             self.tail_tokens += n
             return
+        if rotary is not None:
+            rotate_pair_reference(rotary[0], vector_keys, rotary[1], rotary[2])
         # `narrow(...).copy_` / `fill_`: the slice assignments' ops without their Python indexing (per layer and decode
         # step on the host); `fill_` with a Python scalar is one op, where an assignment of True wraps it in a tensor
         # first (lift_fresh), and a decode step's single token index needs no arange
@@ -443,18 +456,32 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.seen_tokens += n
         self.tail_tokens += n
 
-    def _appends_fused(self, scalar_keys, vector_keys, values) -> bool:
-        """Whether a one-token insert goes through the fused launch (``decode_backend``: "auto" on CUDA, "triton"
-        wherever the kernel runs, the interpreter included; "torch" never), and why not otherwise
-        (``last_append_reason``, logged once per reason)."""
+    def appends_fused_on(self, device: torch.device) -> bool:
+        """Whether this layer's one-token inserts on ``device`` may take the fused launch (``decode_backend``:
+        "auto" on CUDA, "triton" wherever the kernel runs, the interpreter included; "torch" never): the part of
+        :meth:`_appends_fused` that does not depend on the new entries."""
         backend = self.decode_backend
-        if backend == "torch" or (backend == "auto" and scalar_keys.device.type != "cuda"):
+        if backend == "torch" or (backend == "auto" and device.type != "cuda"):
             return False
-        device = scalar_keys.device
-        reason = self.__dict__.get("_append_kernel_reason", {}).get(device, False)
-        if reason is False:  # (whether the kernel runs there: once per device)
-            reason = self.__dict__.setdefault("_append_kernel_reason", {})[device] = kernel_unavailable_reason(device)
-        reason = reason or append_one_reason(scalar_keys, vector_keys, values)
+        return self._append_kernel_reason(device) is None
+
+    def _append_kernel_reason(self, device: torch.device) -> str | None:
+        """Why the insert kernel cannot run on ``device`` (None: it can); asked once per device."""
+        reasons = self.__dict__.get("_append_kernel_reasons")
+        if reasons is None:
+            reasons = self._append_kernel_reasons = {}
+        if device not in reasons:
+            reasons[device] = kernel_unavailable_reason(device)
+        return reasons[device]
+
+    def _appends_fused(self, scalar_keys, vector_keys, values, rotary=None) -> bool:
+        """Whether a one-token insert goes through the fused launch (:meth:`appends_fused_on`, and the new entries
+        as :func:`append_one_reason` needs them), and why not otherwise (``last_append_reason``, logged once per
+        reason)."""
+        device, backend = scalar_keys.device, self.decode_backend
+        if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+            return False  # (the backend's choice: no reason to log)
+        reason = self._append_kernel_reason(device) or append_one_reason(scalar_keys, vector_keys, values, rotary)
         if reason is None and (values.dtype != self.values.dtype or scalar_keys.dtype != self.keys.dtype):
             reason = "the new entries' dtype differs from the cache's"
         if reason != self.last_append_reason:

@@ -300,6 +300,32 @@ def decodes_directly(backend: str, x: torch.Tensor) -> bool:
     return not torch.is_autocast_enabled(device_type)
 
 
+# Whether a hybrid layer with RoPE rotates a decode step's new query and key inside the sorted cache's one-launch
+# insert (``kernels_cache_append``) instead of in a RoPE launch of its own.  A dynamic-cache decode step is bound by
+# the host; the RoPE launch, its output allocations and stride checks were most of the 110 us per layer by which
+# hybrid_sort's projections cost more than scalar_sort's on an H200 host (benchmarks/results/h200-2026-11-29g).  It
+# applies to one-token steps into a filled ``SortedScalarCacheLayer`` whose insert takes the fused launch
+# (``appends_fused_on``), eager, without gradients, where ``rotary_backend`` is not "torch"; the rotation is the
+# fused RoPE kernel's (float32, rounded once).
+#   "on"   (default) as above;
+#   "off"  RoPE in the layer's projections at every step (``HF_RBF_ROPE_IN_INSERT=off``; for an A/B).
+ROPE_IN_INSERT = ("on", "off")
+rope_in_insert = os.environ.get("HF_RBF_ROPE_IN_INSERT", "on")
+
+
+def rotates_in_insert() -> bool:
+    """Whether a decode step's RoPE may go into the sorted cache's insert now (see ``rope_in_insert``; the layer
+    still checks its cache layer)."""
+    if rope_in_insert not in ROPE_IN_INSERT:
+        raise ValueError(
+            f"hf_rbf.modeling_decoder.rope_in_insert must be one of {ROPE_IN_INSERT}; got {rope_in_insert!r} (set in "
+            "code or through the HF_RBF_ROPE_IN_INSERT environment variable)"
+        )
+    if rope_in_insert == "off" or rotary_backend == "torch":
+        return False
+    return not (torch.is_grad_enabled() or torch.compiler.is_compiling())
+
+
 def projection_copies_for(model: nn.Module, cache, device: torch.device) -> dict | None:
     """``model``'s dict of concatenated projection weights for an eager forward with ``cache`` and without gradients
     on ``device`` (see ``decode_projection_copies``), or None where the forward keeps none."""

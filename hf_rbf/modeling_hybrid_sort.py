@@ -19,7 +19,7 @@ from transformers import GenerationMixin
 from .attention_hybrid import OP as HYBRID_OP
 from .attention_hybrid import hybrid_attention, hybrid_attention_triton
 from .attention_utils import MaskArgs, note_backend_choice, per_head_param
-from .cache_sorted_scalar import SortedScalarCache
+from .cache_sorted_scalar import SortedScalarCache, SortedScalarCacheLayer
 from .cache_static import StaticDecoderCache
 from .configuration_hybrid_sort import HybridSortConfig
 from .modeling_decoder import (
@@ -28,6 +28,7 @@ from .modeling_decoder import (
     DecoderPreTrainedModel,
     DotAttention,
     apply_rotary_pair,
+    rotates_in_insert,
 )
 from .modeling_scalar_sort import (
     RegularizedCausalLMMixin,
@@ -101,11 +102,28 @@ class HybridSortAttention(ScalarSortAttention):
         proj.q, proj.k = self._split_heads(outputs[3]), self._split_heads(outputs[4])
         return proj
 
-    def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:
+    def _text_positions(self, proj: _Projections, position_embeddings, defer_rope: bool = False) -> _Projections:
         if self.use_rope:
             cos, sin = position_embeddings
-            proj.q, proj.k = apply_rotary_pair(proj.q, proj.k, cos, sin)
+            if defer_rope:  # (the insert rotates q and k in place: `_defers_rope`)
+                proj.rotary = (cos, sin)
+            else:
+                proj.q, proj.k = apply_rotary_pair(proj.q, proj.k, cos, sin)
         return proj
+
+    def _defers_rope(self, layer, x: torch.Tensor) -> bool:
+        """RoPE inside the sorted cache's insert (``modeling_decoder.rope_in_insert``): for one new row per batch
+        element into a filled ``SortedScalarCacheLayer`` whose one-token insert takes the fused launch, eager and
+        without gradients.  Where the insert then finds a reason not to fuse (key weights, a dtype), it rotates with
+        torch ops first: the result is the same either way."""
+        return (
+            self.use_rope
+            and x.shape[1] == 1
+            and isinstance(layer, SortedScalarCacheLayer)
+            and layer.is_initialized
+            and rotates_in_insert()
+            and layer.appends_fused_on(x.device)
+        )
 
     def _register_offsets(self, proj: _Projections, detach_offsets: bool = False) -> _Projections:
         out = super()._register_offsets(proj, detach_offsets)

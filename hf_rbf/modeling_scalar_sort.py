@@ -97,6 +97,9 @@ class _Projections:
     v: torch.Tensor
     q: torch.Tensor | None = None
     k: torch.Tensor | None = None
+    # (cos, sin) while ``q`` and ``k`` still wait for their RoPE, which the sorted cache's insert applies in place
+    # (see ``modeling_decoder.rope_in_insert``); None otherwise
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ScalarSortAttention(DecoderAttention):
@@ -253,9 +256,15 @@ class ScalarSortAttention(DecoderAttention):
         all of them (:func:`~hf_rbf.modeling_decoder.project_together`)."""
         return self._projections_of(project_together(x, self._input_projections(), keep_copy=True))
 
-    def _text_positions(self, proj: _Projections, position_embeddings) -> _Projections:
-        """Positions of the text rows (none in scalar layers)."""
+    def _text_positions(self, proj: _Projections, position_embeddings, defer_rope: bool = False) -> _Projections:
+        """Positions of the text rows (none in scalar layers).  ``defer_rope``: RoPE is left to the cache's insert
+        (:meth:`_defers_rope`)."""
         return proj
+
+    def _defers_rope(self, layer, x: torch.Tensor) -> bool:
+        """Whether this step's RoPE of rows ``x`` goes into the insert into the cache layer ``layer`` (no RoPE in
+        scalar layers)."""
+        return False
 
     def _register_offsets(self, proj: _Projections, detach_offsets: bool = False) -> _Projections:
         """The register rows' learned scalar offsets (``register_scalar_position``)."""
@@ -267,9 +276,9 @@ class ScalarSortAttention(DecoderAttention):
             offset = offset.detach()
         return _Projections(qs=qs + offset, ks=ks + offset, v=proj.v, q=proj.q, k=proj.k)
 
-    def project(self, x: torch.Tensor, position_embeddings) -> _Projections:
-        """Text projections (no positions in scalar layers)."""
-        return self._text_positions(self._row_projections(x), position_embeddings)
+    def project(self, x: torch.Tensor, position_embeddings, defer_rope: bool = False) -> _Projections:
+        """Text projections (no positions in scalar layers; see :meth:`_text_positions` for ``defer_rope``)."""
+        return self._text_positions(self._row_projections(x), position_embeddings, defer_rope)
 
     def project_registers(self, r: torch.Tensor, detach_offsets: bool = False) -> _Projections:
         """Register projections ``[1, ...]`` with their learned scalar offsets (``register_scalar_position``)."""
@@ -283,13 +292,16 @@ class ScalarSortAttention(DecoderAttention):
         re-view every projection for nothing (9 to 15 views per layer and decode step)."""
         return self.num_registers > 0
 
-    def project_rows(self, rows: torch.Tensor, text_shape: tuple[int, int], position_embeddings):
+    def project_rows(
+        self, rows: torch.Tensor, text_shape: tuple[int, int], position_embeddings, defer_rope: bool = False
+    ):
         """Text and register projections from the flat ``[B * N + R, D]`` rows, one matmul per projection for both:
         ``(text, registers or None, tau of the text rows, tau of the register rows or None)``, the same values as
         :meth:`project`, :meth:`project_registers` and :meth:`temperature` of the two views (views, no copy)."""
         proj = self._row_projections(rows.unsqueeze(0))
         parts = {f: _split_row_heads(getattr(proj, f), text_shape) for f in ("qs", "ks", "v", "q", "k")}
-        text = self._text_positions(_Projections(**{f: t for f, (t, _) in parts.items()}), position_embeddings)
+        text = _Projections(**{f: t for f, (t, _) in parts.items()})
+        text = self._text_positions(text, position_embeddings, defer_rope)
         registers = None
         if rows.shape[0] > text_shape[0] * text_shape[1]:
             registers = self._register_offsets(_Projections(**{f: r for f, (_, r) in parts.items()}))
@@ -567,11 +579,13 @@ class ScalarSortAttention(DecoderAttention):
         weights)``.  With ``register_prefix`` (:meth:`register_forward`'s prefix, computed by the register stream)
         the registers are not computed here: ``rows`` / ``register_states`` hold no register rows."""
         b, n, _ = hidden_states.shape
+        layer = None if cache is None else cache.layers[self.layer_idx]
+        defer_rope = self._defers_rope(layer, hidden_states)
         register_keys = tau_registers = register_out = register_out_rows = None
         if rows is not None and rows.shape[0] > b * n:
-            proj, register_keys, tau, tau_registers = self.project_rows(rows, (b, n), position_embeddings)
+            proj, register_keys, tau, tau_registers = self.project_rows(rows, (b, n), position_embeddings, defer_rope)
         else:
-            proj = self.project(hidden_states, position_embeddings)
+            proj = self.project(hidden_states, position_embeddings, defer_rope)
             tau = self.temperature(hidden_states)
             if self.num_registers > 0 and register_prefix is None:
                 register_out_rows, register_prefix = self.register_forward(register_states)
@@ -586,7 +600,6 @@ class ScalarSortAttention(DecoderAttention):
                 register_out = self.register_attention(register_keys, sink, tau_registers)
             prefix, num_prefix = self._prefix_of(sink, register_keys)
 
-        layer = None if cache is None else cache.layers[self.layer_idx]
         weights = None
         if isinstance(layer, StaticSortedLayer):
             out = self._attend_static_sorted(layer, proj, tau, prefix, num_prefix, attention_mask)
@@ -682,7 +695,11 @@ class ScalarSortAttention(DecoderAttention):
             if log_weight.dim() == 2:
                 log_weight = log_weight.unsqueeze(1)
             log_weight = log_weight.expand(b, h, n).to(proj.ks.dtype)
-        layer.append(proj.ks, proj.v, proj.k, valid=valid, log_weight=log_weight)
+        if proj.rotary is None:
+            layer.append(proj.ks, proj.v, proj.k, valid=valid, log_weight=log_weight)
+        else:  # (RoPE of the query and key in the insert: see `_defers_rope`)
+            layer.append(proj.ks, proj.v, proj.k, valid=valid, log_weight=log_weight, rotary=(proj.q, *proj.rotary))
+            proj.rotary = None
         if first or prefill or layer.decode_window is None or layer.decode_window >= layer.num_slots:
             # the prompt, exact mode, or a window covering every cached key: the exact function (same numerics as a
             # forward without cache)

@@ -169,6 +169,25 @@ def test_fused_insert_replaces_the_slice_copies(family, monkeypatch):
     assert mode.launches.get("_append_one_kernel", 0) == 2, dict(mode.launches)
 
 
+def test_rope_in_the_insert_removes_the_rope_launch():
+    """hybrid_sort with the insert kernel: RoPE in the insert (``rope_in_insert`` "on") against its own launch
+    ("off"): per layer and decode step one ``_rotary_kernel`` launch and its two head-major outputs (``empty_strided``)
+    fewer, nothing added."""
+    counts = {}
+    for setting in ("off", "on"):
+        with pytest.MonkeyPatch.context() as patch:  # (one counting wrapper at a time)
+            _gpu_path(patch)
+            patch.setattr(modeling_decoder, "rope_in_insert", setting)
+            model = build_model("hybrid_sort", {"attention_backend": "triton", "decode_backend": "triton"})
+            counts[setting] = _decode_ops(model, patch)
+    off, on = counts["off"], counts["on"]
+    assert off.launches.get("_rotary_kernel", 0) == 2 and on.launches.get("_rotary_kernel", 0) == 0
+    assert off.launches.get("_append_one_kernel", 0) == on.launches.get("_append_one_kernel", 0) == 2
+    assert off.names.get("empty_strided", 0) - on.names.get("empty_strided", 0) == 4, dict(on.names)
+    assert all(on.names.get(op, 0) <= n for op, n in off.names.items()), (dict(off.names), dict(on.names))
+    assert sum(on.names.values()) == sum(off.names.values()) - 4
+
+
 # -- the sorted cache's key mask ---------------------------------------------------------------------------------
 
 
