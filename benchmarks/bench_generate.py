@@ -72,8 +72,9 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
     ``checked decode`` (``direct_decode_calls = "off"``: the sorted families' exact decode steps through the public
     attention functions and their checks, as before 2026-11-29), ``torch inserts`` (the sorted families'
     ``decode_backend = "torch"``: a decode step's token written into the cache by five slice copies, not one launch,
-    as before 2026-11-29; it also takes the windowed step's torch path), ``rope launch`` (``rope_in_insert = "off"``:
-    hybrid_sort's decode-step RoPE in a launch of its own, not in the cache's insert, as until session 35 on 2026-11-29))."""
+    as before 2026-11-29; it also takes the windowed step's torch path), ``rope launch`` (``rope_in_insert =
+    "off"``: hybrid_sort's decode-step RoPE in a launch of its own, not in the cache's insert, as until session 35 on
+    2026-11-29)."""
     family, _, rest = variant.partition(" (")
     overrides, settings = {}, {}
     for option in filter(None, (o.strip() for o in rest.rstrip(")").split(","))):
