@@ -74,7 +74,8 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
     ``decode_backend = "torch"``: a decode step's token written into the cache by five slice copies, not one launch,
     as before 2026-11-29; it also takes the windowed step's torch path), ``rope launch`` (``rope_in_insert =
     "off"``: hybrid_sort's decode-step RoPE in a launch of its own, not in the cache's insert, as until session 35 on
-    2026-11-29)."""
+    2026-11-29), ``split decode`` (``kernels_flash_fwd.EAGER_SINGLE_SPLIT_MAX_KEYS = 0``: an eager decode step over
+    at most 1,024 keys split over programs with a combine launch, as until session 35)."""
     family, _, rest = variant.partition(" (")
     overrides, settings = {}, {}
     for option in filter(None, (o.strip() for o in rest.rstrip(")").split(","))):
@@ -93,6 +94,8 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
             settings["direct_decode_calls"] = "off"
         elif option == "rope launch":
             settings["rope_in_insert"] = "off"
+        elif option == "split decode":
+            settings["kernels_flash_fwd.EAGER_SINGLE_SPLIT_MAX_KEYS"] = 0
         elif option == "torch inserts":
             if family not in SORTED:
                 raise ValueError(f"variant {variant!r}: 'torch inserts' is the sorted families' decode_backend")
@@ -100,7 +103,7 @@ def parse_variant(variant: str) -> tuple[str, dict, dict]:
         else:
             raise ValueError(
                 f"variant {variant!r}: unknown option {option!r} (allowed: 'N registers', 'window K', 'rows', "
-                "'no copies', 'checked decode', 'torch inserts', 'rope launch')"
+                "'no copies', 'checked decode', 'torch inserts', 'rope launch', 'split decode')"
             )
     return family, overrides, settings
 

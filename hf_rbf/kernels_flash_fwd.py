@@ -992,9 +992,31 @@ def _num_sms(device) -> int:
     return count
 
 
+# An eager decode step over at most this many keys (per row, past the prefix) runs as one program per (row block,
+# head), which writes the output itself (SPLIT=False): no split-K partials and no combine launch.  An eager batch-1
+# decode step is bound by the host, on which the combine's launch cost about 15-20 us per layer and step (an H200
+# host; `benchmarks/decode_step_sections.py`), while one program reads 1,024 keys of a head in a few microseconds of
+# a GPU that waits for the host anyway.  A step under CUDA-graph capture or `torch.compile` (the static cache's)
+# launches nothing from the host per step, so it keeps the split count that is fastest on the GPU.  0 turns the rule
+# off (for an A/B).  Any launch whose split count comes out as 1 runs unsplit too.  In Triton's interpreter the rule
+# is off: the split count's own rule there (chunks of at least 32 keys) runs up to 32 keys unsplit and splits longer
+# test shapes, so that tests exercise both the unsplit launch and the merge.
+EAGER_SINGLE_SPLIT_MAX_KEYS = 1024
+
+
+def single_split_decode(span: int, device) -> bool:
+    """Whether an eager decode launch over ``span`` keys runs unsplit (see ``EAGER_SINGLE_SPLIT_MAX_KEYS``)."""
+    if DEFINED_INTERPRETED or span > EAGER_SINGLE_SPLIT_MAX_KEYS or torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def decode_splits(bsz: int, heads: int, nq: int, span: int, device) -> int:
     """Split-K count: about two waves of programs over the SMs, each chunk at least 256 keys (32 in the
-    interpreter, so that small test shapes exercise the merge)."""
+    interpreter, so that small test shapes exercise the merge); 1 for an eager step over a few keys
+    (:func:`single_split_decode`)."""
+    if single_split_decode(span, device):
+        return 1
     rows_blocks = ceil_div(nq, 16)
     want = ceil_div(2 * _num_sms(device), bsz * heads * rows_blocks)
     min_chunk = 32 if DEFINED_INTERPRETED else 256
@@ -1133,20 +1155,19 @@ def distance_decode(
     n_split = decode_splits(bsz, heads, nq, span, q.device)
     acc, mp, lp, erow = _decode_scratch(q.device, bsz * heads, n_split, nq, dv)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), bsz * heads, n_split)  # noqa: E731
+    if n_split == 1:  # (the output written by the kernel, as the training forward does; its lse into scratch)
+        outputs, out_strides, flags = (out, erow, erow, erow), out.stride()[:3], {**flags, "SPLIT": False}
+    else:
+        outputs, out_strides = (acc, mp, lp, erow), (0, 0, 0)
     launch_tuned(
         _distance_decode,
         grid,
         *launch_inputs(q, k, v, kb, qs, ks, beta, a, b, prefix),
-        acc,
-        mp,
-        lp,
-        erow,
+        *outputs,
         *q.stride()[:3],
         *k.stride()[:3],
         *v.stride()[:3],
-        0,
-        0,
-        0,
+        *out_strides,
         *sscalar,
         *sprefix,
         *fixed,
@@ -1156,6 +1177,8 @@ def distance_decode(
         planes,
         **flags,
     )
+    if n_split == 1:
+        return out
     launch_jit(
         _decode_combine_kernel,
         (nq, bsz * heads),

@@ -453,6 +453,46 @@ def test_decode_scratch_is_reused_and_gives_the_bits_of_fresh_buffers(monkeypatc
     assert size == 4 * sum(t.numel() for t in buffers) == kernels_flash_fwd._DECODE_SCRATCH_BYTES[0]
 
 
+def test_eager_decode_over_few_keys_runs_unsplit(monkeypatch):
+    """The split count of a decode launch (``kernels_flash_fwd.decode_splits``): an eager step over at most
+    ``EAGER_SINGLE_SPLIT_MAX_KEYS`` keys runs unsplit (no combine launch); over more keys, with the rule off (0), or
+    traced by ``torch.compile`` it splits as before.  In the interpreter (the rule off there) a launch whose split
+    count is 1 writes its output itself, one launch; a longer one launches the combine: the output matches the
+    float64 reference either way."""
+    pytest.importorskip("triton")
+    from hf_rbf import kernels_flash_fwd
+    from hf_rbf.kernels_common import DEFINED_INTERPRETED
+
+    cpu = torch.device("cpu")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels_flash_fwd, "DEFINED_INTERPRETED", False)
+        assert kernels_flash_fwd.EAGER_SINGLE_SPLIT_MAX_KEYS == 1024
+        assert kernels_flash_fwd.decode_splits(1, 12, 1, 1024, cpu) == 1
+        assert kernels_flash_fwd.decode_splits(1, 12, 1, 1025, cpu) == 3  # (16 nominal SMs on a CPU: 2 waves of 12)
+        patch.setattr(kernels_flash_fwd, "EAGER_SINGLE_SPLIT_MAX_KEYS", 0)
+        assert kernels_flash_fwd.decode_splits(1, 12, 1, 512, cpu) == 2
+        patch.setattr(kernels_flash_fwd, "EAGER_SINGLE_SPLIT_MAX_KEYS", 1024)
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert kernels_flash_fwd.decode_splits(1, 12, 1, 512, cpu) == 2
+    if not DEFINED_INTERPRETED:
+        pytest.skip("the launches need the kernels in Triton's interpreter (TRITON_INTERPRET=1, as conftest sets)")
+    from hf_rbf.attention_distance_triton import distance_attention
+
+    split = {"_distance_fwd_kernel": 1, "_decode_combine_kernel": 1}
+    for nk, launches in ((20, {"_distance_fwd_kernel": 1}), (60, split)):
+        args, kwargs = _decode_call(nk, seed=nk)
+        with torch.no_grad(), _counting(monkeypatch) as ops:
+            out = distance_attention(*args, **kwargs)
+        assert dict(ops.launches) == launches
+        q, k, v, gamma = args[0], args[1], args[2], args[6]
+        pk, pv = kwargs["prefix"]
+        keys, values = torch.cat([pk, k], 2).double(), torch.cat([pv, v], 2).double()
+        scores = -gamma.double().view(1, -1, 1, 1) * torch.cdist(q.double(), keys) ** 2  # (one row: every key visible)
+        ref = torch.softmax(scores, -1) @ values
+        err = (out.double() - ref).abs().max() / ref.abs().max()
+        assert err < 1e-5, (nk, err)
+
+
 def test_decode_scratch_is_kept_per_thread_and_bounded(monkeypatch):
     pytest.importorskip("triton")
     import threading

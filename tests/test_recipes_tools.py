@@ -241,6 +241,16 @@ def test_bench_generate_variant_names_carry_registers_and_the_register_path():
         {"register_path": "rows"},
     )
     assert bench.parse_variant("scalar_sort (window 64)") == ("scalar_sort", {"decode_window": 64}, {})
+    assert bench.parse_variant("hybrid_sort (rope launch, split decode)") == (
+        "hybrid_sort",
+        {},
+        {"rope_in_insert": "off", "kernels_flash_fwd.EAGER_SINGLE_SPLIT_MAX_KEYS": 0},
+    )
+    from hf_rbf import kernels_flash_fwd
+
+    with bench.decoder_settings({"kernels_flash_fwd.EAGER_SINGLE_SPLIT_MAX_KEYS": 0}):
+        assert kernels_flash_fwd.EAGER_SINGLE_SPLIT_MAX_KEYS == 0
+    assert kernels_flash_fwd.EAGER_SINGLE_SPLIT_MAX_KEYS == 1024
     with pytest.raises(ValueError, match="sorted families' decode_window"):
         bench.parse_variant("rbf (window 64)")
     with pytest.raises(ValueError, match="unknown option 'fast'"):
