@@ -88,6 +88,29 @@ def _merge_groups_(t: torch.Tensor, members, survivor, weights, chosen) -> None:
     t.scatter_(2, idx_s, torch.where(keep, merged, t.gather(2, idx_s)))
 
 
+def _check_rotary(rotary, vector_keys: torch.Tensor | None, n: int) -> None:
+    """``SortedScalarCacheLayer.append``'s ``rotary = (queries, cos, sin)``: one token's queries of the vector keys'
+    shape ``[B, H, 1, D]`` (D even) and RoPE tables ``[B|1, 1, D/2]`` on their device; a ValueError naming what is
+    wrong otherwise."""
+    where = "SortedScalarCacheLayer.append: `rotary`"
+    if not (isinstance(rotary, tuple) and len(rotary) == 3):
+        raise ValueError(f"{where} must be a tuple (queries, cos, sin)")
+    if vector_keys is None or n != 1:
+        raise ValueError(f"{where} takes one token's vector keys; got {n} tokens"
+                         + ("" if vector_keys is not None else " and no vector keys"))  # fmt: skip
+    q, cos, sin = rotary
+    if q.shape != vector_keys.shape or q.shape[-1] % 2:
+        raise ValueError(f"{where}: the queries must have the vector keys' shape {tuple(vector_keys.shape)} with an "
+                         f"even head dim; got {tuple(q.shape)}")  # fmt: skip
+    rows, half = q.shape[0], q.shape[-1] // 2
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 3 or table.shape[0] not in (1, rows) or table.shape[1:] != (1, half):
+            raise ValueError(f"{where}: {name} must be [1 or {rows}, 1, {half}] (one position, half the head dim); "
+                             f"got {tuple(table.shape)}")  # fmt: skip
+        if table.device != q.device:
+            raise ValueError(f"{where}: {name} is on {table.device}, the queries on {q.device}")
+
+
 class SortedScalarCacheLayer(CacheLayerMixin):
     """One scalar / hybrid layer of a :class:`SortedScalarCache` (see the module docstring for layout and costs).
 
@@ -380,11 +403,8 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         where it serves the step (:meth:`appends_fused_on`), else by torch ops first
         (``kernels_cache_append.rotate_pair_reference``)."""
         b, h, n = scalar_keys.shape
-        if rotary is not None and (n != 1 or vector_keys is None):
-            raise ValueError(
-                f"SortedScalarCacheLayer.append: `rotary` takes one token's vector keys; got {n} tokens"
-                + ("" if vector_keys is not None else " and no vector keys")
-            )
+        if rotary is not None:
+            _check_rotary(rotary, vector_keys, n)
         if not self.is_initialized:
             packed = (
                 scalar_keys.unsqueeze(-1)
@@ -456,14 +476,16 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         self.seen_tokens += n
         self.tail_tokens += n
 
-    def appends_fused_on(self, device: torch.device) -> bool:
-        """Whether this layer's one-token inserts on ``device`` may take the fused launch (``decode_backend``:
-        "auto" on CUDA, "triton" wherever the kernel runs, the interpreter included; "torch" never): the part of
-        :meth:`_appends_fused` that does not depend on the new entries."""
+    def _backend_fuses_on(self, device: torch.device) -> bool:
+        """``decode_backend``'s rule for the one-launch insert: "auto" on CUDA, "triton" wherever the kernel runs
+        (the interpreter included), "torch" never."""
         backend = self.decode_backend
-        if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-            return False
-        return self._append_kernel_reason(device) is None
+        return backend == "triton" or (backend == "auto" and device.type == "cuda")
+
+    def appends_fused_on(self, device: torch.device) -> bool:
+        """Whether this layer's one-token inserts on ``device`` may take the fused launch: the part of
+        :meth:`_appends_fused` that does not depend on the new entries."""
+        return self._backend_fuses_on(device) and self._append_kernel_reason(device) is None
 
     def _append_kernel_reason(self, device: torch.device) -> str | None:
         """Why the insert kernel cannot run on ``device`` (None: it can); asked once per device."""
@@ -478,8 +500,8 @@ class SortedScalarCacheLayer(CacheLayerMixin):
         """Whether a one-token insert goes through the fused launch (:meth:`appends_fused_on`, and the new entries
         as :func:`append_one_reason` needs them), and why not otherwise (``last_append_reason``, logged once per
         reason)."""
-        device, backend = scalar_keys.device, self.decode_backend
-        if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        device = scalar_keys.device
+        if not self._backend_fuses_on(device):
             return False  # (the backend's choice: no reason to log)
         reason = self._append_kernel_reason(device) or append_one_reason(scalar_keys, vector_keys, values, rotary)
         if reason is None and (values.dtype != self.values.dtype or scalar_keys.dtype != self.keys.dtype):
@@ -489,7 +511,7 @@ class SortedScalarCacheLayer(CacheLayerMixin):
             if reason is not None and reason not in _APPEND_REASONS_LOGGED:
                 _APPEND_REASONS_LOGGED.add(reason)
                 logger.info("SortedScalarCacheLayer: one-token inserts through torch ops (decode_backend=%r): %s",
-                            backend, reason)  # fmt: skip
+                            self.decode_backend, reason)  # fmt: skip
         return reason is None
 
     def _all_valid(self) -> bool:

@@ -179,23 +179,12 @@ def append_one_reason(
     new_values: Tensor,
     rotary: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> str | None:
-    """None when :func:`append_one_fused` can write these new entries (their last dim contiguous, as the
-    projections give them; with ``rotary``, an even head dim and the tables on the queries' device); otherwise why
-    not."""
-    queries = None if rotary is None else rotary[0]
-    for name, t in (("vector keys", new_vector_keys), ("values", new_values), ("queries", queries)):
+    """None when :func:`append_one_fused` can write these new entries (their last dims contiguous, as the
+    projections and position tables come; the shapes are the caller's to check); otherwise why not."""
+    others = () if rotary is None else (("queries", rotary[0]), ("cos table", rotary[1]), ("sin table", rotary[2]))
+    for name, t in (("vector keys", new_vector_keys), ("values", new_values), *others):
         if t is not None and t.stride(-1) != 1:
             return f"the new {name} are not contiguous in their last dim (strides {tuple(t.stride())})"
-    if rotary is not None:
-        q, cos, sin = rotary
-        if new_vector_keys is None or q.shape != new_vector_keys.shape:
-            return "RoPE in the insert needs vector keys of the queries' shape"
-        if q.shape[-1] % 2:
-            return f"RoPE in the insert needs an even head dim; got {q.shape[-1]}"
-        if cos.device != q.device or sin.device != q.device:
-            return f"the position tables are on {cos.device}, the queries on {q.device}"
-        if cos.stride(-1) != 1 or sin.stride(-1) != 1:
-            return "the position tables are not contiguous in their last dim"
     return None
 
 

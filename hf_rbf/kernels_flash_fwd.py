@@ -1006,7 +1006,13 @@ EAGER_SINGLE_SPLIT_MAX_KEYS = 1024
 
 def single_split_decode(span: int, device) -> bool:
     """Whether an eager decode launch over ``span`` keys runs unsplit (see ``EAGER_SINGLE_SPLIT_MAX_KEYS``)."""
-    if DEFINED_INTERPRETED or span > EAGER_SINGLE_SPLIT_MAX_KEYS or torch.compiler.is_compiling():
+    limit = EAGER_SINGLE_SPLIT_MAX_KEYS
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError(
+            f"hf_rbf.kernels_flash_fwd.EAGER_SINGLE_SPLIT_MAX_KEYS must be an int >= 0 (0: every decode launch split "
+            f"by the GPU's rule); got {limit!r}"
+        )
+    if DEFINED_INTERPRETED or span > limit or torch.compiler.is_compiling():
         return False
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 

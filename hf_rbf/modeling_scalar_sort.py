@@ -695,11 +695,10 @@ class ScalarSortAttention(DecoderAttention):
             if log_weight.dim() == 2:
                 log_weight = log_weight.unsqueeze(1)
             log_weight = log_weight.expand(b, h, n).to(proj.ks.dtype)
-        if proj.rotary is None:
-            layer.append(proj.ks, proj.v, proj.k, valid=valid, log_weight=log_weight)
-        else:  # (RoPE of the query and key in the insert: see `_defers_rope`)
-            layer.append(proj.ks, proj.v, proj.k, valid=valid, log_weight=log_weight, rotary=(proj.q, *proj.rotary))
-            proj.rotary = None
+        # (with `proj.rotary` the insert applies the query's and key's RoPE in place: see `_defers_rope`)
+        rotary = None if proj.rotary is None else (proj.q, *proj.rotary)
+        layer.append(proj.ks, proj.v, proj.k, valid=valid, log_weight=log_weight, rotary=rotary)
+        proj.rotary = None
         if first or prefill or layer.decode_window is None or layer.decode_window >= layer.num_slots:
             # the prompt, exact mode, or a window covering every cached key: the exact function (same numerics as a
             # forward without cache)

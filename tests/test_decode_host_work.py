@@ -471,6 +471,10 @@ def test_eager_decode_over_few_keys_runs_unsplit(monkeypatch):
         assert kernels_flash_fwd.decode_splits(1, 12, 1, 1025, cpu) == 3  # (16 nominal SMs on a CPU: 2 waves of 12)
         patch.setattr(kernels_flash_fwd, "EAGER_SINGLE_SPLIT_MAX_KEYS", 0)
         assert kernels_flash_fwd.decode_splits(1, 12, 1, 512, cpu) == 2
+        for bad in (-1, 1.5, "1024"):
+            patch.setattr(kernels_flash_fwd, "EAGER_SINGLE_SPLIT_MAX_KEYS", bad)
+            with pytest.raises(ValueError, match="EAGER_SINGLE_SPLIT_MAX_KEYS must be an int >= 0"):
+                kernels_flash_fwd.decode_splits(1, 12, 1, 512, cpu)
         patch.setattr(kernels_flash_fwd, "EAGER_SINGLE_SPLIT_MAX_KEYS", 1024)
         patch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert kernels_flash_fwd.decode_splits(1, 12, 1, 512, cpu) == 2

@@ -106,15 +106,26 @@ def test_the_reference_insert_with_rope_matches_the_kernel(dtype):
 
 
 def test_reasons_and_bad_arguments():
+    """Layouts the kernel cannot read are reasons (the torch path serves them); wrong shapes, devices and settings are
+    errors naming the argument."""
     _, _, q, new, (cos, sin), _ = _step(1, 4, 4, 8, 8, torch.float32, 1)
-    assert "vector keys" in append_one_reason(new[0], None, new[2], (q, cos, sin))
-    odd = torch.randn(1, 4, 1, 7)
-    assert "even head dim" in append_one_reason(new[0], odd, new[2], (odd.clone(), cos, sin))
-    assert "not contiguous" in append_one_reason(new[0], new[1], new[2], (torch.randn(1, 4, 1, 16)[..., ::2], cos, sin))
+    assert "queries are not contiguous" in append_one_reason(*new, (torch.randn(1, 4, 1, 16)[..., ::2], cos, sin))
+    assert "cos table" in append_one_reason(*new, (q, torch.randn(1, 1, 8)[..., ::2], sin))
     layer = cache_sorted_scalar.SortedScalarCacheLayer(num_heads=4, num_value_groups=4, decode_backend="triton")
-    two = torch.randn(1, 4, 2)
-    with pytest.raises(ValueError, match="`rotary` takes one token"):
-        layer.append(two, torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), rotary=(q, cos, sin))
+    ks, vk, v = new[0], new[1], new[2]
+    bad = {
+        "takes one token": (torch.randn(1, 4, 2), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), (q, cos, sin)),
+        "and no vector keys": (ks, None, v, (q, cos, sin)),
+        "must be a tuple": (ks, vk, v, [q, cos, sin]),
+        "the vector keys' shape": (ks, vk, v, (torch.randn(1, 4, 1, 6), cos, sin)),
+        r"cos must be \[1 or 1, 1, 4\]": (ks, vk, v, (q, torch.randn(1, 1, 8), sin)),
+        "sin must be": (ks, vk, v, (q, cos, torch.randn(2, 1, 4))),
+        "sin is on meta": (ks, vk, v, (q, cos, torch.empty(1, 1, 4, device="meta"))),
+    }
+    for message, (k_, vk_, v_, rotary) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            layer.append(k_, v_, vk_, rotary=rotary)
+    assert not layer.is_initialized  # (checked before anything is written)
     with pytest.raises(ValueError, match="rope_in_insert must be one of"):
         with decoder_settings({"rope_in_insert": "yes"}):
             modeling_decoder.rotates_in_insert()
@@ -133,7 +144,8 @@ def test_the_cache_rotates_whichever_way_the_insert_goes(decode_backend):
     ks, v = torch.randn(b, h, 1, generator=gen), torch.randn(b, h, 1, d, generator=gen)
     angles = torch.randn(1, 1, d // 2, generator=gen)
     cos, sin = angles.cos(), angles.sin()
-    layers = []
+    layers, fused = [], []
+    original = cache_sorted_scalar.append_one_fused
     for rotate_first in (False, True):
         layer = cache_sorted_scalar.SortedScalarCacheLayer(num_heads=h, num_value_groups=h,
                                                            decode_backend=decode_backend)  # fmt: skip
@@ -143,10 +155,13 @@ def test_the_cache_rotates_whichever_way_the_insert_goes(decode_backend):
             rotate_pair_reference(q_, k_, cos, sin)
             layer.append(ks, v, k_)
         else:
-            layer.append(ks, v, k_, rotary=(q_, cos, sin))
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(cache_sorted_scalar, "append_one_fused", lambda *a: fused.append(a[-1]) or original(*a))
+                layer.append(ks, v, k_, rotary=(q_, cos, sin))
         layers.append((layer, q_, k_))
     (a, qa, ka), (r, qr, kr) = layers
-    assert a.last_append_reason is None if decode_backend == "triton" else True
+    # "triton": the one launch took the rotation; "torch": no launch, torch rotated first
+    assert [r is not None for r in fused] == ([True] if decode_backend == "triton" else [])
     assert torch.equal(qa, qr) and torch.equal(ka, kr) and not torch.equal(qa, q)
     assert torch.equal(a.vector_keys, r.vector_keys) and torch.equal(a.keys, r.keys)
     assert torch.equal(a.values, r.values) and torch.equal(a.token_index, r.token_index)
