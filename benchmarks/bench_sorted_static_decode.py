@@ -174,10 +174,11 @@ def block_size_for(spec: str, capacity: int, window: int, batch: int, heads: int
 
 def run_case(args, kind, b, h, n, device, dtype, timer, spec="auto"):
     d, window = args.head_dim, args.window
-    # steps appended while timing (eager, graph capture, replays; once more per --num-warps alternative)
+    # steps appended while timing (eager, graph capture, replays; once more per --alternatives entry)
     k = args.graph_steps
-    extra = (args.warmup + args.reps) * (1 + 2 * k + k * len(args.num_warps)) + (k + 1) * (3 + 2 * len(args.num_warps))
-    extra += (args.reps + 1) * k * (1 + len(args.num_warps))  # the profiled replays
+    n_alt = len(args.alternatives)
+    extra = (args.warmup + args.reps) * (1 + 2 * k + k * n_alt) + (k + 1) * (3 + 2 * n_alt)
+    extra += (args.reps + 1) * k * (1 + n_alt)  # the profiled replays
     capacity = n + extra
     block_size = block_size_for(spec, capacity, window, b, h)
     row = {"kind": kind, "batch": b, "heads": h, "head_dim": d, "tokens": n, "window": window, "block_size": block_size,
@@ -210,14 +211,17 @@ def run_case(args, kind, b, h, n, device, dtype, timer, spec="auto"):
             continue
         step = step_fn(layer, kind, b=b, h=h, g=g, d=d, device=device, dtype=dtype, gen=gen)
         if backend == "triton" and device.type == "cuda":
-            for warps in args.num_warps:  # the warps-per-program alternatives, each replayed as a CUDA graph
-                static_decode.NUM_WARPS = warps
+            for name, settings in args.alternatives:  # kernel settings, each replayed as a CUDA graph
+                kept = {attr: getattr(static_decode, attr) for attr in settings}
                 try:
+                    for attr, value in settings.items():
+                        setattr(static_decode, attr, value)
                     replay = graphed(step, device, k)
-                    row[f"triton_graph_us_w{warps}"] = timer.median_us(replay, args.warmup, args.reps) / k
-                    row[f"triton_kernel_us_w{warps}"] = kernel_us(replay, k, args.reps, "_static_sorted_decode")
+                    row[f"triton_graph_us[{name}]"] = timer.median_us(replay, args.warmup, args.reps) / k
+                    row[f"triton_kernel_us[{name}]"] = kernel_us(replay, k, args.reps, "_static_sorted_decode")
                 finally:
-                    static_decode.NUM_WARPS = None
+                    for attr, value in kept.items():
+                        setattr(static_decode, attr, value)
         row[f"{backend}_us"] = timer.median_us(step, args.warmup, args.reps)
         if device.type == "cuda":
             try:
@@ -232,6 +236,25 @@ def run_case(args, kind, b, h, n, device, dtype, timer, spec="auto"):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row
+
+
+def parse_alternative(entry: str) -> dict:
+    """``"span=k,fanout=64,warps=8"`` -> the module attributes of :mod:`hf_rbf.kernels_sorted_static_decode` to set."""
+    settings = {}
+    for part in entry.split(","):
+        key, _, value = part.partition("=")
+        if key == "span" and value in ("k", "2k"):
+            settings["CANDIDATE_SPAN"] = value
+        elif key == "fanout" and value.isdigit() and int(value) in tuple(2**i for i in range(1, 9)):
+            settings["FANOUT"] = int(value)
+        elif key == "warps" and value.isdigit() and int(value) in (1, 2, 4, 8, 16, 32):
+            settings["NUM_WARPS"] = int(value)
+        else:
+            raise ValueError(
+                f"--alternatives: {part!r} in {entry!r} is not span=k|2k, fanout=<a power of two 2..256> or "
+                "warps=1|2|4|8|16|32"
+            )
+    return settings
 
 
 def fmt(x) -> str:
@@ -264,14 +287,18 @@ def markdown(rows, meta) -> str:
             f"{fmt(r.get('torch_us'))} | "
             f"{fmt(r.get('torch_graph_us'))} | {fmt(r.get('dense_sdpa_us'))} | {fmt(sg)} | {ratio} |"
         )
-    warps = sorted({k for r in rows for k in r if k.startswith("triton_graph_us_w")}, key=lambda k: int(k[17:]))
-    if warps:
-        lines += ["", "Fused step by warps per program, graph / kernel (us per step):", ""]
-        lines.append("| layer | B | H | tokens | " + " | ".join(f"{k[17:]} warps" for k in warps) + " |")
-        lines.append("|---|---|---|---|" + "---|" * len(warps))
+    alts = list(dict.fromkeys(k[16:-1] for r in rows for k in r if k.startswith("triton_graph_us[")))
+    if alts:
+        lines += ["", "Fused step with other kernel settings (`--alternatives`), graph / kernel (us per step):", ""]
+        lines.append("| layer | B | H | tokens | T (blocks) | " + " | ".join(alts) + " |")
+        lines.append("|---|---|---|---|---|" + "---|" * len(alts))
         for r in rows:
-            cells = " | ".join(f"{fmt(r.get(k))} / {fmt(r.get('triton_kernel_us_w' + k[17:]))}" for k in warps)
-            lines.append(f"| {r['kind']} | {r['batch']} | {r['heads']} | {r['tokens']} | {cells} |")
+            cells = " | ".join(f"{fmt(r.get(f'triton_graph_us[{a}]'))} / {fmt(r.get(f'triton_kernel_us[{a}]'))}"
+                               for a in alts)  # fmt: skip
+            lines.append(
+                f"| {r['kind']} | {r['batch']} | {r['heads']} | {r['tokens']} | {r['block_size']} ({r['blocks']}) | "
+                f"{cells} |"
+            )
     notes = [f"* {r['kind']} B{r['batch']} H{r['heads']} n={r['tokens']}: {r[k]}" for r in rows for k in r
              if k.endswith("_note")]  # fmt: skip
     if notes:
@@ -306,10 +333,24 @@ def main(argv=None) -> int:
         help="also time the fused step (CUDA graph) with these warps per program (kernels_sorted_static_decode."
         "NUM_WARPS); the table's columns keep the default heuristic",
     )
+    ap.add_argument(
+        "--alternatives",
+        nargs="*",
+        default=[],
+        help='also time the fused step (CUDA graph) with other kernel settings, one entry each: comma-separated '
+        '"span=k|2k" (CANDIDATE_SPAN), "fanout=N" (FANOUT), "warps=N" (NUM_WARPS), e.g. "span=2k,fanout=64"; '
+        "the table's columns keep the defaults",
+    )
     args = ap.parse_args(argv)
     bad = [w for w in args.num_warps if w not in (1, 2, 4, 8, 16, 32)]
     if bad:
         ap.error(f"--num-warps takes 1, 2, 4, 8, 16 or 32; got {bad}")
+    try:
+        args.alternatives = [(f"warps={w}", {"NUM_WARPS": w}) for w in args.num_warps] + [
+            (entry, parse_alternative(entry)) for entry in args.alternatives
+        ]
+    except ValueError as exc:
+        ap.error(str(exc))
     for spec in args.block_size:
         number = spec[6:] if spec.startswith("blocks") else spec
         if spec != "auto" and not (number.isdigit() and int(number) > 0):

@@ -320,6 +320,8 @@ def full_cases() -> list[Case]:
             replace(base, dtype=torch.bfloat16, nq=1000, nk=3000, causal=True, window=700, prefix=2, pad=100),
             replace(base, dtype=torch.bfloat16, nq=1, nk=32768, b=2, h=8, prefix=4, pad=64, grad=False),
             replace(base, dtype=torch.float16, nq=4, nk=9000, window=4096, grad=False, klw="b"),
+            # an eager decode step over at most kernels_flash_fwd.EAGER_SINGLE_SPLIT_MAX_KEYS keys: one unsplit launch
+            replace(base, dtype=torch.bfloat16, nq=1, nk=777, b=2, h=8, prefix=4, pad=64, grad=False),
         ]
         if fam == "rbf":
             fam_cases.append(replace(base, dtype=torch.bfloat16, normalize=False, window=256))

@@ -28,6 +28,8 @@ the ``min(2k, T)`` entries around it hold that block's ``k`` nearest order keys 
 over blocks therefore holds the global ``k`` nearest below and above, and the window is picked among these candidates
 exactly as :func:`hf_rbf.sorted_decode.window_candidates` picks it (rank of the query, ``k // 2`` below, shifted inward
 at the ends; ties by slot): the same window as the dynamic cache, so ``decode_window >= n`` equals dense decoding.
+(The fused kernel takes fewer candidates, the ``min(k, T)`` entries from ``p - k // 2``, which hold each block's share
+of the same window: :mod:`hf_rbf.kernels_sorted_static_decode`, step 2.)
 Cost per (row, head): ``(C / T) log T`` compares and ``(C / T) * min(2k, T)`` candidates, then ``k`` key / value
 gathers.  With ``C / T`` blocks the candidate set grows with the *capacity* (not with the tokens present); choose
 ``T`` near ``sqrt(C * k)`` for long contexts (a log-structured set of runs would make it ``O(k log n)``; not built).
@@ -55,7 +57,12 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .cache_static import StackedLayerMixin, _stacked
 from .kernels_common import next_pow2
-from .kernels_sorted_static_decode import MAX_CANDIDATES, static_decode_unavailable_reason, static_sorted_decode_step
+from .kernels_sorted_static_decode import (
+    MAX_CANDIDATES,
+    candidate_span,
+    static_decode_unavailable_reason,
+    static_sorted_decode_step,
+)
 from .sorted_decode import SortedCacheState, sorted_window_attention
 
 _INF = float("inf")
@@ -75,9 +82,11 @@ EXACT_BLOCK_SIZE = 64
 
 # The fused step's cost model (benchmarks/results/h100-2026-11-28, call 4: one layer, H100, 16 steps per CUDA graph,
 # kernel time by torch.profiler).  Readers (one program per row and head) run a chain of dependent rounds whose length
-# grows with the candidate tile: about 10.5 us + 3.5 us per 1,024 candidates.  Writers insert the token into its block
-# at about 36 bytes of memory traffic per (row, order, block entry): ~12 ps per entry at the H100's bandwidth.  Both
-# kinds run in the same launch, so the step takes about the longer of the two plus part of the shorter.
+# grows with the candidate tile: about 10.5 us + 3.5 us per 1,024 candidates (2k per block then; with k per block the
+# same constants put the H200's steps within 10%: benchmarks/results/h200-2026-11-29i, call 3).  Writers insert the
+# token into its block at about 36 bytes of memory traffic per (row, order, block entry): ~12 ps per entry at the
+# H100's bandwidth.  Both kinds run in the same launch, so the step takes about the longer of the two plus part of
+# the shorter.
 _READER_US = 10.5
 _READER_US_PER_CANDIDATE = 3.5 / 1024
 _WRITER_US_PER_ENTRY = 36 / 3.0e6
@@ -103,8 +112,9 @@ def default_block_size(
     blocks ``NB`` (the fused kernel pads the candidate tile's block rows to a power of two, so any other count wastes
     up to half the tile), ``T = ceil(C / NB)`` rounded up to a multiple of ``BLOCK_ALIGN`` (``round_down``: ``floor``,
     rounded down, so that ``NB`` blocks fit in ``C``, for a capacity sized in bytes), the ``NB`` whose modeled step is
-    the shortest (the candidate tile ``NB x next_pow2(min(2k, T))`` against the insert's ``batch_size x num_orders x
-    T`` entries, measured constants above) among those whose tile fits the kernel (``MAX_CANDIDATES``).
+    the shortest (the candidate tile ``NB x next_pow2(W)``, ``W`` the fused kernel's candidates per block, against
+    the insert's ``batch_size x num_orders x T`` entries, measured constants above) among those whose tile fits the
+    kernel (``MAX_CANDIDATES``).
     ``EXACT_BLOCK_SIZE`` without a window.
 
     Why: a step reads ``2k`` candidates per block in a chain of dependent rounds (more blocks, longer chain) and
@@ -132,7 +142,7 @@ def default_block_size(
             t = max(1, (max_cache_len // blocks) // BLOCK_ALIGN * BLOCK_ALIGN or max_cache_len // blocks)
         else:
             t = min(-(-(-(-max_cache_len // blocks)) // BLOCK_ALIGN) * BLOCK_ALIGN, max_cache_len)
-        tile = next_pow2(-(-max_cache_len // t)) * next_pow2(min(2 * decode_window, t))
+        tile = next_pow2(-(-max_cache_len // t)) * next_pow2(candidate_span(decode_window, t)[0])
         if tile <= MAX_CANDIDATES:
             cost = _modeled_step_us(tile, batch_size * num_orders * t)
             if best is None or cost < best[0]:

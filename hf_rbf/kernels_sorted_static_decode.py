@@ -43,11 +43,16 @@ What a reader does (the torch path's window, exactly)
    insertion point ``p`` of the query (number of order keys ``<`` it, compared in the keys' dtype as the torch path
    does) by a ``FANOUT``-ary search: each round probes ``FANOUT`` keys per block in one load, so ``T = 8192`` takes 4
    dependent rounds instead of 13.
-2. The candidates: in each block the ``W = min(2k, T)`` entries from ``clamp(p - k, 0, len - W)``, plus the new token.
-   They hold each block's ``k`` nearest keys below and above the query, and the window depends only on the global
-   (key, slot) order as long as the candidates contain those (the argument of the torch path's docstring: shifts at
-   the ends happen only when every key on that side is a candidate), so this picks the torch path's window even
-   though its candidate set is not literally the same.
+2. The candidates: in each block the ``W = min(k, T)`` entries from ``clamp(p - k // 2, 0, len - W)``, plus the new
+   token (:func:`candidate_span`; ``CANDIDATE_SPAN = "2k"`` takes the torch path's ``min(2k, T)`` from ``p - k``).
+   The window holds at most ``k // 2`` keys below the query and ``k - k // 2`` at or above it, and a block's share of
+   it is contiguous in its run (ending at ``p - 1`` below, starting at ``p`` above); where the block's run is
+   clamped at one end it holds all of that side and more of the other.  At the ends of the global order, where the
+   window shifts (fewer than ``k // 2`` keys below the query, or fewer than ``k - k // 2`` above), every block is
+   clamped at that end and its ``k`` entries hold all of that side and what the shifted window takes of the other.
+   So the candidates hold the window, the counts ``r`` / ``nv`` below decide the same shift as over every key, and
+   the window depends only on the global (key, slot) order: this picks the torch path's window although its
+   candidate set is not literally the same.
 3. With ``r`` = candidates below the query and ``nv`` = candidates, the window is the candidates of rank
    ``[first, first + min(k, nv))`` in (key, slot) order, ``first = min(max(r - k // 2, 0), max(nv - k, 0))``.  The
    keys of rank ``first`` and ``first + k`` are found by bisection over the keys' bits (a monotone integer image of
@@ -93,11 +98,17 @@ _NS = (
     else "hf_rbf_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
 )
 
-# Probes per block and search round: a [next_pow2(NB), FANOUT] gather per round.
+# Probes per block and search round: a [next_pow2(NB), FANOUT] gather per round (a power of two, 2 to 256).  The
+# search is a chain of dependent loads, ceil(log_{FANOUT + 1} T) rounds long.
 FANOUT = 16
-# The candidate tile (next_pow2(blocks) x next_pow2(min(2k, T)) order keys) lives in registers; beyond this it would
-# spill, so the kernel refuses (see static_decode_unavailable_reason).
+# The candidate tile (next_pow2(blocks) x next_pow2(W) order keys, W = candidate_span(...)[0]) lives in registers;
+# beyond this it would spill, so the kernel refuses (see static_decode_unavailable_reason).
 MAX_CANDIDATES = 32768
+# Which entries of each block's run a reader takes around the query's insertion point p (module docstring, step 2):
+# "k", the k entries from p - k // 2 (the fewest that hold the window's share of every block), or "2k", the torch
+# path's 2k entries from p - k (kept for A/B runs: benchmarks/bench_sorted_static_decode.py --alternatives).  The
+# candidate tile is the length of the chain of reductions each reader runs (bisection, counts), so "k" halves it.
+CANDIDATE_SPAN = "k"
 # Block entries per writer program (one load round each).
 WRITE_CHUNK = 2048
 # Window entries scored per step of the online softmax.
@@ -156,6 +167,7 @@ if HAS_TRITON:
         T: tl.constexpr,
         K: tl.constexpr,
         W: tl.constexpr,
+        LEAD: tl.constexpr,
         N_ROUNDS: tl.constexpr,
         FAN: tl.constexpr,
         BLOCK_NB: tl.constexpr,
@@ -222,17 +234,34 @@ if HAS_TRITON:
             p = lo
 
             # 2. the candidates: W entries around p in each block (valid: finite), and the new token
-            start = tl.maximum(tl.minimum(p - K, length - W), 0)
+            start = tl.maximum(tl.minimum(p - LEAD, length - W), 0)
             cols = tl.arange(0, BLOCK_W)
             idx = start[:, None] + cols[None, :]
             in_run = (cols[None, :] < W) & (idx < length[:, None])
             key = _load_run(main_k, fill_k, rows[:, None], idx, is_fill[:, None], in_run, inf, T).to(CT)
             ok = in_run & (key < inf)
 
-            # 3. the window: ranks [r0, r1) of the candidates in (key, slot) order
             below = tl.sum(tl.sum((ok & (key < q_cmp)).to(tl.int32), axis=1), axis=0)
             r = below + (new_ok & (new_key < q_cmp)).to(tl.int32)
             nv = tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0) + new_ok.to(tl.int32)
+            if LEAD < K:
+                # Fewer than k - k // 2 candidates at or above the query: the window shifts down and may take up to k
+                # keys below it from one block.  A block whose run ends in empty (+inf) entries (padding) is clamped
+                # at its length, not at its last key, so its row may hold only LEAD keys below the query: such rows
+                # (their last key inside the row) are loaded again, ending at their last key.  A branch on data: the
+                # usual step does not pay the second load round.
+                if nv - r < K - K // 2:
+                    fin = tl.sum(ok.to(tl.int32), axis=1)
+                    start = tl.maximum(tl.minimum(start, start + fin - W), 0)
+                    idx = start[:, None] + cols[None, :]
+                    in_run = (cols[None, :] < W) & (idx < length[:, None])
+                    key = _load_run(main_k, fill_k, rows[:, None], idx, is_fill[:, None], in_run, inf, T).to(CT)
+                    ok = in_run & (key < inf)
+                    below = tl.sum(tl.sum((ok & (key < q_cmp)).to(tl.int32), axis=1), axis=0)
+                    r = below + (new_ok & (new_key < q_cmp)).to(tl.int32)
+                    nv = tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0) + new_ok.to(tl.int32)
+
+            # 3. the window: ranks [r0, r1) of the candidates in (key, slot) order
             r0 = tl.minimum(tl.maximum(r - K // 2, 0), tl.maximum(nv - K, 0))
             r1 = r0 + tl.minimum(nv, K)
             s = _sortable(key, KEY_INT, KEY_BITS, KEY_MAX, SHIFT)
@@ -412,6 +441,16 @@ def _search_rounds(block_size: int, fanout: int) -> int:
     return rounds
 
 
+def candidate_span(window: int, block_size: int) -> tuple[int, int]:
+    """``(W, lead)``: a reader takes the ``W`` entries of each block's run from ``clamp(p - lead, 0, len - W)``
+    (``CANDIDATE_SPAN``)."""
+    if CANDIDATE_SPAN == "k":
+        return min(window, block_size), window // 2
+    if CANDIDATE_SPAN == "2k":
+        return min(2 * window, block_size), window
+    raise ValueError(f'hf_rbf.kernels_sorted_static_decode.CANDIDATE_SPAN must be "k" or "2k"; got {CANDIDATE_SPAN!r}')
+
+
 def _key_bits(dtype: torch.dtype) -> tuple[object, int, int]:
     """(integer type, its bits, mantissa bits that are zero in the float32 image of every value of ``dtype``)."""
     if dtype == torch.float64:
@@ -436,12 +475,13 @@ def static_decode_unavailable_reason(
         return reason
     if dtype not in _SUPPORTED_DTYPES:
         return f"the cache dtype {dtype} is not supported (float16, bfloat16, float32 or float64)"
-    tile = next_pow2(num_blocks) * next_pow2(min(2 * window, block_size))
+    span = candidate_span(window, block_size)[0]
+    tile = next_pow2(num_blocks) * next_pow2(span)
     if tile > MAX_CANDIDATES:
-        suggestion = next_pow2(math.isqrt(2 * window * num_blocks * block_size))
+        suggestion = next_pow2(math.isqrt(window * num_blocks * block_size))
         return (
-            f"{num_blocks} blocks x {min(2 * window, block_size)} candidates per block = a {tile}-entry candidate "
-            f"tile, more than the kernel holds ({MAX_CANDIDATES}); use a larger `block_size` (about sqrt(2 * window * "
+            f"{num_blocks} blocks x {span} candidates per block = a {tile}-entry candidate "
+            f"tile, more than the kernel holds ({MAX_CANDIDATES}); use a larger `block_size` (about sqrt(window * "
             f"capacity), here {suggestion})"
         )
     if window > MAX_WINDOW:
@@ -493,7 +533,11 @@ def _launch(
     def stride(x, dim):
         return 0 if x is None else x.stride(dim)
 
-    w_span = min(2 * window, t)
+    w_span, lead = candidate_span(window, t)
+    if FANOUT not in tuple(2**i for i in range(1, 9)):
+        raise ValueError(
+            f"hf_rbf.kernels_sorted_static_decode.FANOUT must be a power of two from 2 to 256; got {FANOUT!r}"
+        )
     w_split = -(-t // min(WRITE_CHUNK, next_pow2(t)))
     num_warps = decode_num_warps(next_pow2(nb) * next_pow2(w_span))
     key_int, key_bits, shift = _key_bits(sorted_keys.dtype)
@@ -519,6 +563,7 @@ def _launch(
         T=t,
         K=window,
         W=w_span,
+        LEAD=lead,
         N_ROUNDS=_search_rounds(t, FANOUT),
         FAN=FANOUT,
         BLOCK_NB=next_pow2(nb),

@@ -11,12 +11,14 @@ step compares the output and the layer's buffers (by-slot entries, sorted runs, 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from hf_rbf.cache_sorted_static import STATIC_DECODE_BACKENDS, StaticSortedLayer
 from hf_rbf.kernels_common import next_pow2
-from hf_rbf.kernels_sorted_static_decode import MAX_CANDIDATES, static_decode_unavailable_reason
+from hf_rbf.kernels_sorted_static_decode import MAX_CANDIDATES, candidate_span, static_decode_unavailable_reason
 from hf_rbf.sorted_decode import sorted_window_attention_reference
 
 pytest.importorskip("triton")
@@ -62,11 +64,13 @@ def run_both(
     discrete=False,
     keys=None,
     query=None,
+    pad=3,
 ):
     """Feed the same prompt and single-token steps to a torch-path and a triton-path layer; per step
     ``(out_torch, out_triton, out_reference_float64)`` and, after each step, the two layers (checked equal).
     ``ref_window``: the window of the float64 definition (default: the layers' window; None: dense attention);
-    ``keys`` ``[B, H, n]`` / ``query`` (a float): the scalar keys / every scalar query instead of random ones."""
+    ``keys`` ``[B, H, n]`` / ``query`` (a float): the scalar keys / every scalar query instead of random ones;
+    ``pad``: left-padding slots of row 1 (its first block's run ends in as many empty, ``+inf``, entries)."""
     gen = torch.Generator().manual_seed(seed)
     n = prompt + steps
     capacity = capacity or n + 3
@@ -84,7 +88,7 @@ def run_both(
         ks = torch.randint(-2, 3, (b, h, n), generator=gen).to(dtype)
     vk = r(b, h, n, d) if hybrid else None
     valid = torch.ones(b, n, dtype=torch.bool)
-    valid[1, :3] = False  # left padding: row 1 is shorter
+    valid[1, :pad] = False  # left padding: row 1 is shorter
     valid[0, prompt + 1] = False  # a padded decode token
     if dead_row:
         valid[b - 1] = False
@@ -185,6 +189,46 @@ def test_fused_step_equals_the_torch_path_and_the_definition(case):
     kwargs = CASES[case]
     results, _, _ = run_both(**kwargs)
     check(results, kwargs.get("dtype", torch.float32))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_k_candidates_per_block_hold_the_window_on_random_layouts(seed):
+    """The kernel takes ``k`` entries of each block's run around the query's insertion point (``CANDIDATE_SPAN``
+    "k"; the torch path takes ``2k``), which holds the window only if the clamps at the ends are right: random odd
+    and even windows, several blocks, long left padding (runs ending in empty ``+inf`` entries), ties, and queries
+    below every key, above every key (the window shifted down: up to ``k`` keys below the query from one padded
+    block) or among them."""
+    g = torch.Generator().manual_seed(100 + seed)
+    window = int(torch.randint(2, 8, (1,), generator=g))
+    block = int(torch.randint(window, 3 * window + 2, (1,), generator=g))
+    prompt = int(torch.randint(2 * block, 4 * block + 1, (1,), generator=g))
+    pad = int(torch.randint(1, block + 1, (1,), generator=g))
+    results, _, _ = run_both(
+        window=window, block_size=block, prompt=prompt, steps=3, pad=pad, query=(None, 6.0, -6.0)[seed % 3],
+        discrete=seed % 2 == 1, hybrid=seed % 4 == 0, seed=seed,
+    )  # fmt: skip
+    check(results, torch.float32)
+
+
+def test_candidate_span_and_fanout_settings(monkeypatch):
+    """``CANDIDATE_SPAN`` "2k" (the torch path's candidates, for A/B runs) and another ``FANOUT`` give the same
+    steps; values the kernel cannot take are refused naming the setting and the allowed values."""
+    import hf_rbf.kernels_sorted_static_decode as static_decode
+
+    assert static_decode.candidate_span(64, 66816) == (64, 32)
+    assert static_decode.candidate_span(64, 40) == (40, 32)
+    monkeypatch.setattr(static_decode, "CANDIDATE_SPAN", "2k")
+    assert static_decode.candidate_span(64, 66816) == (128, 64)
+    monkeypatch.setattr(static_decode, "FANOUT", 4)
+    results, _, _ = run_both(window=3, block_size=8, prompt=13, steps=3, query=100.0)
+    check(results, torch.float32)
+    monkeypatch.setattr(static_decode, "CANDIDATE_SPAN", "3k")
+    with pytest.raises(ValueError, match='CANDIDATE_SPAN must be "k" or "2k"; got \'3k\''):
+        static_decode.candidate_span(64, 128)
+    monkeypatch.setattr(static_decode, "CANDIDATE_SPAN", "k")
+    monkeypatch.setattr(static_decode, "FANOUT", 12)
+    with pytest.raises(ValueError, match="FANOUT must be a power of two from 2 to 256; got 12"):
+        run_both(window=3, block_size=8, prompt=13, steps=2)
 
 
 def test_window_at_the_top_of_a_block_with_padding():
@@ -427,21 +471,32 @@ def test_warps_per_program_setting(monkeypatch):
         static_decode.decode_num_warps(512)
     with pytest.raises(SystemExit):
         main(["--smoke", "--out", "unused", "--num-warps", "1", "3"])
+    # --alternatives: the module settings each entry times
+    from benchmarks.bench_sorted_static_decode import parse_alternative
+
+    assert parse_alternative("span=2k,fanout=64,warps=8") == {"CANDIDATE_SPAN": "2k", "FANOUT": 64, "NUM_WARPS": 8}
+    for bad in ("span=3k", "fanout=12", "warps=3", "depth=2"):
+        with pytest.raises(ValueError, match=re.escape("is not span=k|2k, fanout=")):
+            parse_alternative(bad)
+        with pytest.raises(SystemExit):
+            main(["--smoke", "--out", "unused", "--alternatives", bad])
 
 
 @pytest.mark.parametrize(
     "capacity, window, batch, orders, blocks",
     [
-        # the lengths of benchmarks/results/h100-2026-11-28 (call 4; the bench's capacity: tokens + its timed steps):
-        # at batch 1 the measured best counts, 4 / 8 / 16 blocks at 128k / 512k / 1M (12.6 / 18.3 / 23.3 us per
-        # layer step, against 24.9 / 39.2 / 80.4 with the former next_pow2(sqrt(2kC)), i.e. 17 / 33 / 65 blocks)
-        (131072 + 1232, 64, 1, 12, 4),
-        (524288 + 1232, 64, 1, 12, 8),
+        # the lengths of benchmarks/results/h100-2026-11-28 (call 4; the bench's capacity: tokens + its timed steps).
+        # With k candidates per block (CANDIDATE_SPAN "k") the tile is half the former 2k one, so the model takes
+        # more, shorter blocks than the 4 / 8 / 16 measured best with 2k: 8 / 16 / 16 at 128k / 512k / 1M.  Measured
+        # with k (h200-2026-11-29i, call 3, kernel us): 512k 16.2 (8 blocks) / 16.7 (16), 1M 23.1 (8) / 19.6 (16);
+        # the former next_pow2(sqrt(2kC)) default (17 / 33 / 65 blocks) took 24.9 / 39.2 / 80.4 us (2k, H100)
+        (131072 + 1232, 64, 1, 12, 8),
+        (524288 + 1232, 64, 1, 12, 16),
         (1048576 + 1232, 64, 1, 12, 16),
-        # eight rows: the insert's traffic grows with them, so more and shorter blocks (16 blocks measured 43.3 us,
-        # 8 blocks 75.3 us: writer-bound)
+        # eight rows: the insert's traffic grows with them, so more and shorter blocks (2k: 16 blocks measured
+        # 43.3 us, 8 blocks 75.3 us: writer-bound)
         (524288 + 1232, 64, 8, 12, 32),
-        (8192 + 256, 64, 1, 12, 1),
+        (8192 + 256, 64, 1, 12, 2),
         (100, 4, 1, 1, 1),
     ],
 )
@@ -454,7 +509,7 @@ def test_default_block_size_takes_a_power_of_two_block_count(capacity, window, b
     t = default_block_size(capacity, window, batch_size=batch, num_orders=orders)
     assert -(-capacity // t) == blocks, t
     assert t % 64 == 0 or t == capacity
-    tile = next_pow2(blocks) * next_pow2(min(2 * window, t))
+    tile = next_pow2(blocks) * next_pow2(candidate_span(window, t)[0])
     assert tile <= MAX_CANDIDATES
     # sized in bytes, the capacity is rounded down to whole blocks: `round_down` keeps a power-of-two count inside it
     down = default_block_size(capacity, window, batch_size=batch, num_orders=orders, round_down=True)
@@ -480,7 +535,7 @@ def test_default_block_size_keeps_long_contexts_on_the_fused_step(capacity, wind
     layer = _layer("auto", b_heads=(4, 2), scheme="per_head", window=window, block_size=None, capacity=capacity)
     assert layer.block_size == t and layer.capacity % t == 0
     if layer.windowed:
-        tile = next_pow2(layer.num_blocks) * next_pow2(min(2 * window, t))
+        tile = next_pow2(layer.num_blocks) * next_pow2(candidate_span(window, t)[0])
         assert tile <= MAX_CANDIDATES
         # what the fused kernel's own check says of the shape (its device / dtype part aside)
         reason = static_decode_unavailable_reason(
