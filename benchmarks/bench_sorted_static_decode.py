@@ -45,7 +45,7 @@ import hf_rbf.kernels_sorted_static_decode as static_decode  # noqa: E402
 
 def layer_bytes(kind: str, b: int, h: int, c: int, d: int, elem: int) -> int:
     g = h if kind == "hybrid" else max(1, h // 4)
-    per_slot = h * elem + g * d * elem + 1 + h * (elem + 8) + (h * d * elem if kind == "hybrid" else 0)
+    per_slot = h * elem + g * d * elem + 1 + h * (elem + 4) + (h * d * elem if kind == "hybrid" else 0)  # int32 slots
     return b * c * per_slot + 8 * c
 
 

@@ -78,18 +78,23 @@ def _compiling() -> bool:
 
 # The block length of layers without a window (exact decode: no search, the blocks only keep the structure).
 EXACT_BLOCK_SIZE = 64
+# The sorted runs and fill copies keep each entry's slot as int32 (a single-token insert rewrites a block's run, so
+# its bytes are the insert's memory traffic: 4-byte slots instead of 8 cut it by 30-40%); capacities stay below this.
+SLOT_DTYPE = torch.int32
+SLOT_MAX = 2**31 - 1
 
 
 # The fused step's cost model (benchmarks/results/h100-2026-11-28, call 4: one layer, H100, 16 steps per CUDA graph,
 # kernel time by torch.profiler).  Readers (one program per row and head) run a chain of dependent rounds whose length
 # grows with the candidate tile: about 10.5 us + 3.5 us per 1,024 candidates (2k per block then; with k per block the
 # same constants put the H200's steps within 10%: benchmarks/results/h200-2026-11-29i, call 3).  Writers insert the
-# token into its block at about 36 bytes of memory traffic per (row, order, block entry): ~12 ps per entry at the
-# H100's bandwidth.  Both kinds run in the same launch, so the step takes about the longer of the two plus part of
-# the shorter.
+# token into its block: with int64 slots about 36 bytes of memory traffic per (row, order, block entry), ~12 ps per
+# entry at the H100's bandwidth (read key and slot, write both twice: 30 bytes); with int32 slots (SLOT_DTYPE) the
+# same count gives 18 bytes, so the constant is scaled to 22 (not yet re-measured).  Both kinds run in the same
+# launch, so the step takes about the longer of the two plus part of the shorter.
 _READER_US = 10.5
 _READER_US_PER_CANDIDATE = 3.5 / 1024
-_WRITER_US_PER_ENTRY = 36 / 3.0e6
+_WRITER_US_PER_ENTRY = 22 / 3.0e6
 # Block lengths are multiples of this (aligned rows; the writers' chunks of WRITE_CHUNK entries).
 BLOCK_ALIGN = 64
 
@@ -162,7 +167,7 @@ def blocked_window_candidates(
 
     Args:
         sorted_keys: ``[B, O, NB, T]`` order keys, ascending within each block, ``+inf`` for invalid entries.
-        sorted_slots: ``[B, O, NB, T]`` int64 slot of each entry.
+        sorted_slots: ``[B, O, NB, T]`` slot of each entry (int32 or int64).
         qs: scalar queries ``[B, H, Nq]`` (head ``h`` searches order ``h // (H / O)``); every valid entry is visible
             to every query (single-token decode: the cache holds only past tokens and the query's own).
         window: ``k >= 1``.
@@ -193,7 +198,7 @@ def blocked_window_candidates(
     pos = first.unsqueeze(-1) + torch.arange(k, device=device)
     win_ok = pos < n_visible.unsqueeze(-1)
     pos = pos.clamp(max=keys.shape[-1] - 1)
-    return slots.gather(-1, order.gather(-1, pos)), win_ok
+    return slots.gather(-1, order.gather(-1, pos)).long(), win_ok
 
 
 class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
@@ -230,9 +235,9 @@ class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
     valid = _stacked("valid", "``[B, C]`` bool: the slot holds a real (not padding) token")
     token_index = _stacked("token_index", "``[C]`` int64: the token at each slot (-1: empty)")
     sorted_keys = _stacked("sorted_keys", "``[B, O, C / T, T]`` order keys, ascending in each block (+inf: empty)")
-    sorted_slots = _stacked("sorted_slots", "``[B, O, C / T, T]`` int64: the slot of each sorted entry")
+    sorted_slots = _stacked("sorted_slots", "``[B, O, C / T, T]`` int32: the slot of each sorted entry")
     fill_keys = _stacked("fill_keys", "``[B, O, 2, T]`` the run of the block being filled, twice (copy n % 2 current)")
-    fill_slots = _stacked("fill_slots", "``[B, O, 2, T]`` int64: the slots of the fill copies")
+    fill_slots = _stacked("fill_slots", "``[B, O, 2, T]`` int32: the slots of the fill copies")
     decode_counter = _stacked("decode_counter", "``[1]`` int32: the fused launch's finish counter")
     order_head = _stacked("order_head", "``[O]`` int64: the head whose scalar keys define each order")
     _length = _stacked("cumulative_length", "``[]`` int64: the tokens seen")
@@ -270,6 +275,11 @@ class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
         self.block_size = min(block_size, max_cache_len)
         self.num_blocks = math.ceil(max_cache_len / self.block_size)
         self.capacity = self.num_blocks * self.block_size
+        if self.capacity > SLOT_MAX:
+            raise ValueError(
+                f"{name}: `max_cache_len` rounded up to whole blocks ({self.capacity}) must be at most {SLOT_MAX} (the "
+                f"sorted runs keep int32 slots); got max_cache_len={max_cache_len}, block_size={self.block_size}"
+            )
         self.num_heads = num_heads
         self.num_value_groups = num_value_groups
         self.order_heads = list(order_heads)
@@ -380,9 +390,9 @@ class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
             "valid": ((b, c), torch.bool, dev, False),
             "token_index": ((c,), torch.long, dev, -1),
             "sorted_keys": (shape, dt, dev, _INF),
-            "sorted_slots": (shape, torch.long, dev, 0),
+            "sorted_slots": (shape, SLOT_DTYPE, dev, 0),
             "fill_keys": (fill_shape, dt, dev, _INF),
-            "fill_slots": (fill_shape, torch.long, dev, 0),
+            "fill_slots": (fill_shape, SLOT_DTYPE, dev, 0),
             "decode_counter": ((1,), torch.int32, dev, 0),
             "order_head": ((self.num_orders,), torch.long, dev, 0),
             "cumulative_length": ((), torch.long, dev, 0),
@@ -402,7 +412,7 @@ class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
         keys = keys.masked_fill(~ok, _INF).view(b, self.num_orders, -1, t)
         sorted_keys, idx = torch.sort(keys, dim=-1, stable=True)
         self._put("sorted_keys", 2, blocks, sorted_keys)
-        self._put("sorted_slots", 2, blocks, idx + (blocks * t).view(1, 1, -1, 1))
+        self._put("sorted_slots", 2, blocks, (idx + (blocks * t).view(1, 1, -1, 1)).to(SLOT_DTYPE))
         # eager only (multi-token steps): the block being filled, if partly filled, goes to fill copy n % 2
         n = int(self.cumulative_length)
         if n % t != 0:
@@ -428,7 +438,8 @@ class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
         shifted_keys = torch.cat([keys[..., :1], keys[..., :-1]], dim=-1)  # entry j - 1 at j
         shifted_slots = torch.cat([slots[..., :1], slots[..., :-1]], dim=-1)
         keys = torch.where(j < at, keys, torch.where(j == at, new_key, shifted_keys))
-        slots = torch.where(j < at, slots, torch.where(j == at, position.view(1, 1, 1, 1), shifted_slots))
+        slot = position.view(1, 1, 1, 1).to(SLOT_DTYPE)
+        slots = torch.where(j < at, slots, torch.where(j == at, slot, shifted_slots))
         self._put("sorted_keys", 2, block, keys)
         self._put("sorted_slots", 2, block, slots)
         # the run is also fill copy (n + 1) % 2, for the fused step that may follow (the two backends interleave)

@@ -500,7 +500,8 @@ def sorted_layer_bytes_per_token(
     (``value_bytes_per_row``: ``G * Dv`` elements of the value dtype), the validity (1 byte); the dynamic layer also
     keeps the token index per row (int64; the static one shares it between rows) and, when ``density`` eviction
     merges tokens or key weights were given (``log_weight``), a log-weight per head; density merging also keeps a
-    multiplicity per slot.  The search structure: per order one key (``dtype``) and one int64 slot."""
+    multiplicity per slot.  The search structure: per order one key (``dtype``) and one slot (int64 dynamic, int32
+    static)."""
     if cache not in CACHE_TYPES:
         raise ValueError(f"sorted_layer_bytes_per_token: `cache` must be one of {CACHE_TYPES}; got {cache!r}")
     item = _item(dtype)
@@ -511,7 +512,7 @@ def sorted_layer_bytes_per_token(
             by_slot += num_heads * item  # log_weight [B, H, C]
         if density:
             by_slot += item  # multiplicity [B, C]
-    return by_slot + num_orders * (item + 8)
+    return by_slot + num_orders * (item + (8 if cache == "dynamic" else 4))
 
 
 def cache_bytes_per_token(
@@ -535,7 +536,8 @@ def cache_bytes_per_token(
     * rbf / dot / vlt: keys and values, ``2 H D item`` (+1 validity byte and a shared 8-byte token index, static);
     * gka: one feature (keys = values), ``H D item`` (+1, +8 shared, static);
     * full scalar / hybrid: :func:`sorted_layer_bytes_per_token` (``(H + G Dv (+ H D) + O) item + 8 O + 1``, dynamic
-      ``+ 8`` for the token index and, under ``cache_eviction="density"``, ``+ (H + 1) item``; static +8 shared);
+      ``+ 8`` for the token index and, under ``cache_eviction="density"``, ``+ (H + 1) item``; static ``4 O``
+      instead of ``8 O`` (int32 slots), +8 shared);
     * sliding scalar / hybrid: the scalar key packed before the vector key and the values, ``(H (1 (+ D)) + G Dv)
       item`` (+1, +8 shared, static).
 
@@ -579,8 +581,8 @@ def cache_bytes_per_token(
                     density=config.cache_eviction == "density",
                 )
                 if static:
-                    # fill copies [B, O, 2, T] of keys and int64 slots; finish counter (int32), order heads (int64)
-                    row_fixed = orders * 2 * block_size * (item + 8)
+                    # fill copies [B, O, 2, T] of keys and int32 slots; finish counter (int32), order heads (int64)
+                    row_fixed = orders * 2 * block_size * (item + 4)
                     common = 4 + 8 * orders
                 else:
                     # recent queries [B, H, Q] (dtype), their temperatures (at least float32), vector queries

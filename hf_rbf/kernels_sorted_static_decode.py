@@ -11,7 +11,7 @@ The state (all buffers of the layer, contiguous; ``T`` = block size, ``NB = C / 
 ----------------------------------------------------------------------------------------------------------
 * by slot: scalar keys ``[B, H, C]``, values ``[B, G, C, Dv]``, vector keys ``[B, H, C, D]`` (hybrid), validity
   ``[B, C]``, token index ``[C]``, the length ``n`` (tokens written so far, a device scalar);
-* sorted blocks ``sorted_keys / sorted_slots [B, O, NB, T]`` (order keys ascending, ``+inf`` = empty);
+* sorted blocks ``sorted_keys / sorted_slots [B, O, NB, T]`` (order keys ascending, ``+inf`` = empty; int32 slots);
 * two *fill copies* ``fill_keys / fill_slots [B, O, 2, T]``: copy ``n % 2`` holds the sorted run of the block being
   filled (block ``n // T``, when ``n % T != 0``).  They exist so that the insert can run in the same launch as the
   search without a race (below).
@@ -390,7 +390,7 @@ if HAS_TRITON:
             keep = old <= new_key  # before the insertion point (right=True: after equal keys)
             here = (j == 0) | (prev <= new_key)
             run_k = tl.where(keep, old, tl.where(here, new_key, prev)).to(sk_ptr.dtype.element_ty)
-            run_s = tl.where(keep, old_s, tl.where(here, pos, prev_s))
+            run_s = tl.where(keep, old_s, tl.where(here, pos.to(old_s.dtype), prev_s))
             block_at = (bo.to(tl.int64) * NB + fb) * T
             tl.store(sk_ptr + block_at + j, run_k, mask=j_ok)
             tl.store(ss_ptr + block_at + j, run_s, mask=j_ok)

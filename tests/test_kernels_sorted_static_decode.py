@@ -485,18 +485,18 @@ def test_warps_per_program_setting(monkeypatch):
 @pytest.mark.parametrize(
     "capacity, window, batch, orders, blocks",
     [
-        # the lengths of benchmarks/results/h100-2026-11-28 (call 4; the bench's capacity: tokens + its timed steps).
-        # With k candidates per block (CANDIDATE_SPAN "k") the tile is half the former 2k one, so the model takes
-        # more, shorter blocks than the 4 / 8 / 16 measured best with 2k: 8 / 16 / 16 at 128k / 512k / 1M.  Measured
-        # with k (h200-2026-11-29i, call 3, kernel us): 512k 16.2 (8 blocks) / 16.7 (16), 1M 23.1 (8) / 19.6 (16);
-        # the former next_pow2(sqrt(2kC)) default (17 / 33 / 65 blocks) took 24.9 / 39.2 / 80.4 us (2k, H100)
-        (131072 + 1232, 64, 1, 12, 8),
-        (524288 + 1232, 64, 1, 12, 16),
+        # the lengths of benchmarks/results/h100-2026-11-28 (call 4; the bench's capacity: tokens + its timed steps):
+        # at batch 1, 4 / 8 / 16 blocks at 128k / 512k / 1M, the measured best then (2k candidates per block, int64
+        # slots: 12.6 / 18.3 / 23.3 us per layer step, against 24.9 / 39.2 / 80.4 with the former
+        # next_pow2(sqrt(2kC)), i.e. 17 / 33 / 65 blocks) and with k candidates per block (h200-2026-11-29i, call 3:
+        # 512k 16.2 us with 8 blocks / 16.7 with 16, 1M 23.1 with 8 / 19.6 with 16)
+        (131072 + 1232, 64, 1, 12, 4),
+        (524288 + 1232, 64, 1, 12, 8),
         (1048576 + 1232, 64, 1, 12, 16),
         # eight rows: the insert's traffic grows with them, so more and shorter blocks (2k: 16 blocks measured
         # 43.3 us, 8 blocks 75.3 us: writer-bound)
         (524288 + 1232, 64, 8, 12, 32),
-        (8192 + 256, 64, 1, 12, 2),
+        (8192 + 256, 64, 1, 12, 1),
         (100, 4, 1, 1, 1),
     ],
 )
