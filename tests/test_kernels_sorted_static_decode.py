@@ -614,3 +614,13 @@ def test_block_size_batch_hint_names_a_bad_value(batch_size):
         model = AutoModelForCausalLM.from_config(cfg)
         with pytest.raises(ValueError, match="`batch_size` must be"):
             model.make_static_cache(256, batch_size=batch_size)
+
+
+def test_sorted_runs_keep_int32_slots_and_the_capacity_is_bounded():
+    """The sorted runs and fill copies keep int32 slots (the insert's traffic); a capacity past int32 is refused
+    naming ``max_cache_len``."""
+    results, ref_layer, fused = run_both(window=3, block_size=4, prompt=9, steps=2)
+    for layer in (ref_layer, fused):
+        assert layer.sorted_slots.dtype == torch.int32 and layer.fill_slots.dtype == torch.int32
+    with pytest.raises(ValueError, match=r"`max_cache_len` rounded up to whole blocks \(2147483648\) must be at most"):
+        _layer("torch", b_heads=(4, 2), scheme="per_head", window=3, block_size=2**20, capacity=2**31)
