@@ -41,7 +41,9 @@ the kernel can serve the layer, else "torch"; the choice is logged once and kept
 softmax with the prefix, value sum), registered as a ``torch.library`` op so that ``torch.compile(fullgraph=True)``
 traces it.  For the fused step ``append`` of one token only records it and the following ``attend`` inserts it; any
 other use of the layer in between inserts it first.  Both keep two *fill copies* of the block being filled (copy
-``n % 2`` holds its run), which let the fused launch insert and search at once without a race.
+``n % 2`` holds its run), which let the fused launch insert and search at once without a race.  The fused launch
+writes a block's run into the block buffer only when it completes the block, so the run of the block being filled is
+always read from fill copy ``n % 2`` (the torch insert writes both, so its search may read the block buffer).
 
 Multi-token steps (the prompt, prefill chunks) attend exactly over the cached tokens (as the prompt of the dynamic
 cache does), so chunked prefill equals unchunked prefill; single-token decode steps use the window.
@@ -89,12 +91,13 @@ SLOT_MAX = 2**31 - 1
 # grows with the candidate tile: about 10.5 us + 3.5 us per 1,024 candidates (2k per block then; with k per block the
 # same constants put the H200's steps within 10%: benchmarks/results/h200-2026-11-29i, call 3).  Writers insert the
 # token into its block: with int64 slots about 36 bytes of memory traffic per (row, order, block entry), ~12 ps per
-# entry at the H100's bandwidth (read key and slot, write both twice: 30 bytes); with int32 slots (SLOT_DTYPE) the
-# same count gives 18 bytes, so the constant is scaled to 22 (not yet re-measured).  Both kinds run in the same
-# launch, so the step takes about the longer of the two plus part of the shorter.
+# entry at the H100's bandwidth (read key and slot, write both into the block and the other fill copy: 30 bytes);
+# with int32 slots (SLOT_DTYPE) and the block written only when complete the same count gives 12 bytes, so the
+# constant is scaled to 14 (not yet re-measured).  Both kinds run in the same launch, so the step takes about the
+# longer of the two plus part of the shorter.
 _READER_US = 10.5
 _READER_US_PER_CANDIDATE = 3.5 / 1024
-_WRITER_US_PER_ENTRY = 22 / 3.0e6
+_WRITER_US_PER_ENTRY = 14 / 3.0e6
 # Block lengths are multiples of this (aligned rows; the writers' chunks of WRITE_CHUNK entries).
 BLOCK_ALIGN = 64
 
@@ -427,11 +430,13 @@ class StaticSortedLayer(StackedLayerMixin, CacheLayerMixin):
         token is ``+inf`` and lands past the end (the run is unchanged)."""
         b = self.keys.shape[0]
         block = position // self.block_size
-        # The block's run is searched as the [B, O, 1, T] buffer index_select makes, not a squeezed view of it:
-        # inductor's GPU lowering of searchsorted (torch 2.11) needs a named buffer and fails on a view
-        # ("NotImplementedError: View").
-        keys = self.sorted_keys.index_select(2, block)  # [B, O, 1, T]
-        slots = self.sorted_slots.index_select(2, block)
+        # The block's current run is fill copy `position % 2` (the fused step leaves the block buffer of the block
+        # being filled as it was until the block completes), or empty where the token starts a block.  It is searched
+        # as the [B, O, 1, T] buffer index_select / masked_fill make, not a squeezed view of it: inductor's GPU
+        # lowering of searchsorted (torch 2.11) needs a named buffer and fails on a view ("NotImplementedError: View").
+        fresh = (position % self.block_size == 0).view(1, 1, 1, 1)
+        keys = self.fill_keys.index_select(2, position % 2).masked_fill(fresh, _INF)  # [B, O, 1, T]
+        slots = self.fill_slots.index_select(2, position % 2).masked_fill(fresh, 0)
         new_key = scalar_keys[:, self.order_head].masked_fill(~valid.view(b, 1, 1), _INF).unsqueeze(-1)  # [B, O, 1, 1]
         at = torch.searchsorted(keys, new_key, right=True)
         j = torch.arange(self.block_size, device=self.device)

@@ -22,8 +22,10 @@ One launch, two kinds of programs
 programs and its latency stays that of one load round).  Writer ``(b, o, chunk)`` merges the new token's order key
 into the fill copy ``n % 2`` (``new[j] = old[j]`` if ``old[j] <= key``, the key at the first ``j`` past them, else
 ``old[j - 1]``: the torch path's ``searchsorted(right=True)`` + shift, elementwise, no search needed) and writes the
-result into the block itself and into the *other* fill copy; chunk 0 also writes the token's by-slot entries.  The
-cost is ``O(T)``, whatever ``n``.
+result into the *other* fill copy, and into the block itself only when the token completes the block (the block
+buffer of the block being filled is not current: everything reads that run from fill copy ``n % 2``); chunk 0 also
+writes the token's by-slot entries.  The cost is ``O(T)``, whatever ``n``: about 12 bytes of traffic per entry with
+bfloat16 keys and int32 slots.
 
 *Readers* (``B * H`` programs, one per (row, head)).  A reader never reads what the writers of the same launch
 write: the block being filled is read from fill copy ``n % 2`` (its state *before* this token), the blocks before it
@@ -391,9 +393,13 @@ if HAS_TRITON:
             here = (j == 0) | (prev <= new_key)
             run_k = tl.where(keep, old, tl.where(here, new_key, prev)).to(sk_ptr.dtype.element_ty)
             run_s = tl.where(keep, old_s, tl.where(here, pos.to(old_s.dtype), prev_s))
+            # The run goes to the other fill copy, where the next step's readers and writers take it; into the block
+            # buffer only when this token completes the block (nothing reads the block being filled from there: the
+            # torch path takes its run from the fill copy too), which keeps the insert's traffic at one copy.
             block_at = (bo.to(tl.int64) * NB + fb) * T
-            tl.store(sk_ptr + block_at + j, run_k, mask=j_ok)
-            tl.store(ss_ptr + block_at + j, run_s, mask=j_ok)
+            completes = rem + 1 == T
+            tl.store(sk_ptr + block_at + j, run_k, mask=_and(j_ok, completes))
+            tl.store(ss_ptr + block_at + j, run_s, mask=_and(j_ok, completes))
             tl.store(fk_ptr + (bo * 2 + 1 - par) * T + j, run_k, mask=j_ok)
             tl.store(fs_ptr + (bo * 2 + 1 - par) * T + j, run_s, mask=j_ok)
             if chunk == 0:
