@@ -148,6 +148,22 @@ if HAS_TRITON:
         return tl.where(is_fill != 0, in_fill, in_main)
 
     @triton.jit
+    def _candidates(main_k, fill_k, rows, is_fill, start, length, q_cmp, new_ok, new_key,
+                    T: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, CT: tl.constexpr):  # fmt: skip
+        """The candidate tile: entries ``[start, start + W)`` of every block's run (``[BLOCK_NB, BLOCK_W]`` order keys;
+        ``ok``: in the run and not empty), then ``r`` / ``nv``, the candidates below the query and all of them, the
+        new token counted."""
+        cols = tl.arange(0, BLOCK_W)
+        idx = start[:, None] + cols[None, :]
+        in_run = (cols[None, :] < W) & (idx < length[:, None])
+        key = _load_run(main_k, fill_k, rows[:, None], idx, is_fill[:, None], in_run, float("inf"), T).to(CT)
+        ok = in_run & (key < float("inf"))
+        below = tl.sum(tl.sum((ok & (key < q_cmp)).to(tl.int32), axis=1), axis=0)
+        r = below + (new_ok & (new_key < q_cmp)).to(tl.int32)
+        nv = tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0) + new_ok.to(tl.int32)
+        return key, ok, r, nv
+
+    @triton.jit
     def _static_sorted_decode_kernel(
         # the new token: scalar keys [B, H], values [B, G, Dv], vector keys [B, H, D], validity [B] (uint8)
         nks_ptr, nval_ptr, nvk_ptr, nok_ptr,
@@ -237,15 +253,8 @@ if HAS_TRITON:
 
             # 2. the candidates: W entries around p in each block (valid: finite), and the new token
             start = tl.maximum(tl.minimum(p - LEAD, length - W), 0)
-            cols = tl.arange(0, BLOCK_W)
-            idx = start[:, None] + cols[None, :]
-            in_run = (cols[None, :] < W) & (idx < length[:, None])
-            key = _load_run(main_k, fill_k, rows[:, None], idx, is_fill[:, None], in_run, inf, T).to(CT)
-            ok = in_run & (key < inf)
-
-            below = tl.sum(tl.sum((ok & (key < q_cmp)).to(tl.int32), axis=1), axis=0)
-            r = below + (new_ok & (new_key < q_cmp)).to(tl.int32)
-            nv = tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0) + new_ok.to(tl.int32)
+            key, ok, r, nv = _candidates(main_k, fill_k, rows, is_fill, start, length, q_cmp, new_ok, new_key,
+                                         T, W, BLOCK_W, CT)  # fmt: skip
             if LEAD < K:
                 # Fewer than k - k // 2 candidates at or above the query: the window shifts down and may take up to k
                 # keys below it from one block.  A block whose run ends in empty (+inf) entries (padding) is clamped
@@ -255,13 +264,8 @@ if HAS_TRITON:
                 if nv - r < K - K // 2:
                     fin = tl.sum(ok.to(tl.int32), axis=1)
                     start = tl.maximum(tl.minimum(start, start + fin - W), 0)
-                    idx = start[:, None] + cols[None, :]
-                    in_run = (cols[None, :] < W) & (idx < length[:, None])
-                    key = _load_run(main_k, fill_k, rows[:, None], idx, is_fill[:, None], in_run, inf, T).to(CT)
-                    ok = in_run & (key < inf)
-                    below = tl.sum(tl.sum((ok & (key < q_cmp)).to(tl.int32), axis=1), axis=0)
-                    r = below + (new_ok & (new_key < q_cmp)).to(tl.int32)
-                    nv = tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0) + new_ok.to(tl.int32)
+                    key, ok, r, nv = _candidates(main_k, fill_k, rows, is_fill, start, length, q_cmp, new_ok, new_key,
+                                                 T, W, BLOCK_W, CT)  # fmt: skip
 
             # 3. the window: ranks [r0, r1) of the candidates in (key, slot) order
             r0 = tl.minimum(tl.maximum(r - K // 2, 0), tl.maximum(nv - K, 0))
