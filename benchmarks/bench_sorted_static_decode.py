@@ -243,11 +243,11 @@ def parse_alternative(entry: str) -> dict:
     settings = {}
     for part in entry.split(","):
         key, _, value = part.partition("=")
-        if key == "span" and value in ("k", "2k"):
+        if key == "span" and value in static_decode.CANDIDATE_SPANS:
             settings["CANDIDATE_SPAN"] = value
-        elif key == "fanout" and value.isdigit() and int(value) in tuple(2**i for i in range(1, 9)):
+        elif key == "fanout" and value.isdigit() and int(value) in static_decode.FANOUT_CHOICES:
             settings["FANOUT"] = int(value)
-        elif key == "warps" and value.isdigit() and int(value) in (1, 2, 4, 8, 16, 32):
+        elif key == "warps" and value.isdigit() and int(value) in static_decode.NUM_WARPS_CHOICES:
             settings["NUM_WARPS"] = int(value)
         else:
             raise ValueError(
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
         "the table's columns keep the defaults",
     )
     args = ap.parse_args(argv)
-    bad = [w for w in args.num_warps if w not in (1, 2, 4, 8, 16, 32)]
+    bad = [w for w in args.num_warps if w not in static_decode.NUM_WARPS_CHOICES]
     if bad:
         ap.error(f"--num-warps takes 1, 2, 4, 8, 16 or 32; got {bad}")
     try:

@@ -125,7 +125,7 @@ def default_block_size(
     kernel (``MAX_CANDIDATES``).
     ``EXACT_BLOCK_SIZE`` without a window.
 
-    Why: a step reads ``2k`` candidates per block in a chain of dependent rounds (more blocks, longer chain) and
+    Why: a step reads ``W`` candidates per block in a chain of dependent rounds (more blocks, longer chain) and
     shifts its token into one block (longer blocks, more traffic, which grows with the batch).  The former default
     ``next_pow2(sqrt(2 k C))`` left 17 / 33 / 65 blocks at 128k / 512k / 1M tokens, i.e. a tile half padding:
     39.2 us per layer step at 512k and batch 1 against 18.3 us with 8 blocks, 80.4 against 23.3 us at 1M with 16

@@ -103,6 +103,7 @@ _NS = (
 # Probes per block and search round: a [next_pow2(NB), FANOUT] gather per round (a power of two, 2 to 256).  The
 # search is a chain of dependent loads, ceil(log_{FANOUT + 1} T) rounds long.
 FANOUT = 16
+FANOUT_CHOICES = (2, 4, 8, 16, 32, 64, 128, 256)
 # The candidate tile (next_pow2(blocks) x next_pow2(W) order keys, W = candidate_span(...)[0]) lives in registers;
 # beyond this it would spill, so the kernel refuses (see static_decode_unavailable_reason).
 MAX_CANDIDATES = 32768
@@ -111,6 +112,7 @@ MAX_CANDIDATES = 32768
 # path's 2k entries from p - k (kept for A/B runs: benchmarks/bench_sorted_static_decode.py --alternatives).  The
 # candidate tile is the length of the chain of reductions each reader runs (bisection, counts), so "k" halves it.
 CANDIDATE_SPAN = "k"
+CANDIDATE_SPANS = ("k", "2k")
 # Block entries per writer program (one load round each).
 WRITE_CHUNK = 2048
 # Window entries scored per step of the online softmax.
@@ -507,12 +509,13 @@ def static_decode_unavailable_reason(
 # at 8K tokens, 15 with one warp, which then holds 254 registers).  benchmarks/bench_sorted_static_decode.py
 # --num-warps times the alternatives.
 NUM_WARPS: int | None = None
+NUM_WARPS_CHOICES = (1, 2, 4, 8, 16, 32)
 
 
 def decode_num_warps(tile: int) -> int:
     """Warps per program of the fused step for a candidate tile of ``tile`` order keys (``NUM_WARPS`` overrides)."""
     if NUM_WARPS is not None:
-        if NUM_WARPS not in (1, 2, 4, 8, 16, 32):
+        if NUM_WARPS not in NUM_WARPS_CHOICES:
             raise ValueError(f"kernels_sorted_static_decode.NUM_WARPS must be 1, 2, 4, 8, 16 or 32; got {NUM_WARPS!r}")
         return NUM_WARPS
     return 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
@@ -544,7 +547,7 @@ def _launch(
         return 0 if x is None else x.stride(dim)
 
     w_span, lead = candidate_span(window, t)
-    if FANOUT not in tuple(2**i for i in range(1, 9)):
+    if FANOUT not in FANOUT_CHOICES:
         raise ValueError(
             f"hf_rbf.kernels_sorted_static_decode.FANOUT must be a power of two from 2 to 256; got {FANOUT!r}"
         )
